@@ -1,0 +1,37 @@
+"""tensorshard: tensor parallelism for any PyTorch model.
+
+    import tensorshard as tp
+    model = tp.tensor_parallel(model, ["cuda:0", "cuda:1"])
+
+One set of plans and styles, two engines: in one process over a list of devices (`TensorParallel`), or
+under torchrun on torch.distributed (`parallelize`).
+"""
+
+from .api import tensor_parallel
+from .comm.counter import CollectiveCounter, count_collectives
+from .engines.inprocess import TensorParallel
+from .memory import memory_per_device
+from .partition import HeadGroups, Partition, split_evenly
+from .plans.plan import Plan
+from .styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveCounter",
+    "ColwiseParallel",
+    "EmbeddingParallel",
+    "HeadGroups",
+    "Heads",
+    "Partition",
+    "Plan",
+    "Replicate",
+    "RowwiseParallel",
+    "ShardParams",
+    "Style",
+    "TensorParallel",
+    "count_collectives",
+    "memory_per_device",
+    "split_evenly",
+    "tensor_parallel",
+]

@@ -1,0 +1,77 @@
+"""The collectives a parallel style may ask for, as one small interface that every engine implements.
+
+Styles never talk to devices or process groups: they call these methods on the `Comm` of the shard they
+run in. The in-process engine implements them between threads, the torchrun engine on
+`torch.distributed`. All of them follow the SPMD convention of Megatron-LM: a *replicated* activation has
+the same value on every shard and, in the backward pass, the same (full) gradient; a *split* activation
+holds this shard's slice, and its gradient is the gradient of that slice.
+
+    all_reduce        partial sums -> replicated       forward: sum            backward: identity
+    copy_to_parallel  replicated -> read by split ops  forward: identity       backward: sum
+    all_gather        split -> replicated              forward: concatenate    backward: take own slice
+    split             replicated -> split              forward: take own slice backward: concatenate
+    tie               a parameter held by several shards, each seeing part of its gradient:
+                                                       forward: identity       backward: sum over holders
+
+`copy_to_parallel` is the one collective of the backward pass: a column-parallel layer reading a
+replicated input. Engines apply it once per input tensor per forward call, so q, k and v reading the same
+normed hidden states cost one all-reduce in backward, not three.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..partition import Partition
+
+
+class Comm(ABC):
+    """Collectives for one shard (rank) of a tensor-parallel group."""
+
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor: ...
+
+    @abstractmethod
+    def copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor: ...
+
+    @abstractmethod
+    def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor: ...
+
+    @abstractmethod
+    def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor: ...
+
+    @abstractmethod
+    def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor: ...
+
+
+class NoComm(Comm):
+    """The communicator of a module that is not running inside an engine: every call is an error."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def _fail(self, where: str):
+        raise RuntimeError(
+            f"{where or 'this module'} is one shard of a tensor-parallel model and cannot run on its own. "
+            "Call the model returned by tensorshard.tensor_parallel() (or tensorshard.parallelize())."
+        )
+
+    def all_reduce(self, x, *, where=""):
+        self._fail(where)
+
+    def copy_to_parallel(self, x, *, where=""):
+        self._fail(where)
+
+    def all_gather(self, x, dim, partition, *, where=""):
+        self._fail(where)
+
+    def split(self, x, dim, partition, *, where=""):
+        self._fail(where)
+
+    def tie(self, x, groups, *, where=""):
+        self._fail(where)

@@ -1,0 +1,94 @@
+"""From a plan to the split of every parameter and buffer: the part both engines share.
+
+`shard_plan(module, plan, world_size)` matches the plan, builds the head groups of every `Heads` entry,
+and asks each style how its module's tensors split. It only reads the model: every error about the plan
+(a pattern that matches nothing, a style on the wrong layer type, a dimension with fewer units than
+devices, a tied weight split two different ways) is raised here, before any engine touches the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..comm.base import Comm, NoComm
+from ..partition import HeadGroups, Partition
+from ..plans.plan import Plan
+from ..styles.base import ShardContext, Splits, Style
+from ..styles.heads import Heads
+
+
+@dataclass
+class ModuleShard:
+    """What the plan does to one module."""
+
+    name: str
+    pattern: str
+    style: Style
+    heads: HeadGroups | None
+    splits: Splits
+
+    def context(self, rank: int, world_size: int, comm: Comm) -> ShardContext:
+        return ShardContext(rank=rank, world_size=world_size, name=self.name, comm=comm, heads=self.heads)
+
+
+@dataclass
+class ShardedModel:
+    """The plan applied to a model: per-module styles and per-tensor splits."""
+
+    world_size: int
+    modules: dict[str, ModuleShard]
+    tensors: dict[int, tuple[int, Partition] | None]  # id(tensor) -> split (None: replicated)
+
+    def split_of(self, tensor: torch.Tensor) -> tuple[int, Partition] | None:
+        return self.tensors.get(id(tensor))
+
+
+def direct_tensors(module: nn.Module):
+    """(kind, name, tensor) for the module's own parameters and buffers (not its children's)."""
+    for name, p in module._parameters.items():
+        if p is not None:
+            yield "param", name, p
+    for name, b in module._buffers.items():
+        if b is not None:
+            yield "buffer", name, b
+
+
+def shard_plan(module: nn.Module, plan: Plan, world_size: int) -> ShardedModel:
+    assignments = plan.assign(module)
+    by_name = dict(module.named_modules())
+    groups: dict[str, HeadGroups] = {}
+    for name, a in assignments.items():
+        if isinstance(a.style, Heads):
+            groups[name] = HeadGroups.build(a.style.num_heads, a.style.kv, world_size, where=name or "<root>")
+    modules: dict[str, ModuleShard] = {}
+    for name, a in assignments.items():
+        heads = groups.get(a.heads_owner) if a.heads_owner is not None else None
+        shard = ModuleShard(name, a.pattern, a.style, heads, {})
+        shard.splits = a.style.shard(by_name[name], shard.context(0, world_size, NoComm(0, world_size)))
+        modules[name] = shard
+
+    # Every tensor (a tied weight appears under several modules) must be split one way only.
+    tensors: dict[int, tuple[int, Partition] | None] = {}
+    first_seen: dict[int, str] = {}
+    for mod_name, mod in by_name.items():
+        splits = modules[mod_name].splits if mod_name in modules else {}
+        for _, tname, t in direct_tensors(mod):
+            split = splits.get(tname)
+            where = f"{mod_name}.{tname}" if mod_name else tname
+            if id(t) in tensors and tensors[id(t)] != split:
+                raise ValueError(
+                    f"{where} is the same tensor as {first_seen[id(t)]} (tied weights), but the plan splits them "
+                    f"differently ({_describe(split)} vs {_describe(tensors[id(t)])}). Give both modules styles "
+                    "that split the tensor alike (e.g. EmbeddingParallel(split='vocab') with ColwiseParallel on "
+                    "the output head), or replicate both."
+                )
+            tensors.setdefault(id(t), split)
+            first_seen.setdefault(id(t), where)
+    return ShardedModel(world_size, modules, tensors)
+
+
+def _describe(split) -> str:
+    return "replicated" if split is None else f"split along dim {split[0]}"

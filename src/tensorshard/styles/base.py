@@ -1,0 +1,129 @@
+"""The contract of a parallel style, the context it runs in, and the registry that makes plans JSON.
+
+A style is a small frozen dataclass with keyword-only options. It does two things, both engine-agnostic:
+
+1. `shard(module, ctx)`: say how the module's own parameters and buffers are split, as
+   `{name: (dim, Partition)}`; whatever it does not list is replicated. Computed once on the full module.
+2. `attach(module, splits, ctx)`: once the module holds its local slices, set its size attributes to the
+   local values and wrap its forward with the collectives its layout needs at the boundary, taken from
+   `ctx.comm` (threads in the in-process engine, `torch.distributed` under torchrun).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from ..comm.base import Comm
+from ..partition import HeadGroups, Partition
+
+Splits = dict[str, tuple[int, Partition]]
+
+STYLES: dict[str, type["Style"]] = {}
+
+
+@dataclass
+class ShardContext:
+    """Where a style is being applied: which shard, of how many, which module, and its collectives."""
+
+    rank: int
+    world_size: int
+    name: str  # the module's qualified name, for messages
+    comm: Comm
+    heads: HeadGroups | None = None  # from the nearest enclosing Heads(...) entry, if any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Style:
+    """Base class of all parallel styles."""
+
+    kind: ClassVar[str] = ""
+
+    def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
+        """How the module's own parameters/buffers are split; unlisted ones are replicated."""
+        return {}
+
+    def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
+        """Adapt the module, which now holds its local slices, to run as shard `ctx.rank`."""
+
+    # -- data ------------------------------------------------------------------------------------------
+
+    def options(self) -> dict[str, Any]:
+        """Options that differ from their defaults."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:  # a required option
+                out[f.name] = value
+                continue
+            if value != default:
+                out[f.name] = value
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"style": self.kind, **{k: _jsonable(v) for k, v in self.options().items()}}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> "Style":
+        if not isinstance(data, dict) or "style" not in data:
+            raise ValueError(f"a style entry needs a 'style' key naming one of {sorted(STYLES)}; got {data!r}")
+        data = dict(data)
+        name = data.pop("style")
+        if name not in STYLES:
+            raise ValueError(f"unknown style {name!r}; known styles: {sorted(STYLES)}")
+        cls = STYLES[name]
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"style {name!r} has no option(s) {sorted(unknown)}; its options: {sorted(known)}")
+        return cls(**{k: cls._from_json(k, v) for k, v in data.items()})
+
+    @classmethod
+    def _from_json(cls, name: str, value: Any) -> Any:
+        """Turn a JSON value back into the option's Python form (lists -> tuples)."""
+        return tuple(value) if isinstance(value, list) else value
+
+    def describe(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({opts})"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def register(kind: str) -> Callable[[type[Style]], type[Style]]:
+    """Class decorator: make a style known to plans read from JSON under the name `kind`."""
+
+    def deco(cls: type[Style]) -> type[Style]:
+        cls.kind = kind
+        STYLES[kind] = cls
+        return cls
+
+    return deco
+
+
+def wrap_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
+    """Replace `module.forward` for this instance only; the class and other instances are untouched."""
+    module.forward = forward  # nn.Module.__call__ looks the instance attribute up first
+
+
+def original_forward(module: nn.Module) -> Callable[..., Any]:
+    """The module's own (class) forward, bound to it, even when an instance override is installed."""
+    return type(module).forward.__get__(module, type(module))
+
+
+def feature_dim(dim: int, x: torch.Tensor) -> int:
+    return dim if dim >= 0 else x.dim() + dim

@@ -1,0 +1,48 @@
+"""Parity checks shared by the tests: a split model against the unsplit one it was copied from."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+
+import tensorshard as tp
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def split_copy(ref: nn.Module, n: int, **kwargs) -> nn.Module:
+    """tensor_parallel() over n CPU slots of a deep copy of `ref` (ref stays usable)."""
+    return tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * n, **kwargs)
+
+
+def check_training_parity(
+    ref: nn.Module,
+    model: nn.Module,
+    make_input: Callable[[], torch.Tensor],
+    *,
+    forward_tol: float = 1e-5,
+    train_tol: float = 1e-4,
+    steps: int = 3,
+    lr: float = 1e-2,
+) -> None:
+    """Forward within forward_tol (relative, fp32); after `steps` AdamW steps on both, outputs on a fresh
+    input within train_tol."""
+    x = make_input()
+    assert rel_err(model(x), ref(x)) < forward_tol
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr)
+    for _ in range(steps):
+        x = make_input()
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad()
+            m(x).float().square().mean().backward()
+            o.step()
+    x = make_input()
+    with torch.no_grad():
+        assert rel_err(model(x), ref(x)) < train_tol
