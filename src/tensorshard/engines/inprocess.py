@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -35,6 +36,16 @@ from .workers import ThreadState, WorkerPool
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 300.0
+
+_shard = threading.local()  # .rank: the shard the current thread is running
+
+
+def current_rank() -> int | None:
+    """The rank of the shard running in this thread, or None outside a TensorParallel call.
+
+    Objects passed to every shard (a KV cache, say) use it to keep per-device state.
+    """
+    return getattr(_shard, "rank", None)
 
 
 class TensorParallel(nn.Module):
@@ -114,7 +125,11 @@ class TensorParallel(nn.Module):
         if len(shards) == 1:
             first = shards[0]
             args, kwargs = _to_device((args, kwargs), devices[0])
-            return _to_device(first(*args, **kwargs), self.output_device)
+            _shard.rank = 0
+            try:
+                return _to_device(first(*args, **kwargs), self.output_device)
+            finally:
+                _shard.rank = None
 
         group = self._group
         group.reset()
@@ -124,6 +139,7 @@ class TensorParallel(nn.Module):
         def shard_call(rank: int):
             def run():
                 enter_call(group)
+                _shard.rank = rank
                 try:
                     if group.baton is not None:
                         group.baton.acquire()
@@ -137,6 +153,8 @@ class TensorParallel(nn.Module):
                 except BaseException as e:
                     group.abort(e, rank)  # wake the shards waiting for this one
                     raise
+                finally:
+                    _shard.rank = None
 
             return run
 
