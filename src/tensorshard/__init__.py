@@ -8,6 +8,7 @@ under torchrun on torch.distributed (`parallelize`).
 """
 
 from .api import tensor_parallel
+from .checkpoint import gathered_state_dict, save_tensor_parallel
 from .comm.counter import CollectiveCounter, count_collectives
 from .engines.inprocess import TensorParallel
 from .memory import memory_per_device
@@ -31,7 +32,9 @@ __all__ = [
     "Style",
     "TensorParallel",
     "count_collectives",
+    "gathered_state_dict",
     "memory_per_device",
+    "save_tensor_parallel",
     "split_evenly",
     "tensor_parallel",
 ]

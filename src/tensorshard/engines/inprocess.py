@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm.threads import ThreadComm, ThreadGroup, enter_call
 from ..devices import as_device, device_labels, resolve_devices
+from ..partition import Partition
 from ..plans.plan import Plan
 from .sharding import ShardedModel, direct_tensors, shard_plan
 from .workers import ThreadState, WorkerPool
@@ -98,6 +99,12 @@ class TensorParallel(nn.Module):
         placement = [devices[0]] * world if self.debug else devices
         self._group = ThreadGroup(placement, timeout, serial=self.debug)
         self._pool = WorkerPool()
+        # How each tensor of the original is split, by its original state-dict name (for gathered saves).
+        self.splits: dict[str, tuple[int, Partition] | None] = {
+            f"{m}.{t}" if m else t: sharded.split_of(tensor)
+            for m, mod in module.named_modules(remove_duplicate=False)
+            for _, t, tensor in direct_tensors(mod)
+        }
         self.module_shards = nn.ModuleList(_build_shards(module, sharded, placement, self._group))
         self._placement = placement
         _consume(module, world)
@@ -167,6 +174,16 @@ class TensorParallel(nn.Module):
         group.reset()  # drop the call's cached tensors
         src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
         return _gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
+
+    def state_dict(self, *args, **kwargs):
+        """The shards' state (keys ``module_shards.N...``), or, inside ``tp.save_tensor_parallel(model)``,
+        the unsplit model's state dict."""
+        if getattr(self, "_gather_state_dict", False):
+            from ..checkpoint.gather import gathered_state_dict
+
+            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
+            return {prefix + k: v for k, v in gathered_state_dict(self)}
+        return super().state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"devices={self.labels}, output_device={self.output_device}"
