@@ -9,10 +9,11 @@
 from .gather import gathered_state_dict, save_gathered, save_tensor_parallel
 from .index import read_index
 from .sharded import load_sharded, save_sharded
-from .streaming import convert_state_dict, from_pretrained, infer_sharded_device_map
+from .streaming import convert_state_dict, empty_weights, from_pretrained, infer_sharded_device_map
 
 __all__ = [
     "convert_state_dict",
+    "empty_weights",
     "from_pretrained",
     "gathered_state_dict",
     "infer_sharded_device_map",

@@ -35,6 +35,8 @@ def match_tensors(
     fix: str = "",
 ) -> list[tuple[TensorEntry, str]]:
     """(entry, name in the source) for every persistent tensor of the model that the source holds."""
+    if hasattr(source, "choose_prefix"):  # DCP folders keep the model under a key prefix
+        source.choose_prefix(n for e in layout for n in e.names)
     names = set(source.names())
     aliases = aliases or {}
     pairs, missing, used = [], [], set()

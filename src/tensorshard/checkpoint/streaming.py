@@ -2,8 +2,8 @@
 
     model = tp.from_pretrained("path/to/checkpoint", ["cuda:0", "cuda:1"])
 
-`from_pretrained` builds the model with its parameters on the meta device (accelerate's
-`init_empty_weights`, so buffers such as rotary frequencies stay real), splits it with the plan (which
+`from_pretrained` builds the model with its parameters on the meta device (`empty_weights`, like
+accelerate's `init_empty_weights`: buffers such as rotary frequencies stay real), splits it with the plan (which
 needs only shapes), then reads every tensor's slices from the checkpoint straight to their devices.
 
 **Memory contract.** Host memory beyond the loaded shards stays below one tensor of the checkpoint: a
@@ -70,8 +70,8 @@ def from_pretrained(
         path: a folder of safetensors files (Hugging Face layout with ``config.json``, a tensorshard sharded
             checkpoint, or a torch.distributed.checkpoint folder), a ``.safetensors`` file, or a ``.gguf`` file.
         device_ids: the devices, as for `tensor_parallel`.
-        model: the model to fill: a module (ideally built under ``accelerate.init_empty_weights()``) or a
-            function that builds one (called under it). Default: the transformers model that ``config.json``
+        model: the model to fill: a module (ideally built on the meta device, e.g. under
+            ``tp.checkpoint.empty_weights()``) or a function that builds one (called under it). Default: the transformers model that ``config.json``
             (or the GGUF metadata) describes, in eval mode, as transformers' from_pretrained returns it.
         plan: as for `tensor_parallel` (default: a preset, else an inferred plan).
         dtype: dtype of the floating-point weights (default: the checkpoint's for transformers models; the
@@ -107,7 +107,8 @@ def from_pretrained(
         raise RuntimeError(
             f"{len(empty)} tensor(s) were not in {source.description} and are still empty: {describe_names(empty)}. "
             "Check that the checkpoint belongs to this model; buffers the model computes itself must be real when "
-            "it is built (accelerate.init_empty_weights() keeps them so, torch.device('meta') does not)."
+            "it is built (tp.checkpoint.empty_weights() and accelerate.init_empty_weights() keep them so; "
+            "torch.device('meta') does not)."
         )
     logger.info("loaded %s into %d device(s): %d tensors", path, layout.world_size, len(pairs))
     return split
@@ -120,6 +121,26 @@ def _gguf_path(path: Path, gguf_file: str | None) -> Path | None:
             raise FileNotFoundError(f"gguf_file={gguf_file!r}: no such file {p}")
         return p
     return path if path.suffix == ".gguf" else None
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Build modules with their parameters on the meta device and their buffers real, like accelerate's
+    `init_empty_weights`, except that assigning an existing parameter to another module (tying weights,
+    ``model.output.weight = model.embed.weight``) keeps it one parameter (accelerate's makes a copy)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            extra = dict(param.__dict__)
+            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad, **extra)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
 
 
 @contextlib.contextmanager
@@ -136,14 +157,12 @@ def _default_dtype(dtype: torch.dtype | None):
 
 
 def _build(path: Path, model, dtype: torch.dtype | None, gguf_path: Path | None) -> nn.Module:
-    from accelerate import init_empty_weights
-
     if isinstance(model, nn.Module):
         return model
     if model is not None:
         if not callable(model):
             raise TypeError(f"model must be an nn.Module or a function that builds one; got {type(model).__name__}")
-        with init_empty_weights(), _default_dtype(dtype):
+        with empty_weights(), _default_dtype(dtype):
             built = model()
         if not isinstance(built, nn.Module):
             raise TypeError(f"model() returned {type(built).__name__}, not an nn.Module")
@@ -154,9 +173,8 @@ def _build(path: Path, model, dtype: torch.dtype | None, gguf_path: Path | None)
 def _build_transformers(path: Path, dtype: torch.dtype | None, gguf_path: Path | None) -> nn.Module:
     try:
         import transformers
-        from accelerate import init_empty_weights
     except ImportError as e:
-        raise ImportError(f"building the model from {path} needs transformers and accelerate (pip install tensorshard[hf]); or pass model=...") from e
+        raise ImportError(f"building the model from {path} needs transformers (pip install tensorshard[hf]); or pass model=...") from e
     if gguf_path is not None:
         from .gguf import gguf_config
 
@@ -173,7 +191,7 @@ def _build_transformers(path: Path, dtype: torch.dtype | None, gguf_path: Path |
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     build = cls._from_config if cls is not None else transformers.AutoModelForCausalLM.from_config
-    with init_empty_weights():
+    with empty_weights():
         module = build(config, dtype=dtype)
     return module.eval()  # as transformers' from_pretrained returns it (and ZeRO-3 stays off by default)
 
