@@ -71,7 +71,8 @@ class GGUFSource(Source):
         result = self.processor.process(
             weights=weights, name=t.name, tensor_key_mapping=self.mapping, parsed_parameters={"tensors": {}, "config": self.config},
         )
-        full = torch.from_numpy(np.ascontiguousarray(result.weights))
+        # F32 tensors come back as read-only views of the mapped file; copy those (quantized ones are new arrays)
+        full = torch.from_numpy(np.require(result.weights, requirements=["C", "W"]))
         shape = self.info(name)[0]
         if tuple(full.shape) != shape:
             full = full.reshape(shape)

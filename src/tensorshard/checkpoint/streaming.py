@@ -92,10 +92,12 @@ def from_pretrained(
         from .gguf import GGUFSource
 
         source, index = GGUFSource(gguf_path, module), None  # maps names on the unsplit module
+    training = module.training
     split = tensor_parallel(
         module, device_ids, output_device=output_device, plan=plan, sharded=sharded,
         sharded_param_names=sharded_param_names, timeout=timeout,
     )
+    split.train(training)  # the wrapper starts in train mode; follow the model (eval for transformers models)
     if source is None:
         source, index = open_folder(path)
     layout = model_layout(split)
