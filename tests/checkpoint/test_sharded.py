@@ -122,6 +122,18 @@ def test_a_distcp_folder_loads_at_another_device_count(trained, tmp_path):
     assert all(torch.equal(gathered(model)[k], v) for k, v in trained["state"].items())
 
 
+def test_kv_heads_held_by_two_devices_are_stored_once(tmp_path):
+    ref = Transformer(n_heads=8, n_kv_heads=2)  # at 3 devices, devices 0 and 1 both hold KV head 0
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 3, plan=plans.transformer(8, 2), sharded=False)
+    tp.save_sharded(model, tmp_path)
+    wk = tp.checkpoint.read_index(tmp_path)["tensors"]["layers.0.attn.wk.weight"]  # (16, 64): 2 heads of 8
+    ranks = [(c["file"].split("-")[2], c["offsets"]) for c in wk["chunks"]]
+    assert ranks == [("rank00000", [0, 0]), ("rank00002", [8, 0])]  # rank 1 adds nothing
+    back = tp.tensor_parallel(Transformer(n_heads=8, n_kv_heads=2), ["cpu"] * 2, plan=plans.transformer(8, 2), sharded=False)
+    tp.load_sharded(back, tmp_path, progress=False)
+    assert all(torch.equal(gathered(back)[k], v) for k, v in ref.state_dict().items())
+
+
 def tied_transformer() -> Transformer:
     model = Transformer(n_heads=8, n_kv_heads=2)
     model.output.weight = model.tok_embeddings.weight  # (96, 64) both; split by vocabulary on both sides
