@@ -1,7 +1,6 @@
 """Streaming loads: an empty model, split first, filled slice by slice from safetensors or GGUF files;
 the tensor_parallel package's hand-loading flow; gathered saves that transformers loads back."""
 
-import copy
 import importlib.util
 from pathlib import Path
 

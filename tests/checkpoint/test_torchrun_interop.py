@@ -9,8 +9,6 @@ Three spawned ranks hold DTensors (Shard(0), uneven: 176 rows -> 59/59/58) and
 
 import copy
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch

@@ -17,6 +17,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -83,7 +84,7 @@ def write_safetensors(path: Path, entries: Sequence[FileEntry], metadata: dict[s
         code = DTYPE_CODES.get(e.dtype)
         if code is None:
             raise NotImplementedError(f"{e.key}: tensors of dtype {e.dtype} cannot be stored in safetensors files")
-        nbytes = _numel(e.shape) * torch.empty((), dtype=e.dtype).element_size()
+        nbytes = prod(e.shape) * torch.empty((), dtype=e.dtype).element_size()
         header[e.key] = {"dtype": code, "shape": list(e.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -108,13 +109,6 @@ def _write_tensor(f, tensor: torch.Tensor) -> None:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     if flat.numel():
         f.write(memoryview(flat.view(torch.uint8).numpy()))
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def read_header(path: str | os.PathLike) -> dict:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
 from ..partition import Partition
 
-Placement = "tuple[int, Partition] | None"
+Placement = Optional[tuple[int, Partition]]  # None: whole on every rank
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Box:
         return tuple(slice(o - p, o - p + n) for o, n, p in zip(self.offsets, self.sizes, outer.offsets))
 
 
-def rank_pieces(shape: tuple[int, ...], placement, rank: int) -> list[tuple[Box, int]]:
+def rank_pieces(shape: tuple[int, ...], placement: Placement, rank: int) -> list[tuple[Box, int]]:
     """The boxes rank `rank` holds, each with its start along the split dim of the local tensor.
 
     (shape (96, 64), (0, ranges ((0, 32),) for rank 0)) -> [(Box((0, 0), (32, 64)), 0)]
@@ -75,7 +75,7 @@ def rank_pieces(shape: tuple[int, ...], placement, rank: int) -> list[tuple[Box,
     return pieces
 
 
-def saved_pieces(shape: tuple[int, ...], placement, rank: int) -> list[tuple[Box, int]]:
+def saved_pieces(shape: tuple[int, ...], placement: Placement, rank: int) -> list[tuple[Box, int]]:
     """The pieces rank `rank` writes: those no earlier rank holds, so every element is stored once.
 
     A replicated tensor is written by rank 0 only; a KV head replicated over two ranks by the first of them.
@@ -102,14 +102,14 @@ def _subtract(rng: tuple[int, int], others: list[tuple[int, int]]) -> list[tuple
     return pieces
 
 
-def local_shape(shape: tuple[int, ...], placement, rank: int) -> tuple[int, ...]:
+def local_shape(shape: tuple[int, ...], placement: Placement, rank: int) -> tuple[int, ...]:
     if placement is None:
         return tuple(shape)
     dim, part = placement
     return tuple(part.local_size(rank) if d == dim else n for d, n in enumerate(shape))
 
 
-def local_view(local: torch.Tensor, placement, box: Box, start: int) -> torch.Tensor:
+def local_view(local: torch.Tensor, placement: Placement, box: Box, start: int) -> torch.Tensor:
     """The part of a rank's local tensor that holds `box` (from `rank_pieces`)."""
     if placement is None:
         return local
@@ -129,7 +129,7 @@ class TensorEntry:
     kind: str  # "param" or "buffer"
     shape: tuple[int, ...]  # global shape
     dtype: torch.dtype
-    placement: object  # Placement
+    placement: Placement
     persistent: bool  # appears in state_dict()
     requires_grad: bool = False
 
@@ -188,7 +188,7 @@ def _find(root: nn.Module, name: str) -> torch.Tensor:
     return owner._buffers[attr] if tensor is None else tensor
 
 
-def placements(model: nn.Module) -> dict[str, object]:
+def placements(model: nn.Module) -> dict[str, Placement]:
     """Original name -> placement, ZeRO-3 partitions included (for a TensorParallel model)."""
     splits = getattr(model, "splits", None)
     if splits is None:

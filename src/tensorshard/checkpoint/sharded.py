@@ -23,6 +23,7 @@ Memory: saving moves one slice at a time to the host; loading reads one tensor a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from functools import partial
@@ -82,7 +83,7 @@ def save_sharded(
             "engine": "inprocess" if world > 1 or hasattr(model, "module_shards") else "plain",
             "world_size": world,
             "devices": [str(d) for d in getattr(model, "labels", layout.devices)],
-            "plan": layout.plan.to_dict() if layout.plan is not None else None,
+            "plan": _plan_data(layout.plan),
             "zero": layout.zero,
             "aliases": {a: e.name for e in layout if e.persistent for a in e.aliases},
             "tensors": tensors,
@@ -208,6 +209,19 @@ def load_sharded(
         " with optimizer state" if optimizer is not None else "",
     )
     return model
+
+
+def _plan_data(plan) -> dict | None:
+    """The plan as JSON data, or None (with a warning) when a custom style cannot be written as JSON."""
+    if plan is None:
+        return None
+    try:
+        data = plan.to_dict()
+        json.dumps(data)
+        return data
+    except (TypeError, ValueError) as e:
+        logger.warning("the plan cannot be stored as JSON (%s); the checkpoint records no plan", e)
+        return None
 
 
 def _report_plan(layout: ModelLayout, index: dict | None, folder: Path) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,7 +215,3 @@ def describe_names(names: Sequence[str], limit: int = 8) -> str:
     names = list(names)
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def total_bytes(paths: Iterable[Path]) -> int:
-    return sum(os.path.getsize(p) for p in paths if os.path.exists(p))

@@ -33,7 +33,7 @@ from torch import nn
 from torch.autograd import Function
 
 from ..comm.counter import record
-from ..partition import Partition, _runs, split_evenly
+from ..partition import Partition, split_evenly
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,11 @@ def default_sharded(module: nn.Module, world_size: int) -> bool:
 
 def zero_partition(rows: int, world_size: int) -> Partition:
     """Rows of a dim-0 ZeRO partition: 10 rows over 4 devices -> 3, 3, 2, 2."""
-    return Partition(rows, tuple((r,) for r in _runs(split_evenly(rows, world_size))))
+    ranges, start = [], 0
+    for size in split_evenly(rows, world_size):
+        ranges.append(((start, start + size),))
+        start += size
+    return Partition(rows, tuple(ranges))
 
 
 def choose_params(model, names: Sequence[str] | None) -> list[str]:
