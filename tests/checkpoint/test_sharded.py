@@ -9,7 +9,7 @@ import torch
 import plans_for_tests as plans
 import tensorshard as tp
 from helpers import rel_err
-from models import Transformer
+from models import FeedForward, Transformer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,11 +115,16 @@ def test_torch_distributed_checkpoint_reads_our_folder(trained):
 def test_a_distcp_folder_loads_at_another_device_count(trained, tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    # Fabric's layout: the model under the key "model"; one process writes it (torchrun writes chunks).
-    dcp.save({"model": trained["state"], "step": torch.tensor(3)}, checkpoint_id=str(tmp_path), no_dist=True)
-    model = make_model(3, sharded=True, seed=2)
-    tp.load_sharded(model, tmp_path, progress=False)
-    assert all(torch.equal(gathered(model)[k], v) for k, v in trained["state"].items())
+    # Lightning's layouts: the model under "model" (Fabric), or under "state_dict" as the attribute "net" of
+    # a LightningModule (Trainer). One process writes them here; torchrun ranks write chunks (see
+    # test_torchrun_interop.py).
+    fabric = {"model": trained["state"], "step": torch.tensor(3)}
+    trainer = {"state_dict": {f"net.{k}": v for k, v in trained["state"].items()}, "optimizer_0": {"lr": 0.1}}
+    for name, state in (("fabric", fabric), ("trainer", trainer)):
+        dcp.save(state, checkpoint_id=str(tmp_path / name), no_dist=True)
+        model = make_model(3, sharded=True, seed=2)
+        tp.load_sharded(model, tmp_path / name, progress=False)
+        assert all(torch.equal(gathered(model)[k], v) for k, v in trained["state"].items()), name
 
 
 def test_kv_heads_held_by_two_devices_are_stored_once(tmp_path):
@@ -149,11 +154,15 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
     assert index["aliases"] == {"output.weight": "tok_embeddings.weight"}
     assert "output.weight" not in index["tensors"]
 
-    loaded = tp.from_pretrained(tmp_path, ["cpu"] * 3, model=tied_transformer, plan=plan, progress=False)
+    loaded = tp.from_pretrained(tmp_path, ["cpu"] * 3, model=tied_transformer, progress=False)  # the stored plan
+    assert loaded.plan == plan
     for shard in loaded.module_shards:
         assert shard.output.weight is shard.tok_embeddings.weight  # filled once, still one parameter
     tokens = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(0))
     assert rel_err(loaded(tokens), ref(tokens)) < 1e-5
+
+    with pytest.raises(ValueError, match="'layers.\\*.attn' matches no module of FeedForward"):
+        tp.from_pretrained(tmp_path, ["cpu"] * 2, model=lambda: FeedForward(64, 176), progress=False)
 
     untied = Transformer(n_heads=8, n_kv_heads=2)  # a model that keeps two copies gets both
     tp.load_sharded(untied, tmp_path, progress=False)

@@ -6,8 +6,9 @@ asks DCP's resharding helper (`create_read_items_for_chunk_list`) for the reads 
 boxes, and hands DCP views of the destination tensors to copy into. So a model trained under torchrun
 (or Lightning's ModelParallelStrategy / FSDP2) loads into any number of in-process devices.
 
-Keys: Lightning Trainer checkpoints prefix the model's names with ``state_dict.``, Fabric's with
-``model.`` (or whatever key the model was saved under); the prefix that matches the model best is used.
+Keys: Lightning Trainer checkpoints prefix the model's names with ``state_dict.`` (plus the attribute
+that holds the model in the LightningModule, e.g. ``state_dict.model.``), Fabric's with ``model.`` (or
+whatever key the model was saved under); the prefix under which most of the model's names exist is used.
 Only model tensors are read here: restore optimizer state from such folders under torchrun.
 """
 
@@ -38,7 +39,10 @@ class DCPSource(Source):
     def choose_prefix(self, wanted: Iterable[str]) -> None:
         """Use the key prefix under which most of the model's names are found ("", "model.", ...)."""
         wanted = list(wanted)
-        prefixes = {""} | {k.split(".", 1)[0] + "." for k in self.all if "." in k}
+        prefixes = {""}
+        for key in self.all:  # "state_dict.", "state_dict.model.", ...: up to three leading segments
+            parts = key.split(".")
+            prefixes |= {".".join(parts[:i]) + "." for i in range(1, min(4, len(parts)))}
         self.prefix = max(sorted(prefixes), key=lambda p: (sum(p + n in self.all for n in wanted), p == ""))
 
     def names(self) -> list[str]:

@@ -42,7 +42,7 @@ from torch import nn
 from ..plans.plan import Plan
 from .layout import is_split_model, model_layout, placements
 from .loader import fill, match_tensors, still_meta
-from .sources import describe_names, open_folder
+from .sources import INDEX_NAME, describe_names, open_folder
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,9 @@ def from_pretrained(
         model: the model to fill: a module (ideally built on the meta device, e.g. under
             ``tp.checkpoint.empty_weights()``) or a function that builds one (called under it). Default: the transformers model that ``config.json``
             (or the GGUF metadata) describes, in eval mode, as transformers' from_pretrained returns it.
-        plan: as for `tensor_parallel` (default: a preset, else an inferred plan).
+        plan: as for `tensor_parallel` (default: the plan a tensorshard checkpoint was saved with, else a
+            preset, else an inferred plan). A stored plan that does not fit the model is an error naming
+            the patterns that match nothing.
         dtype: dtype of the floating-point weights (default: the checkpoint's for transformers models; the
             model's own otherwise). Weights are cast on the way in.
         sharded, sharded_param_names: ZeRO-3 for replicated parameters, as for `tensor_parallel`.
@@ -86,6 +88,8 @@ def from_pretrained(
 
     path = Path(path)
     gguf_path = _gguf_path(path, gguf_file)
+    if plan is None and gguf_path is None and (path / INDEX_NAME).exists():
+        plan = _stored_plan(path)
     module = _build(path, model, dtype, gguf_path)
     source = None
     if gguf_path is not None:
@@ -114,6 +118,21 @@ def from_pretrained(
         )
     logger.info("loaded %s into %d device(s): %d tensors", path, layout.world_size, len(pairs))
     return split
+
+
+def _stored_plan(folder: Path) -> Plan | None:
+    """The plan a tensorshard checkpoint was saved with (used when from_pretrained gets no plan)."""
+    from .index import read_index
+
+    data = read_index(folder).get("plan")
+    if data is None:
+        return None
+    try:
+        plan = Plan.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{folder / INDEX_NAME}: the stored plan cannot be read ({e}); pass plan=...") from None
+    logger.info("using the plan stored in %s", folder / INDEX_NAME)
+    return plan
 
 
 def _gguf_path(path: Path, gguf_file: str | None) -> Path | None:
