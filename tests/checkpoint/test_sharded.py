@@ -218,8 +218,10 @@ def test_optimizer_must_match(trained, tmp_path):
     norms = [p for n, p in model.named_parameters() if "norm" in n]
     others = [p for n, p in model.named_parameters() if "norm" not in n]
     split_groups = torch.optim.AdamW([{"params": norms}, {"params": others}])
+    before = {k: v.clone() for k, v in gathered(model).items()}
     with pytest.raises(ValueError, match="param group 0 of the optimizer holds .* matches none"):
         tp.load_sharded(model, trained["path"], optimizer=split_groups, progress=False)
+    assert all(torch.equal(gathered(model)[k], v) for k, v in before.items())  # refused before loading
     tp.save_sharded(model, tmp_path)
     with pytest.raises(ValueError, match="holds no optimizer state"):
         tp.load_sharded(model, tmp_path, optimizer=torch.optim.AdamW(model.parameters()), progress=False)

@@ -2,14 +2,16 @@
 
 - gathered (unsplit) saves: `save_tensor_parallel`, `gathered_state_dict`, `save_gathered` (gather.py);
 - sharded saves that reload at any device count, with optimizer state: `save_sharded`, `load_sharded`;
-- streaming loads straight into the devices: `from_pretrained`, `convert_state_dict`,
-  `infer_sharded_device_map` (streaming.py).
+- streaming loads straight into the devices: `from_pretrained` (streaming.py);
+- the `tensor_parallel` package's hand-loading helpers: `convert_state_dict`, `infer_sharded_device_map`
+  (dispatch.py).
 """
 
 from .gather import gathered_state_dict, save_gathered, save_tensor_parallel
 from .index import read_index
 from .sharded import load_sharded, save_sharded
-from .streaming import convert_state_dict, empty_weights, from_pretrained, infer_sharded_device_map
+from .dispatch import convert_state_dict, infer_sharded_device_map
+from .streaming import empty_weights, from_pretrained
 
 __all__ = [
     "convert_state_dict",

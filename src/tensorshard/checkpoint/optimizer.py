@@ -110,19 +110,18 @@ def _state_getter(optimizer, layout, entry, rank, key, placement, box, start):
     return get
 
 
-def load_optimizer(layout: ModelLayout, optimizer: torch.optim.Optimizer, source: Source, section: dict, aliases: dict[str, str]) -> None:
-    """Restore hyperparameters and state into `optimizer`, resharded to `layout`."""
+def _check_class(optimizer: torch.optim.Optimizer, section: dict) -> None:
     saved_class = section.get("class", "?")
     mine = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if saved_class != mine:
         raise ValueError(f"the checkpoint holds the state of a {saved_class}, but the optimizer given is a {mine}")
-    owners = _param_owners(layout, optimizer)
 
-    saved_groups = [set(g["params"]) for g in section["param_groups"]]
-    every_saved = set().union(*saved_groups) if saved_groups else set()
+
+def _saved_namer(section: dict, aliases: dict[str, str]):
+    """entry -> the name the checkpoint knows the parameter by (tied weights: any of its names)."""
+    every_saved = {n for g in section["param_groups"] for n in g["params"]}
 
     def saved_name(entry: TensorEntry) -> str:
-        """The name the checkpoint knows this parameter by (tied weights: any of its names)."""
         for n in entry.names:
             if n in every_saved:
                 return n
@@ -130,16 +129,35 @@ def load_optimizer(layout: ModelLayout, optimizer: torch.optim.Optimizer, source
                 return aliases[n]
         return entry.name
 
-    state_dict = optimizer.state_dict()
-    new_groups = []
-    for i, (group, sd_group) in enumerate(zip(optimizer.param_groups, state_dict["param_groups"])):
+    return saved_name
+
+
+def _match_groups(optimizer, section: dict, owners, saved_name) -> list[int]:
+    """For each param group of `optimizer`, the index of the saved group with the same parameters."""
+    saved_groups = [set(g["params"]) for g in section["param_groups"]]
+    matches = []
+    for i, group in enumerate(optimizer.param_groups):
         names = {saved_name(owners[id(p)][0]) for p in group["params"]}
         match = next((j for j, g in enumerate(saved_groups) if g == names), None)
         if match is None:
             raise ValueError(
                 f"param group {i} of the optimizer holds {describe_names(sorted(names))}, which matches none of the "
-                f"checkpoint's {len(saved_groups)} param group(s); build the optimizer with the same groups as when saving"
+                f"checkpoint's {len(saved_groups)} param group(s); build the optimizer with the same groups as when "
+                "saving. Nothing was loaded."
             )
+        matches.append(match)
+    return matches
+
+
+def load_optimizer(layout: ModelLayout, optimizer: torch.optim.Optimizer, source: Source, section: dict, aliases: dict[str, str]) -> None:
+    """Restore hyperparameters and state into `optimizer`, resharded to `layout`."""
+    _check_class(optimizer, section)
+    owners = _param_owners(layout, optimizer)
+    saved_name = _saved_namer(section, aliases)
+    matches = _match_groups(optimizer, section, owners, saved_name)
+    state_dict = optimizer.state_dict()
+    new_groups = []
+    for match, sd_group in zip(matches, state_dict["param_groups"]):
         hyper = {k: _from_json(v) for k, v in section["param_groups"][match].items() if k != "params"}
         new_groups.append({**sd_group, **hyper, "params": sd_group["params"]})
 
@@ -169,8 +187,12 @@ def load_optimizer(layout: ModelLayout, optimizer: torch.optim.Optimizer, source
     optimizer.load_state_dict({"state": state, "param_groups": new_groups})
 
 
-def check_optimizer_section(section: dict, layout: ModelLayout, source: Source, aliases: dict[str, str]) -> None:
-    """Refuse before loading anything: optimizer state whose shapes do not fit the model."""
+def check_optimizer_section(
+    section: dict, layout: ModelLayout, optimizer: torch.optim.Optimizer, source: Source, aliases: dict[str, str]
+) -> None:
+    """Refuse before loading anything: another optimizer class, other param groups, state that does not fit."""
+    _check_class(optimizer, section)
+    _match_groups(optimizer, section, _param_owners(layout, optimizer), _saved_namer(section, aliases))
     by_alias = layout.by_alias()
     problems = []
     for name, kinds in section["kinds"].items():

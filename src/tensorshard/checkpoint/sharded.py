@@ -199,7 +199,7 @@ def load_sharded(
         if not section:
             raise ValueError(f"{folder} holds no optimizer state (it was saved without optimizer=...)")
         optimizer_source = SafetensorsSource.from_index(folder, section["tensors"], f"optimizer state in {folder}")
-        check_optimizer_section(section, layout, optimizer_source, aliases)
+        check_optimizer_section(section, layout, optimizer, optimizer_source, aliases)
     fill(layout, pairs, source, progress=progress, desc=f"loading {folder.name}")
     if optimizer is not None:
         load_optimizer(layout, optimizer, optimizer_source, section, aliases)

@@ -119,7 +119,7 @@ class TensorParallel(nn.Module):
     @property
     def tensor_parallel_config(self) -> Plan:
         """The plan, bound to this model (equal to `plan`; `convert_state_dict` reads the layout from it)."""
-        from ..checkpoint.streaming import bound_plan
+        from ..checkpoint.dispatch import bound_plan
 
         return bound_plan(self)
 
