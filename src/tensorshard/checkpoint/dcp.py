@@ -99,7 +99,7 @@ class _BoxPlanner(_box_planner_base()):
 
         items = []
         for key, targets in self.requests.items():
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)) for box, _ in targets]
+            chunks = [ChunkStorageMetadata(torch.Size(box.offsets), torch.Size(box.sizes)) for box, _ in targets]
             items += create_read_items_for_chunk_list(key, self.tensors[key], chunks)
         return LoadPlan(items)
 

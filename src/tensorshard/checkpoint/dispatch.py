@@ -90,7 +90,9 @@ def convert_state_dict(
             else:
                 dim, part = placement
                 if tensor.shape[dim] != part.size:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} has {tensor.shape[dim]} along dim {dim}; the model has {part.size}")
+                    raise ValueError(
+                        f"{name}: shape {tuple(tensor.shape)} has {tensor.shape[dim]} along dim {dim}; the model has {part.size}"
+                    )
                 local = part.take(tensor, dim, rank)
                 if part.overlapping and rank > 0 and len(part.ranges[rank]) == 1:
                     local = local.clone()  # a KV head held by several devices: each needs its own copy
@@ -127,6 +129,7 @@ def infer_sharded_device_map(model: nn.Module) -> dict[str, torch.device]:
         prefix = f"module_shards.{rank}"
         for name, _ in shard.named_modules(remove_duplicate=False):
             out[f"{prefix}.{name}" if name else prefix] = devices[rank]
-        for name, _ in list(shard.named_parameters(remove_duplicate=False)) + list(shard.named_buffers(remove_duplicate=False)):
+        tensors = list(shard.named_parameters(remove_duplicate=False)) + list(shard.named_buffers(remove_duplicate=False))
+        for name, _ in tensors:
             out[f"{prefix}.{name}"] = devices[rank]
     return out

@@ -112,7 +112,8 @@ def save_gathered(
         size += e.nbytes
     old = _hf_files(folder)
     names = _fresh_names(len(groups), old)
-    bar = tqdm(total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc=f"saving {folder.name}", disable=not progress, leave=False)
+    total = sum(e.nbytes for e in entries)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"saving {folder.name}", disable=not progress, leave=False)
     renames = []
     try:
         for file_name, group in zip(names, groups):

@@ -38,7 +38,12 @@ class GGUFSource(Source):
 
     def __init__(self, path: Path, hf_model) -> None:
         from gguf import GGUFReader
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, read_field
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            read_field,
+        )
 
         self.path = Path(path)
         self.description = f"GGUF file {self.path}"
@@ -68,9 +73,8 @@ class GGUFSource(Source):
 
         t = self.tensors[name]
         weights = dequantize(t.data, t.tensor_type)
-        result = self.processor.process(
-            weights=weights, name=t.name, tensor_key_mapping=self.mapping, parsed_parameters={"tensors": {}, "config": self.config},
-        )
+        parsed = {"tensors": {}, "config": self.config}
+        result = self.processor.process(weights=weights, name=t.name, tensor_key_mapping=self.mapping, parsed_parameters=parsed)
         # F32 tensors come back as read-only views of the mapped file; copy those (quantized ones are new arrays)
         full = torch.from_numpy(np.require(result.weights, requirements=["C", "W"]))
         shape = self.info(name)[0]

@@ -109,7 +109,8 @@ def fill(
                     created.append((entry, rank, dest))
                 else:
                     dest = local.detach()
-                targets += [(box, local_view(dest, entry.placement, box, start)) for box, start in rank_pieces(entry.shape, entry.placement, rank)]
+                pieces = rank_pieces(entry.shape, entry.placement, rank)
+                targets += [(box, local_view(dest, entry.placement, box, start)) for box, start in pieces]
             yield name, targets
 
     nbytes = {name: entry.nbytes for entry, name in pairs}

@@ -95,9 +95,8 @@ def optimizer_files(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> tu
                 for k, (box, start) in enumerate(pieces):
                     while len(parts) <= k:
                         parts.append([])
-                    parts[k].append(
-                        FileEntry(gname, box.sizes, value.dtype, _state_getter(optimizer, layout, entry, rank, key, placement, box, start), box.offsets)
-                    )
+                    getter = _state_getter(optimizer, layout, entry, rank, key, placement, box, start)
+                    parts[k].append(FileEntry(gname, box.sizes, value.dtype, getter, box.offsets))
     section = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
                "kinds": kinds, "values": values, "tensors": tensors}
     return per_rank, section
@@ -149,7 +148,9 @@ def _match_groups(optimizer, section: dict, owners, saved_name) -> list[int]:
     return matches
 
 
-def load_optimizer(layout: ModelLayout, optimizer: torch.optim.Optimizer, source: Source, section: dict, aliases: dict[str, str]) -> None:
+def load_optimizer(
+    layout: ModelLayout, optimizer: torch.optim.Optimizer, source: Source, section: dict, aliases: dict[str, str]
+) -> None:
     """Restore hyperparameters and state into `optimizer`, resharded to `layout`."""
     _check_class(optimizer, section)
     owners = _param_owners(layout, optimizer)
@@ -177,7 +178,8 @@ def load_optimizer(layout: ModelLayout, optimizer: torch.optim.Optimizer, source
                 _, dtype = source.info(gname)
                 if kind == SHARDED:
                     dest = torch.empty(local_shape(entry.shape, entry.placement, rank), dtype=dtype, device=p.device)
-                    targets = [(box, local_view(dest, entry.placement, box, start)) for box, start in rank_pieces(entry.shape, entry.placement, rank)]
+                    pieces = rank_pieces(entry.shape, entry.placement, rank)
+                    targets = [(box, local_view(dest, entry.placement, box, start)) for box, start in pieces]
                 else:
                     dest = torch.empty((), dtype=dtype)
                     targets = [(Box((), ()), dest)]

@@ -129,7 +129,10 @@ def _write_optimizer_files(layout: ModelLayout, optimizer, folder: Path, generat
     per_rank, section = optimizer_files(layout, optimizer)
     (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
     for rank, parts in enumerate(per_rank):
-        _write_parts("optim", folder / OPTIMIZER_DIR, parts, generation, rank, layout.world_size, section["tensors"], renames, rel=OPTIMIZER_DIR)
+        _write_parts(
+            "optim", folder / OPTIMIZER_DIR, parts, generation, rank, layout.world_size, section["tensors"], renames,
+            rel=OPTIMIZER_DIR,
+        )
     return section
 
 
@@ -154,7 +157,8 @@ def _remove_stale(folder: Path, keep: set[str]) -> None:
             continue
         for p in directory.iterdir():
             rel = str(p.relative_to(folder))
-            ours = DATA_FILE.match(p.name) or (is_temp_name(p.name) and (p.name[1:].startswith(("model-g", "optim-g", INDEX_NAME))))
+            leftover = is_temp_name(p.name) and p.name[1:].startswith(("model-g", "optim-g", INDEX_NAME))
+            ours = DATA_FILE.match(p.name) or leftover
             if ours and rel not in keep and p.is_file():
                 p.unlink(missing_ok=True)
         fsync_dir(directory)

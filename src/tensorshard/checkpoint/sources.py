@@ -97,7 +97,9 @@ class SafetensorsSource(Source):
             dtype = DTYPES_BY_NAME.get(spec["dtype"])
             if dtype is None:
                 raise ValueError(f"{folder / INDEX_NAME}: {name} has unknown dtype {spec['dtype']!r}")
-            chunks = [Chunk(folder / c["file"], c.get("key", name), Box(tuple(c["offsets"]), tuple(c["sizes"]))) for c in spec["chunks"]]
+            chunks = [
+                Chunk(folder / c["file"], c.get("key", name), Box(tuple(c["offsets"]), tuple(c["sizes"]))) for c in spec["chunks"]
+            ]
             tensors[name] = TensorInfo(tuple(spec["shape"]), dtype, chunks)
         return cls(tensors, description)
 

@@ -58,8 +58,9 @@ def from_pretrained(
             checkpoint, or a torch.distributed.checkpoint folder), a ``.safetensors`` file, or a ``.gguf`` file.
         device_ids: the devices, as for `tensor_parallel`.
         model: the model to fill: a module (ideally built on the meta device, e.g. under
-            ``tp.checkpoint.empty_weights()``) or a function that builds one (called under it). Default: the transformers model that ``config.json``
-            (or the GGUF metadata) describes, in eval mode, as transformers' from_pretrained returns it.
+            ``tp.checkpoint.empty_weights()``) or a function that builds one (called under it). Default: the
+            transformers model that ``config.json`` (or the GGUF metadata) describes, in eval mode, as
+            transformers' from_pretrained returns it.
         plan: as for `tensor_parallel` (default: the plan a tensorshard checkpoint was saved with, else a
             preset, else an inferred plan). A stored plan that does not fit the model is an error naming
             the patterns that match nothing.
@@ -182,7 +183,9 @@ def _build_transformers(path: Path, dtype: torch.dtype | None, gguf_path: Path |
     try:
         import transformers
     except ImportError as e:
-        raise ImportError(f"building the model from {path} needs transformers (pip install tensorshard[hf]); or pass model=...") from e
+        raise ImportError(
+            f"building the model from {path} needs transformers (pip install tensorshard[hf]); or pass model=..."
+        ) from e
     if gguf_path is not None:
         from .gguf import gguf_config
 
@@ -191,7 +194,9 @@ def _build_transformers(path: Path, dtype: torch.dtype | None, gguf_path: Path |
     else:
         folder = path if path.is_dir() else path.parent
         if not (folder / "config.json").exists():
-            raise FileNotFoundError(f"{folder} has no config.json to build the model from; pass model=... (a module or a function)")
+            raise FileNotFoundError(
+                f"{folder} has no config.json to build the model from; pass model=... (a module or a function)"
+            )
         config = transformers.AutoConfig.from_pretrained(folder)
         dtype = dtype or getattr(config, "dtype", None) or torch.float32
         if isinstance(dtype, str):

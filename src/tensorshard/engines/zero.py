@@ -149,7 +149,10 @@ def shard_replicated(model, names: Sequence[str] | None = None) -> list[str]:
     model.zero_splits = zero_splits
     model._zero = state
     saved = sum(p.numel() for names_ in tied for p in [first[names_[0]]]) * (world - 1) // world
-    logger.info("ZeRO-3: %d replicated parameter(s) partitioned over %d devices (~%d elements fewer per device)", len(tied), world, saved)
+    logger.info(
+        "ZeRO-3: %d replicated parameter(s) partitioned over %d devices (~%d elements fewer per device)",
+        len(tied), world, saved,
+    )
     return [n for names_ in tied for n in names_]
 
 
