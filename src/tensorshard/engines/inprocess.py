@@ -118,7 +118,10 @@ class TensorParallel(nn.Module):
 
     @property
     def tensor_parallel_config(self) -> Plan:
-        return self.plan
+        """The plan, bound to this model (equal to `plan`; `convert_state_dict` reads the layout from it)."""
+        from ..checkpoint.dispatch import bound_plan
+
+        return bound_plan(self)
 
     @property
     def world_size(self) -> int:
