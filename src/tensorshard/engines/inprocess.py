@@ -107,6 +107,7 @@ class TensorParallel(nn.Module):
         }
         self.module_shards = nn.ModuleList(_build_shards(module, sharded, placement, self._group))
         self._placement = placement
+        self.train(module.training)  # the wrapper starts in the mode the module was in
         _consume(module, world)
         split = sum(1 for m in sharded.modules.values() if m.splits)
         logger.info(
