@@ -20,6 +20,8 @@ import copy
 import logging
 import os
 import threading
+import weakref
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -27,16 +29,15 @@ from torch import nn
 from torch.autograd import Function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..comm.threads import ThreadComm, ThreadGroup, enter_call
+from ..comm.threads import ThreadComm, ThreadGroup
 from ..devices import as_device, device_labels, resolve_devices
 from ..partition import Partition
 from ..plans.plan import Plan
 from .sharding import ShardedModel, direct_tensors, shard_plan
+from .timeout import DEFAULT_TIMEOUT, resolve_timeout  # noqa: F401 (DEFAULT_TIMEOUT re-exported)
 from .workers import ThreadState, WorkerPool
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_TIMEOUT = 300.0
 
 _shard = threading.local()  # .rank: the shard the current thread is running
 
@@ -59,8 +60,9 @@ class TensorParallel(nn.Module):
         output_device: where outputs land (default: the first device).
         plan: a `Plan` (or a ``{pattern: style}`` dict). Default: a preset for known transformers
             architectures, else a plan inferred from the model's structure.
-        timeout: seconds any shard may wait at a collective before the call fails (default 300, or the
-            TENSORSHARD_TIMEOUT environment variable).
+        timeout: seconds any shard may wait at a collective before the call fails with an error naming the
+            missing device and the operation (default 300, or the TENSORSHARD_TIMEOUT environment
+            variable). See docs/errors.md for what happens when a shard fails.
         debug: run every shard on the first device, one at a time, and check that replicated outputs agree
             (also TENSORSHARD_DEBUG=1): tells a plan bug from an engine bug.
     """
@@ -80,15 +82,18 @@ class TensorParallel(nn.Module):
             raise TypeError(f"tensor_parallel() splits an nn.Module; got {type(module).__name__}")
         if isinstance(module, TensorParallel):
             raise TypeError("this module is already a TensorParallel; split the original model once")
+        inner = next((n for n, m in module.named_modules() if isinstance(m, TensorParallel)), None)
+        if inner is not None:
+            raise TypeError(
+                f"{type(module).__name__}.{inner} is already a TensorParallel; split the whole model once, "
+                "from its unsplit form, instead of splitting a model that contains a split one"
+            )
         devices = resolve_devices(device_ids)
         self.debug = _env_flag("TENSORSHARD_DEBUG") if debug is None else bool(debug)
         self.devices = devices
         self.labels = device_labels(devices)
         self.output_device = as_device(output_device, what="output_device") if output_device is not None else devices[0]
-        timeout = float(os.environ.get("TENSORSHARD_TIMEOUT", DEFAULT_TIMEOUT)) if timeout is None else float(timeout)
-        if timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds; got {timeout}")
-        self.timeout = timeout
+        self.timeout = resolve_timeout(timeout)
 
         from ..plans import resolve_plan  # late import: presets and inference import the engine's styles
 
@@ -97,16 +102,18 @@ class TensorParallel(nn.Module):
         sharded = shard_plan(module, self.plan, world)  # raises on any plan error; the model is untouched
 
         placement = [devices[0]] * world if self.debug else devices
-        self._group = ThreadGroup(placement, timeout, serial=self.debug)
+        self._group = ThreadGroup(placement, self.timeout, serial=self.debug, labels=self.labels)
         self._pool = WorkerPool()
+        self._call_lock = threading.Lock()  # concurrent callers take turns: the shards share one rendezvous
         # How each tensor of the original is split, by its original state-dict name (for gathered saves).
         self.splits: dict[str, tuple[int, Partition] | None] = {
             f"{m}.{t}" if m else t: sharded.split_of(tensor)
             for m, mod in module.named_modules(remove_duplicate=False)
             for _, t, tensor in direct_tensors(mod)
         }
-        self.module_shards = nn.ModuleList(_build_shards(module, sharded, placement, self._group))
+        self.module_shards = nn.ModuleList(_build_shards(module, sharded, placement, self._group))  # atomic
         self._placement = placement
+        self._loaded = False  # set once no tensor is on the meta device
         _consume(module, world)
         split = sum(1 for m in sharded.modules.values() if m.splits)
         logger.info(
@@ -128,50 +135,50 @@ class TensorParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _check_loaded(self)
-        shards, devices = self.module_shards, self._placement
+        shards, devices, group = self.module_shards, self._placement, self._group
         if len(shards) == 1:
             first = shards[0]
             args, kwargs = _to_device((args, kwargs), devices[0])
-            _shard.rank = 0
+            previous, _shard.rank = current_rank(), 0
             try:
                 return _to_device(first(*args, **kwargs), self.output_device)
             finally:
-                _shard.rank = None
+                _shard.rank = previous
 
-        group = self._group
-        group.reset()
+        if group.running_here():
+            raise RuntimeError(
+                "this TensorParallel model was called from inside one of its own shards (a hook or callback "
+                "running during its forward). A split model runs one call at a time; call it after the outer "
+                "call returns."
+            )
         state = ThreadState.capture()
         per_rank_inputs = _replicate_inputs((args, kwargs), devices)
 
-        def shard_call(rank: int):
+        def shard_call(call, rank: int):
             def run():
-                enter_call(group)
-                _shard.rank = rank
+                previous, _shard.rank = current_rank(), rank
                 try:
-                    if group.baton is not None:
-                        group.baton.acquire()
-                    try:
-                        with state.applied(devices[rank]):
-                            a, kw = per_rank_inputs(rank)
-                            return shards[rank](*a, **kw)
-                    finally:
-                        if group.baton is not None:
-                            group.baton.release()
-                except BaseException as e:
-                    group.abort(e, rank)  # wake the shards waiting for this one
-                    raise
+                    with state.applied(devices[rank]):
+                        a, kw = per_rank_inputs(rank)
+                        return shards[rank](*a, **kw)
                 finally:
-                    _shard.rank = None
+                    _shard.rank = previous
 
-            return run
+            return lambda: group.run_shard(call, rank, run)
 
-        outputs = self._pool.run(
-            [shard_call(r) for r in range(len(shards))],
-            labels=self.labels,
-            on_error=lambda e, rank: group.abort(e, rank),
-            timeout=self.timeout + 5.0,
-        )
-        group.reset()  # drop the call's cached tensors
+        with self._call_lock:
+            call = group.begin()
+            try:
+                outputs = self._pool.run(
+                    [shard_call(call, r) for r in range(len(shards))],
+                    labels=self.labels,
+                    on_error=lambda e, rank: group.abort(call, e),
+                    timeout=self.timeout + 5.0,
+                    first_error=lambda: call.error,
+                    grace=min(5.0, self.timeout),
+                )
+            finally:
+                group.end(call)  # drop the call's cached tensors; a straggler fails at its next collective
         src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
         return _gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
 
@@ -207,27 +214,68 @@ def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.
     shard_modules = [dict(s.named_modules(remove_duplicate=False)) for s in shards]
 
     # 2. Fill them tensor by tensor, releasing each original tensor once every device has its slice.
+    #    Should anything fail before the end (out of memory on a device, a style's error, Ctrl-C), the
+    #    original gets its tensors back: the model is left as it was.
     made: dict[tuple[int, int], torch.Tensor] = {}
     reused: set[int] = set()
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for kind, tname, t in list(direct_tensors(mod)):
-            split = sharded.split_of(t)
-            for rank in range(world):
-                key = (id(t), rank)
-                if key not in made:
-                    made[key] = _local_tensor(t, split, rank, devices[rank], kind, reused)
-                target = shard_modules[rank][mod_name]
-                (target._parameters if kind == "param" else target._buffers)[tname] = made[key]
-            _release(mod, kind, tname, t)
+    released: list[_Released] = []
+    where = "the shards' skeletons"
+    try:
+        for mod_name, mod in module.named_modules(remove_duplicate=False):
+            for kind, tname, t in list(direct_tensors(mod)):
+                split = sharded.split_of(t)
+                for rank in range(world):
+                    where = f"{mod_name}.{tname}".lstrip(".") + f" on {devices[rank]} (rank {rank})"
+                    key = (id(t), rank)
+                    if key not in made:
+                        made[key] = _local_tensor(t, split, rank, devices[rank], kind, reused)
+                    target = shard_modules[rank][mod_name]
+                    (target._parameters if kind == "param" else target._buffers)[tname] = made[key]
+                released.append(_Released(mod, kind, tname, weakref.ref(t), id(t), t.device, t.requires_grad, split))
+                _release(mod, kind, tname, t)
 
-    # 3. Let each style adapt its module in every shard (sizes, forward with collectives). With one device
-    #    every layer is whole and runs its own forward.
-    if world > 1:
-        for rank in range(world):
-            comm = ThreadComm(group, rank)
-            for name, ms in sharded.modules.items():
-                ms.style.attach(shard_modules[rank][name], ms.splits, ms.context(rank, world, comm))
+        # 3. Let each style adapt its module in every shard (sizes, forward with collectives). With one device
+        #    every layer is whole and runs its own forward.
+        if world > 1:
+            for rank in range(world):
+                comm = ThreadComm(group, rank)
+                for name, ms in sharded.modules.items():
+                    where = f"{name or '<root>'} ({type(ms.style).__name__}) on rank {rank}"
+                    ms.style.attach(shard_modules[rank][name], ms.splits, ms.context(rank, world, comm))
+    except BaseException as e:
+        _restore(released, made, world)
+        if hasattr(e, "add_note"):
+            e.add_note(f"while building the shards, at {where}; the original model was restored as it was")
+        raise
     return shards
+
+
+@dataclass
+class _Released:
+    """A tensor moved out of the original module, and what it takes to put it back."""
+
+    module: nn.Module
+    kind: str
+    name: str
+    ref: Any  # weakref to the original tensor: alive while the user still holds it
+    key: int
+    device: torch.device
+    requires_grad: bool
+    split: tuple[int, Partition] | None
+
+
+def _restore(released: list[_Released], made: dict, world: int) -> None:
+    """Undo step 2 of `_build_shards`: each released tensor goes back, rebuilt from its slices if it is gone."""
+    restored: dict[int, torch.Tensor] = {}  # by original tensor: tied tensors stay tied
+    for r in released:
+        if r.key not in restored:
+            t = r.ref()
+            if t is None:
+                pieces = [made[(r.key, rank)].detach().to(r.device) for rank in range(world)]
+                data = pieces[0] if r.split is None else r.split[1].assemble(pieces, r.split[0])
+                t = nn.Parameter(data, requires_grad=r.requires_grad) if r.kind == "param" else data
+            restored[r.key] = t
+        (r.module._parameters if r.kind == "param" else r.module._buffers)[r.name] = restored[r.key]
 
 
 def _local_tensor(t, split, rank, device, kind, reused: set[int]):
@@ -266,12 +314,18 @@ def _consume(module: nn.Module, world: int) -> None:
 
 
 def _check_loaded(model: TensorParallel) -> None:
-    for name, p in model.named_parameters():
-        if p.is_meta:
-            raise RuntimeError(
-                f"{name} is on the meta device: this model was built without weights. Load them first "
-                "(tensorshard.load_sharded / tensorshard.from_pretrained), or build it from a model with weights."
-            )
+    if model._loaded:
+        return
+    meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if meta:
+        more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
+        raise RuntimeError(
+            f"{meta[0]}{more} is on the meta device: this model was split without its weights. Load them into "
+            "the split model first (tensorshard's sharded checkpoint loader), or split a model that holds its "
+            "weights. Buffers computed in __init__ (rotary inv_freq, say) are not in checkpoints: build the "
+            "model with them on a real device."
+        )
+    model._loaded = True
 
 
 def _tensor_bytes(module: nn.Module) -> int:
