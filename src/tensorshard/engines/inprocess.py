@@ -376,8 +376,17 @@ def _to_device(tree: Any, device: torch.device) -> Any:
 
 
 def _replicate_inputs(tree: Any, devices: list[torch.device]):
-    """A function rank -> that rank's copy of the inputs (tensors moved to its device)."""
+    """A function rank -> that rank's copy of the inputs (tensors moved to its device).
+
+    Inputs may live on any device: each shard gets its own copy on its device (they are not checked
+    against the model's devices, as they would have to be under torchrun)."""
     leaves, spec = tree_flatten(tree)
+    meta = next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"input tensor #{meta} (shape {tuple(leaves[meta].shape)}) is on the meta device: it has no values "
+            "to compute with. Pass real tensors (on any device; each shard gets a copy on its own)."
+        )
     grad = torch.is_grad_enabled()
     copies = {
         i: _ReplicateInput.apply(devices, x)
