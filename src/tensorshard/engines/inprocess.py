@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -316,7 +317,8 @@ def _consume(module: nn.Module, world: int) -> None:
 def _check_loaded(model: TensorParallel) -> None:
     if model._loaded:
         return
-    meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    meta = list(dict.fromkeys(re.sub(r"^module_shards\.\d+\.", "", n) for n, t in tensors if t.is_meta))  # original names
     if meta:
         more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
         raise RuntimeError(
