@@ -348,12 +348,13 @@ def _restrict(part: Partition, start: int, stop: int) -> Partition:
 
 
 def _check_replicated_reader(c: _Layer, layers: list[_Layer], world: int) -> None:
-    later = next((l for l in layers if l.index > c.index and l.role == "replicated" and l.size == c.size), None)
+    sizes = {c.size} | {b - a for a, b, *_ in _spans(c)}  # the whole output, or one of its declared blocks
+    later = next((l for l in layers if l.index > c.index and l.role == "replicated" and l.size in sizes), None)
     if later is not None:
         raise ValueError(
             f"{c.name} ({c.style}) leaves its {c.size} output features split over {world} devices, but "
-            f"{later.name} ({later.style}, replicated), the next layer that reads {c.size} features, expects all "
-            f"of them. Set gather_output=True on {c.name}, or split {later.name} with RowwiseParallel()."
+            f"{later.name} ({later.style}, replicated), the next layer that reads {later.size} features, expects "
+            f"all of them. Set gather_output=True on {c.name}, or split {later.name} with RowwiseParallel()."
         )
     logger.warning(
         "%s (%s) leaves its output split and no row-parallel layer after it reads it. If it is the model's "
