@@ -10,6 +10,7 @@ under torchrun on torch.distributed (`parallelize`).
 from .api import tensor_parallel
 from .checkpoint import gathered_state_dict, save_tensor_parallel
 from .comm.counter import CollectiveCounter, count_collectives
+from .comm.rendezvous import CollectiveAborted
 from .engines.inprocess import TensorParallel
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
@@ -19,6 +20,7 @@ from .styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, Rowwis
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveAborted",
     "CollectiveCounter",
     "ColwiseParallel",
     "EmbeddingParallel",

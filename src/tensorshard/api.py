@@ -37,7 +37,8 @@ def tensor_parallel(
         distributed: run under torchrun, one process per device (see `tensorshard.parallelize`).
         sharded: ZeRO-3 partitioning of the parameters the plan leaves whole.
         sharded_param_names: which parameters `sharded` partitions (default: all replicated trainable ones).
-        timeout: seconds a shard may wait at a collective before the call fails.
+        timeout: seconds a shard may wait at a collective before the call fails (default 300, or
+            TENSORSHARD_TIMEOUT). docs/errors.md lists what each failure raises.
         debug: run all shards on one device, one at a time (also TENSORSHARD_DEBUG=1).
     """
     if plan is not None and tensor_parallel_config is not None:

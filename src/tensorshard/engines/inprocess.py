@@ -10,6 +10,10 @@ outputs on `output_device`. The whole call is one autograd graph: collectives ar
 span the devices, so `backward()` and an optimizer over `model.parameters()` train the shards exactly like
 the unsplit model (a replicated parameter gets its full gradient on every device).
 
+Failures: a shard that raises, returns early or gets stuck stops the whole call within the timeout,
+with an error naming the device and the operation, and the model stays usable (docs/errors.md). Calls
+from several threads take turns; building the shards is all-or-nothing.
+
 Memory: the original module is consumed. Its tensors are moved into the shards one by one (so the whole
 model never exists twice) and it is left on the meta device; calling it afterwards raises an error.
 """
@@ -103,6 +107,7 @@ class TensorParallel(nn.Module):
         sharded = shard_plan(module, self.plan, world)  # raises on any plan error; the model is untouched
 
         placement = [devices[0]] * world if self.debug else devices
+        _warn_shared_dropout(module, placement)
         self._group = ThreadGroup(placement, self.timeout, serial=self.debug, labels=self.labels)
         self._pool = WorkerPool()
         self._call_lock = threading.Lock()  # concurrent callers take turns: the shards share one rendezvous
@@ -312,6 +317,21 @@ def _consume(module: nn.Module, world: int) -> None:
         )
 
     module.register_forward_pre_hook(refuse)
+
+
+def _warn_shared_dropout(module: nn.Module, placement: list[torch.device]) -> None:
+    """Shards on one device type without per-device generators (CPU slots) draw different dropout masks
+    from the one generator they share: replicated activations, and the gradients of replicated
+    parameters, then differ between shards."""
+    shared = len(set(placement)) < len(placement)
+    drops = [n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    if shared and drops:
+        logger.warning(
+            "%s has dropout (%s%s) and %d shards share one device's random generator: in training mode each "
+            "shard draws its own masks, so replicated activations and replicated parameters' gradients differ "
+            "between shards. Train with dropout off (p=0) when simulating devices on one device; eval() is fine.",
+            type(module).__name__, drops[0], f" and {len(drops) - 1} more" if len(drops) > 1 else "", len(placement),
+        )
 
 
 def _check_loaded(model: TensorParallel) -> None:
