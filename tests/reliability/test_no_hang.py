@@ -82,7 +82,7 @@ def test_a_raising_shard_reraises_in_the_caller_promptly(where, rank, gen):
         model(torch.randn(4, 8, generator=gen, requires_grad=True))
     assert time.monotonic() - start < 5
     assert f"cpu[{rank}] (rank {rank})" in notes(info.value)
-    assert busy_workers() == []  # every shard stopped; none is left waiting at a collective
+    assert busy_workers(model) == []  # every shard stopped; none is left waiting at a collective
     assert_usable(model, ref, gen)
 
 
@@ -94,7 +94,7 @@ def test_a_shard_returning_early_stops_the_others_at_once(gen):
         with torch.no_grad():
             model(torch.randn(4, 8, generator=gen))
     assert time.monotonic() - start < 5
-    assert busy_workers() == []
+    assert busy_workers(model) == []
     assert_usable(model, ref, gen)
 
 
@@ -120,12 +120,12 @@ def test_a_stuck_worker_is_reported_and_abandoned_and_cannot_disturb_later_calls
     ref, model = split(2, timeout=0.3)
     assert_usable(model, ref, gen)  # starts the worker thread
     stuck = model._pool._threads[1]
-    model.module_shards[1].stall = 2.0
+    model.module_shards[1].stall = 3.0
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"all_reduce at b2 \(collective #2\): device cpu\[1\] \(rank 1\) did not arrive within 0.3 s"):
         with torch.no_grad():
             model(torch.randn(4, 8, generator=gen))
-    assert time.monotonic() - start < 1.9  # did not wait for the stuck shard
+    assert time.monotonic() - start < 2.5  # did not wait for the stuck shard (3 s)
     model.module_shards[1].stall = 0.0
     # While the abandoned thread sleeps, wakes and runs into its stale call, new calls are unaffected.
     while stuck.is_alive() and time.monotonic() - start < 10:
@@ -160,7 +160,7 @@ def test_ctrl_c_in_the_caller_stops_every_shard(gen):
             model(torch.randn(4, 8, generator=gen))
     assert time.monotonic() - start < 4
     timer.join()
-    assert busy_workers() == []
+    assert busy_workers(model) == []
     assert_usable(model, ref, gen)
 
 

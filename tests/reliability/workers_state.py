@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import sys
-import threading
 
 import torch
 from torch import nn
 
 
-def busy_workers() -> list[str]:
-    """Names of tensorshard worker threads that are running a shard (not idle waiting for the next call)."""
+def busy_workers(model) -> list[str]:
+    """Names of `model`'s worker threads that are running a shard (not idle, waiting for the next call)."""
     frames = sys._current_frames()
     busy = []
-    for thread in threading.enumerate():
-        if not thread.name.startswith("tensorshard"):
-            continue
+    for thread in model._pool._threads.values():
         frame = frames.get(thread.ident)
         while frame is not None:
             if frame.f_code.co_name == "_execute":

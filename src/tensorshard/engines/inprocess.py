@@ -26,7 +26,6 @@ import os
 import re
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -38,6 +37,7 @@ from ..comm.threads import ThreadComm, ThreadGroup
 from ..devices import as_device, device_labels, resolve_devices
 from ..partition import Partition
 from ..plans.plan import Plan
+from .rollback import Released, restore
 from .sharding import ShardedModel, direct_tensors, shard_plan
 from .timeout import DEFAULT_TIMEOUT, resolve_timeout  # noqa: F401 (DEFAULT_TIMEOUT re-exported)
 from .workers import ThreadState, WorkerPool
@@ -121,6 +121,9 @@ class TensorParallel(nn.Module):
         self._placement = placement
         self._loaded = False  # set once no tensor is on the meta device
         _consume(module, world)
+        meta = sum(1 for t in list(self.module_shards[0].parameters()) + list(self.module_shards[0].buffers()) if t.is_meta)
+        if meta:
+            logger.info("%d tensor(s) are on the meta device: load the weights into the split model before calling it", meta)
         split = sum(1 for m in sharded.modules.values() if m.splits)
         logger.info(
             "split %s over %d device(s) %s: %d module(s) split, %d plan entries%s",
@@ -224,7 +227,7 @@ def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.
     #    original gets its tensors back: the model is left as it was.
     made: dict[tuple[int, int], torch.Tensor] = {}
     reused: set[int] = set()
-    released: list[_Released] = []
+    released: list[Released] = []
     where = "the shards' skeletons"
     try:
         for mod_name, mod in module.named_modules(remove_duplicate=False):
@@ -237,7 +240,7 @@ def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.
                         made[key] = _local_tensor(t, split, rank, devices[rank], kind, reused)
                     target = shard_modules[rank][mod_name]
                     (target._parameters if kind == "param" else target._buffers)[tname] = made[key]
-                released.append(_Released(mod, kind, tname, weakref.ref(t), id(t), t.device, t.requires_grad, split))
+                released.append(Released(mod, kind, tname, weakref.ref(t), id(t), t.device, t.requires_grad, split))
                 _release(mod, kind, tname, t)
 
         # 3. Let each style adapt its module in every shard (sizes, forward with collectives). With one device
@@ -249,39 +252,11 @@ def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.
                     where = f"{name or '<root>'} ({type(ms.style).__name__}) on rank {rank}"
                     ms.style.attach(shard_modules[rank][name], ms.splits, ms.context(rank, world, comm))
     except BaseException as e:
-        _restore(released, made, world)
+        restore(released, made, world)
         if hasattr(e, "add_note"):
             e.add_note(f"while building the shards, at {where}; the original model was restored as it was")
         raise
     return shards
-
-
-@dataclass
-class _Released:
-    """A tensor moved out of the original module, and what it takes to put it back."""
-
-    module: nn.Module
-    kind: str
-    name: str
-    ref: Any  # weakref to the original tensor: alive while the user still holds it
-    key: int
-    device: torch.device
-    requires_grad: bool
-    split: tuple[int, Partition] | None
-
-
-def _restore(released: list[_Released], made: dict, world: int) -> None:
-    """Undo step 2 of `_build_shards`: each released tensor goes back, rebuilt from its slices if it is gone."""
-    restored: dict[int, torch.Tensor] = {}  # by original tensor: tied tensors stay tied
-    for r in released:
-        if r.key not in restored:
-            t = r.ref()
-            if t is None:
-                pieces = [made[(r.key, rank)].detach().to(r.device) for rank in range(world)]
-                data = pieces[0] if r.split is None else r.split[1].assemble(pieces, r.split[0])
-                t = nn.Parameter(data, requires_grad=r.requires_grad) if r.kind == "param" else data
-            restored[r.key] = t
-        (r.module._parameters if r.kind == "param" else r.module._buffers)[r.name] = restored[r.key]
 
 
 def _local_tensor(t, split, rank, device, kind, reused: set[int]):
