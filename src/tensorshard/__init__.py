@@ -19,6 +19,7 @@ from .checkpoint import (
     save_tensor_parallel,
 )
 from .comm.counter import CollectiveCounter, count_collectives
+from .comm.rendezvous import CollectiveAborted
 from .engines.inprocess import TensorParallel
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
@@ -28,6 +29,7 @@ from .styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, Rowwis
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveAborted",
     "CollectiveCounter",
     "ColwiseParallel",
     "EmbeddingParallel",

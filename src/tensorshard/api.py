@@ -41,7 +41,8 @@ def tensor_parallel(
             parameters and there are 2+ devices; off for ``model.eval()`` models (inference, generation).
         sharded_param_names: which replicated parameters `sharded` partitions, by original name (default:
             every trainable one with at least as many rows as devices). Implies ``sharded=True``.
-        timeout: seconds a shard may wait at a collective before the call fails.
+        timeout: seconds a shard may wait at a collective before the call fails (default 300, or
+            TENSORSHARD_TIMEOUT). docs/errors.md lists what each failure raises.
         debug: run all shards on one device, one at a time (also TENSORSHARD_DEBUG=1).
     """
     if plan is not None and tensor_parallel_config is not None:
@@ -61,9 +62,7 @@ def tensor_parallel(
         sharded = bool(sharded_param_names) or (
             isinstance(module, nn.Module) and default_sharded(module, len(resolve_devices(device_ids)))
         )
-    model = TensorParallel(module, device_ids, output_device=output_device, plan=plan, timeout=timeout, debug=debug)
-    if sharded:
-        from .engines.zero import shard_replicated
-
-        shard_replicated(model, sharded_param_names)
-    return model
+    return TensorParallel(
+        module, device_ids, output_device=output_device, plan=plan, timeout=timeout, debug=debug,
+        sharded=bool(sharded), sharded_param_names=sharded_param_names,
+    )

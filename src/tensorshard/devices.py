@@ -2,7 +2,8 @@
 
 Accepted: a list of `torch.device`, strings ("cuda:1", "cpu") or GPU indices (1 -> "cuda:1"). "cpu" may
 repeat: each occurrence is one simulated device (a slot with its own worker thread), which is how the
-in-process engine is tested without GPUs. A GPU may appear only once.
+in-process engine is tested without GPUs ("cpu:1" is the same as "cpu"). A GPU may appear only once and
+must be visible; other device types (xpu, mps, ...) must be available in this PyTorch build.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def default_devices() -> list[torch.device]:
 
 
 def as_device(value, *, what: str = "device") -> torch.device:
+    """One device, checked: it must exist here (a GPU index below the number of visible GPUs)."""
     if isinstance(value, bool):
         raise TypeError(f"{what} {value!r} is a bool; use 'cuda:0', 0 or 'cpu'")
     if isinstance(value, torch.device):
@@ -38,19 +40,24 @@ def as_device(value, *, what: str = "device") -> torch.device:
             raise ValueError(f"{what} {value!r} is not a device name; use e.g. 'cuda:0' or 'cpu' ({e})") from None
     else:
         raise TypeError(f"{what} {value!r} has type {type(value).__name__}; use a torch.device, a string or an int")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{what} {value!r} names a GPU, but CUDA is not available here; use 'cpu'")
-        index = torch.cuda.current_device() if device.index is None else device.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"{what} {value!r} does not exist: {torch.cuda.device_count()} GPU(s) are visible "
-                f"(cuda:0..cuda:{torch.cuda.device_count() - 1})"
-            )
-        device = torch.device("cuda", index)
-    elif device.type == "meta":
+    if device.type == "cpu":
+        return torch.device("cpu")  # "cpu:1" is the same memory as "cpu": one more CPU slot
+    if device.type == "meta":
         raise ValueError(f"{what} {value!r}: shards cannot live on the meta device; name real devices")
-    return device
+    backend = getattr(torch, device.type, None)
+    if not (callable(getattr(backend, "is_available", None)) and backend.is_available()):
+        kind = "a GPU, but CUDA" if device.type == "cuda" else f"a device of type {device.type!r}, but that type"
+        raise ValueError(f"{what} {value!r} names {kind} is not available here; use 'cpu' or a device type that is")
+    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else None
+    index = device.index
+    if index is None and callable(getattr(backend, "current_device", None)):
+        index = backend.current_device()
+    if count is not None and index is not None and index >= count:
+        raise ValueError(
+            f"{what} {value!r} does not exist: {count} {device.type} device(s) are visible "
+            f"({device.type}:0..{device.type}:{count - 1}). Check CUDA_VISIBLE_DEVICES, or list fewer devices."
+        )
+    return torch.device(device.type, index) if index is not None else device
 
 
 def resolve_devices(device_ids: Sequence | None) -> list[torch.device]:
@@ -70,9 +77,11 @@ def resolve_devices(device_ids: Sequence | None) -> list[torch.device]:
     devices = [as_device(d, what=f"device_ids[{i}]") for i, d in enumerate(items)]
     repeated = [str(d) for d, n in Counter(devices).items() if n > 1 and d.type != "cpu"]
     if repeated:
+        positions = {r: [i for i, d in enumerate(devices) if str(d) == r] for r in repeated}
+        where = "; ".join(f"{r} at positions {p}" for r, p in positions.items())
         raise ValueError(
-            f"device_ids lists {', '.join(repeated)} more than once; a GPU can hold only one shard "
-            "(only 'cpu' may repeat, to simulate several devices)"
+            f"device_ids {items!r} lists a device more than once ({where}); a GPU holds only one shard. List "
+            "each GPU once (only 'cpu' may repeat, to simulate several devices on one machine)."
         )
     return devices
 

@@ -216,11 +216,15 @@ def block_partition(
         if (size - plain) <= 0 or (size - plain) % head_units:
             raise ValueError(
                 f"{at}{size} features do not divide into blocks {list(blocks or [])} with "
-                f"{heads.num_heads} heads / {heads.num_kv_heads} KV heads ({head_units} head units)"
+                f"{heads.num_heads} heads / {heads.num_kv_heads} KV heads ({head_units} head units). Check the "
+                "Heads entry's num_heads / num_kv_heads against the model, and this layer's blocks."
             )
         head_dim = (size - plain) // head_units
     elif plain != size:
-        raise ValueError(f"{at}blocks {list(blocks or [])} add up to {plain}, but the dimension has {size}")
+        raise ValueError(
+            f"{at}blocks {list(blocks or [])} add up to {plain}, but the dimension has {size}; give block sizes "
+            f"that add up to {size} (e.g. ({size // 2}, {size - size // 2}) for two fused halves), or no blocks"
+        )
 
     per_rank: list[list[Range]] = [[] for _ in range(world_size)]
     for rank, pieces in enumerate(_block_pieces(parsed, world_size, heads, head_dim if head_units else 0, at)):

@@ -58,7 +58,7 @@ def _waiting(thread) -> bool:
 def test_a_stuck_shard_times_out_with_the_operation_named(gen):
     model = tp.tensor_parallel(Flaky(), ["cpu"] * 2, plan=FLAKY_PLAN, timeout=0.5)
     model.module_shards[1].stall = 2.0
-    with pytest.raises(TimeoutError, match=r"copy_to_parallel at ff.w1: device cpu \(rank 1\) did not arrive"):
+    with pytest.raises(TimeoutError, match=r"copy_to_parallel at ff.w1 \(collective #3\): device cpu\[1\] \(rank 1\) did not arrive"):
         model(torch.randn(2, 8, generator=gen, requires_grad=True))
     model.module_shards[1].stall = 0.0
     assert model(torch.randn(2, 8, generator=gen)).shape == (2, 8)

@@ -12,15 +12,12 @@ through peer copies to the first device; CPU tensors are summed in memory. Every
 copy of a result, so a shard may modify it in place. Sums run in rank order, so every shard gets a
 bit-identical result and replicated activations never drift apart.
 
-A rendezvous waits at most `timeout` seconds. A shard that raises aborts the group: every other shard
-waiting at a rendezvous wakes up with `CollectiveAborted` instead of hanging.
+Shards meet at each collective through a `ThreadGroup` (comm/rendezvous.py), which bounds every wait
+and stops all shards of a call when one fails.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,136 +26,9 @@ from torch.autograd import Function
 from ..partition import Partition
 from .base import Comm
 from .counter import record
+from .rendezvous import CollectiveAborted, ThreadGroup
 
-
-_current = threading.local()  # .call: the token of the call this thread is running a shard for
-
-
-def enter_call(group: "ThreadGroup") -> None:
-    """Mark the calling thread as running a shard of `group`'s current call."""
-    _current.call = group.call
-
-
-class CollectiveAborted(RuntimeError):
-    """Raised in a shard waiting at a collective when another shard failed."""
-
-
-@dataclass
-class _Slot:
-    world_size: int
-    payloads: list[Any] = field(default_factory=list)
-    ops: list[tuple[str, str] | None] = field(default_factory=list)
-    arrived: int = 0
-    results: list[Any] | None = None
-    picked: int = 0
-
-    def __post_init__(self) -> None:
-        self.payloads = [None] * self.world_size
-        self.ops = [None] * self.world_size
-
-
-class ThreadGroup:
-    """Rendezvous between the shards of one in-process model, reset before every call."""
-
-    def __init__(self, devices: Sequence[torch.device], timeout: float, *, serial: bool = False) -> None:
-        self.devices = list(devices)
-        self.world_size = len(self.devices)
-        self.timeout = timeout
-        # serial (debug mode): one shard runs at a time; the baton passes at every rendezvous.
-        self.baton = threading.RLock() if serial else None
-        self._cond = threading.Condition()
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new call: forget every slot, error and cached input of the previous one."""
-        with self._cond:
-            self.call = object()
-            self._slots: dict[int, _Slot] = {}
-            self._seq = [0] * self.world_size
-            self._error: BaseException | None = None
-            self.parallel_inputs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in self.devices]
-
-    def abort(self, error: BaseException, rank: int | None = None) -> None:
-        """Wake every waiting shard with an error; the first error is the one reported."""
-        with self._cond:
-            if self._error is None:
-                self._error = error
-            self._cond.notify_all()
-
-    def _raise_aborted(self, rank: int, op: str, where: str) -> None:
-        raise CollectiveAborted(
-            f"{op} at {where or '?'} on device {self.devices[rank]} (rank {rank}) stopped because another "
-            f"shard failed: {type(self._error).__name__}: {self._error}"
-        )
-
-    def exchange(self, rank: int, op: str, where: str, payload: Any, compute: Callable[[list[Any]], list[Any]]) -> Any:
-        """Deposit `payload`; once all shards have, `compute(payloads)` runs once; return this rank's result."""
-        baton = self.baton
-        with self._cond:
-            if getattr(_current, "call", None) is not self.call:
-                raise CollectiveAborted(
-                    f"{op} at {where or '?'} ran outside the current call of its tensor-parallel model "
-                    "(a shard left over from a call that timed out, or a shard module called directly)"
-                )
-            if self._error is not None:
-                self._raise_aborted(rank, op, where)
-            seq = self._seq[rank]
-            self._seq[rank] += 1
-            slot = self._slots.setdefault(seq, _Slot(self.world_size))
-            slot.payloads[rank] = payload
-            slot.ops[rank] = (op, where)
-            slot.arrived += 1
-            last = slot.arrived == self.world_size
-        if last:
-            try:
-                kinds = {o for o, _ in slot.ops}
-                if len(kinds) > 1:
-                    seen = ", ".join(f"rank {r}: {o} at {w or '?'}" for r, (o, w) in enumerate(slot.ops))
-                    raise RuntimeError(
-                        f"shards called different collectives at the same step ({seen}); the shards ran "
-                        "different code, e.g. data-dependent control flow on values that differ per device"
-                    )
-                results = compute(slot.payloads)
-            except BaseException as e:
-                self.abort(e, rank)
-                raise
-            with self._cond:
-                slot.results = results
-                slot.payloads = []
-                self._cond.notify_all()
-        else:
-            if baton is not None:
-                baton.release()
-            try:
-                self._wait(slot, rank, op, where)
-            finally:
-                if baton is not None:
-                    baton.acquire()
-        with self._cond:
-            result = slot.results[rank]
-            slot.picked += 1
-            if slot.picked == self.world_size:
-                self._slots.pop(seq, None)
-            return result
-
-    def _wait(self, slot: _Slot, rank: int, op: str, where: str) -> None:
-        deadline = time.monotonic() + self.timeout
-        with self._cond:
-            while slot.results is None:
-                if self._error is not None:
-                    self._raise_aborted(rank, op, where)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = [r for r in range(self.world_size) if slot.ops[r] is None]
-                    who = ", ".join(f"device {self.devices[r]} (rank {r})" for r in missing)
-                    error = TimeoutError(
-                        f"{op} at {where or '?'}: {who} did not arrive within {self.timeout:g} s. A shard is "
-                        "stuck or ran different code; raise the limit with tensor_parallel(..., timeout=S)."
-                    )
-                    self._error = self._error or error
-                    self._cond.notify_all()
-                    raise error
-                self._cond.wait(remaining)
+__all__ = ["CollectiveAborted", "ThreadComm", "ThreadGroup", "copies", "sum_to_all"]
 
 
 # --- reductions ----------------------------------------------------------------------------------------
@@ -270,14 +140,28 @@ def _needs_grad(xs: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 
+def _signature(x: torch.Tensor, skip_dim: int | None = None) -> tuple:
+    """What must agree between ranks at a collective: the shape (but `skip_dim`) and the dtype."""
+    shape = tuple("*" if d == skip_dim else n for d, n in enumerate(x.shape))
+    return shape, str(x.dtype).removeprefix("torch.")
+
+
 class ThreadComm(Comm):
     """The collectives of shard `rank` of a `ThreadGroup`."""
 
     def __init__(self, group: ThreadGroup, rank: int) -> None:
         self.group, self.rank, self.world_size = group, rank, group.world_size
 
-    def _exchange(self, op: str, where: str, x: Any, compute: Callable[[list[Any]], list[Any]]) -> Any:
-        return self.group.exchange(self.rank, op, where, x, compute)
+    def _exchange(self, op: str, where: str, x: Any, compute: Callable[[list[Any]], list[Any]], signature: Any) -> Any:
+        return self.group.exchange(self.rank, op, where, x, compute, signature)
+
+    def _check_size(self, op: str, where: str, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
+        if x.shape[dim] != expected:
+            raise RuntimeError(
+                f"{op} at {where or '?'} on device {self.group.labels[self.rank]} (rank {self.rank}): expected "
+                f"{expected} elements along dim {dim} ({what}), got shape {tuple(x.shape)}. The layer's input "
+                "or output is not laid out as the plan says; check its blocks and Heads entry."
+            )
 
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
@@ -290,24 +174,28 @@ class ThreadComm(Comm):
             record("all_reduce", _nbytes(xs[0]), "forward", where)
             return sum_to_all(xs, devices)
 
-        return self._exchange("all_reduce", where, x, compute)
+        return self._exchange("all_reduce", where, x, compute, _signature(x))
 
     def copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         # Identity in forward: only needed when a gradient will flow back through x.
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
-        cache = self.group.parallel_inputs[self.rank]
+        cache = self.group.parallel_inputs(self.rank, "copy_to_parallel", where)
         hit = cache.get(id(x))
         if hit is not None and hit[0] is x:
             return hit[1]  # q, k and v (gate and up) share one node, so backward reduces once
         devices = self.group.devices
-        y = self._exchange("copy_to_parallel", where, x, lambda xs: list(_CopyToParallel.apply(devices, where, *xs)))
+        y = self._exchange(
+            "copy_to_parallel", where, x, lambda xs: list(_CopyToParallel.apply(devices, where, *xs)), _signature(x)
+        )
         cache[id(x)] = (x, y)
         return y
 
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        dim %= x.dim()
+        self._check_size("all_gather", where, x, dim, partition.local_size(self.rank), f"this device's slice of {partition.size}")
         devices = self.group.devices
 
         def compute(xs):
@@ -317,18 +205,22 @@ class ThreadComm(Comm):
             record("all_gather", _nbytes(full), "forward", where)
             return copies(full, devices)
 
-        return self._exchange("all_gather", where, x, compute)
+        return self._exchange("all_gather", where, x, compute, _signature(x, dim))
 
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        dim %= x.dim()
+        self._check_size("split", where, x, dim, partition.size, "the whole dimension")
         if not (torch.is_grad_enabled() and x.requires_grad):
             return partition.take(x, dim, self.rank)  # no communication without a backward pass
         devices = self.group.devices
-        return self._exchange("split", where, x, lambda xs: list(_Split.apply(devices, where, partition, dim, *xs)))
+        return self._exchange(
+            "split", where, x, lambda xs: list(_Split.apply(devices, where, partition, dim, *xs)), _signature(x)
+        )
 
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
         devices = self.group.devices
-        return self._exchange("tie", where, x, lambda xs: list(_Tie.apply(devices, where, groups, *xs)))
+        return self._exchange("tie", where, x, lambda xs: list(_Tie.apply(devices, where, groups, *xs)), _signature(x))

@@ -10,6 +10,10 @@ outputs on `output_device`. The whole call is one autograd graph: collectives ar
 span the devices, so `backward()` and an optimizer over `model.parameters()` train the shards exactly like
 the unsplit model (a replicated parameter gets its full gradient on every device).
 
+Failures: a shard that raises, returns early or gets stuck stops the whole call within the timeout,
+with an error naming the device and the operation, and the model stays usable (docs/errors.md). Calls
+from several threads take turns; building the shards is all-or-nothing.
+
 Memory: the original module is consumed. Its tensors are moved into the shards one by one (so the whole
 model never exists twice) and it is left on the meta device; calling it afterwards raises an error.
 """
@@ -19,7 +23,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import threading
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -27,16 +33,17 @@ from torch import nn
 from torch.autograd import Function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..comm.threads import ThreadComm, ThreadGroup, enter_call
+from ..comm.threads import ThreadComm, ThreadGroup
 from ..devices import as_device, device_labels, resolve_devices
 from ..partition import Partition
 from ..plans.plan import Plan
+from .rollback import Released, restore
+from .zero import choose_params, shard_replicated
 from .sharding import ShardedModel, direct_tensors, shard_plan
+from .timeout import DEFAULT_TIMEOUT, resolve_timeout  # noqa: F401 (DEFAULT_TIMEOUT re-exported)
 from .workers import ThreadState, WorkerPool
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_TIMEOUT = 300.0
 
 _shard = threading.local()  # .rank: the shard the current thread is running
 
@@ -59,10 +66,14 @@ class TensorParallel(nn.Module):
         output_device: where outputs land (default: the first device).
         plan: a `Plan` (or a ``{pattern: style}`` dict). Default: a preset for known transformers
             architectures, else a plan inferred from the model's structure.
-        timeout: seconds any shard may wait at a collective before the call fails (default 300, or the
-            TENSORSHARD_TIMEOUT environment variable).
+        timeout: seconds any shard may wait at a collective before the call fails with an error naming the
+            missing device and the operation (default 300, or the TENSORSHARD_TIMEOUT environment
+            variable). See docs/errors.md for what happens when a shard fails.
         debug: run every shard on the first device, one at a time, and check that replicated outputs agree
             (also TENSORSHARD_DEBUG=1): tells a plan bug from an engine bug.
+        sharded: ZeRO-3 for the parameters the plan leaves whole (see engines/zero.py). Off here;
+            `tensor_parallel()` turns it on by default when training.
+        sharded_param_names: which of them to partition (default: every trainable one).
     """
 
     def __init__(
@@ -74,42 +85,55 @@ class TensorParallel(nn.Module):
         plan: Plan | dict | None = None,
         timeout: float | None = None,
         debug: bool | None = None,
+        sharded: bool = False,
+        sharded_param_names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"tensor_parallel() splits an nn.Module; got {type(module).__name__}")
         if isinstance(module, TensorParallel):
             raise TypeError("this module is already a TensorParallel; split the original model once")
+        inner = next((n for n, m in module.named_modules() if isinstance(m, TensorParallel)), None)
+        if inner is not None:
+            raise TypeError(
+                f"{type(module).__name__}.{inner} is already a TensorParallel; split the whole model once, "
+                "from its unsplit form, instead of splitting a model that contains a split one"
+            )
         devices = resolve_devices(device_ids)
         self.debug = _env_flag("TENSORSHARD_DEBUG") if debug is None else bool(debug)
         self.devices = devices
         self.labels = device_labels(devices)
         self.output_device = as_device(output_device, what="output_device") if output_device is not None else devices[0]
-        timeout = float(os.environ.get("TENSORSHARD_TIMEOUT", DEFAULT_TIMEOUT)) if timeout is None else float(timeout)
-        if timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds; got {timeout}")
-        self.timeout = timeout
+        self.timeout = resolve_timeout(timeout)
 
         from ..plans import resolve_plan  # late import: presets and inference import the engine's styles
 
         world = len(devices)
         self.plan = resolve_plan(module, plan, world)
-        sharded = shard_plan(module, self.plan, world)  # raises on any plan error; the model is untouched
+        layout = shard_plan(module, self.plan, world)  # raises on any plan error; the model is untouched
 
         placement = [devices[0]] * world if self.debug else devices
-        self._group = ThreadGroup(placement, timeout, serial=self.debug)
+        _warn_shared_dropout(module, placement)
+        self._group = ThreadGroup(placement, self.timeout, serial=self.debug, labels=self.labels)
         self._pool = WorkerPool()
+        self._call_lock = threading.Lock()  # concurrent callers take turns: the shards share one rendezvous
         # How each tensor of the original is split, by its original state-dict name (for gathered saves).
         self.splits: dict[str, tuple[int, Partition] | None] = {
-            f"{m}.{t}" if m else t: sharded.split_of(tensor)
+            f"{m}.{t}" if m else t: layout.split_of(tensor)
             for m, mod in module.named_modules(remove_duplicate=False)
             for _, t, tensor in direct_tensors(mod)
         }
-        self.module_shards = nn.ModuleList(_build_shards(module, sharded, placement, self._group))
+        zero_names = choose_params(module, self.splits, world, sharded_param_names) if sharded else []
+        self.module_shards = nn.ModuleList(_build_shards(module, layout, placement, self._group))  # atomic
         self._placement = placement
         self.train(module.training)  # the wrapper starts in the mode the module was in
+        self._loaded = False  # set once no tensor is on the meta device
         _consume(module, world)
-        split = sum(1 for m in sharded.modules.values() if m.splits)
+        shard_replicated(self, zero_names)
+        meta = sum(1 for t in list(self.module_shards[0].parameters()) + list(self.module_shards[0].buffers()) if t.is_meta)
+        if meta:
+            logger.info("%d tensor(s) are on the meta device: load the weights into the split model before calling it", meta)
+        split = sum(1 for m in layout.modules.values() if m.splits)
         logger.info(
             "split %s over %d device(s) %s: %d module(s) split, %d plan entries%s",
             type(module).__name__, world, self.labels, split, len(self.plan), " [debug: one device, serial]" if self.debug else "",
@@ -132,50 +156,50 @@ class TensorParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _check_loaded(self)
-        shards, devices = self.module_shards, self._placement
+        shards, devices, group = self.module_shards, self._placement, self._group
         if len(shards) == 1:
             first = shards[0]
             args, kwargs = _to_device((args, kwargs), devices[0])
-            _shard.rank = 0
+            previous, _shard.rank = current_rank(), 0
             try:
                 return _to_device(first(*args, **kwargs), self.output_device)
             finally:
-                _shard.rank = None
+                _shard.rank = previous
 
-        group = self._group
-        group.reset()
+        if group.running_here():
+            raise RuntimeError(
+                "this TensorParallel model was called from inside one of its own shards (a hook or callback "
+                "running during its forward). A split model runs one call at a time; call it after the outer "
+                "call returns."
+            )
         state = ThreadState.capture()
         per_rank_inputs = _replicate_inputs((args, kwargs), devices)
 
-        def shard_call(rank: int):
+        def shard_call(call, rank: int):
             def run():
-                enter_call(group)
-                _shard.rank = rank
+                previous, _shard.rank = current_rank(), rank
                 try:
-                    if group.baton is not None:
-                        group.baton.acquire()
-                    try:
-                        with state.applied(devices[rank]):
-                            a, kw = per_rank_inputs(rank)
-                            return shards[rank](*a, **kw)
-                    finally:
-                        if group.baton is not None:
-                            group.baton.release()
-                except BaseException as e:
-                    group.abort(e, rank)  # wake the shards waiting for this one
-                    raise
+                    with state.applied(devices[rank]):
+                        a, kw = per_rank_inputs(rank)
+                        return shards[rank](*a, **kw)
                 finally:
-                    _shard.rank = None
+                    _shard.rank = previous
 
-            return run
+            return lambda: group.run_shard(call, rank, run)
 
-        outputs = self._pool.run(
-            [shard_call(r) for r in range(len(shards))],
-            labels=self.labels,
-            on_error=lambda e, rank: group.abort(e, rank),
-            timeout=self.timeout + 5.0,
-        )
-        group.reset()  # drop the call's cached tensors
+        with self._call_lock:
+            call = group.begin()
+            try:
+                outputs = self._pool.run(
+                    [shard_call(call, r) for r in range(len(shards))],
+                    labels=self.labels,
+                    on_error=lambda e, rank: group.abort(call, e),
+                    timeout=self.timeout + 5.0,
+                    first_error=lambda: call.error,
+                    grace=min(5.0, self.timeout),
+                )
+            finally:
+                group.end(call)  # drop the call's cached tensors; a straggler fails at its next collective
         src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
         return _gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
 
@@ -211,26 +235,39 @@ def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.
     shard_modules = [dict(s.named_modules(remove_duplicate=False)) for s in shards]
 
     # 2. Fill them tensor by tensor, releasing each original tensor once every device has its slice.
+    #    Should anything fail before the end (out of memory on a device, a style's error, Ctrl-C), the
+    #    original gets its tensors back: the model is left as it was.
     made: dict[tuple[int, int], torch.Tensor] = {}
     reused: set[int] = set()
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for kind, tname, t in list(direct_tensors(mod)):
-            split = sharded.split_of(t)
-            for rank in range(world):
-                key = (id(t), rank)
-                if key not in made:
-                    made[key] = _local_tensor(t, split, rank, devices[rank], kind, reused)
-                target = shard_modules[rank][mod_name]
-                (target._parameters if kind == "param" else target._buffers)[tname] = made[key]
-            _release(mod, kind, tname, t)
+    released: list[Released] = []
+    where = "the shards' skeletons"
+    try:
+        for mod_name, mod in module.named_modules(remove_duplicate=False):
+            for kind, tname, t in list(direct_tensors(mod)):
+                split = sharded.split_of(t)
+                for rank in range(world):
+                    where = f"{mod_name}.{tname}".lstrip(".") + f" on {devices[rank]} (rank {rank})"
+                    key = (id(t), rank)
+                    if key not in made:
+                        made[key] = _local_tensor(t, split, rank, devices[rank], kind, reused)
+                    target = shard_modules[rank][mod_name]
+                    (target._parameters if kind == "param" else target._buffers)[tname] = made[key]
+                released.append(Released(mod, kind, tname, weakref.ref(t), id(t), t.device, t.requires_grad, split))
+                _release(mod, kind, tname, t)
 
-    # 3. Let each style adapt its module in every shard (sizes, forward with collectives). With one device
-    #    every layer is whole and runs its own forward.
-    if world > 1:
-        for rank in range(world):
-            comm = ThreadComm(group, rank)
-            for name, ms in sharded.modules.items():
-                ms.style.attach(shard_modules[rank][name], ms.splits, ms.context(rank, world, comm))
+        # 3. Let each style adapt its module in every shard (sizes, forward with collectives). With one device
+        #    every layer is whole and runs its own forward.
+        if world > 1:
+            for rank in range(world):
+                comm = ThreadComm(group, rank)
+                for name, ms in sharded.modules.items():
+                    where = f"{name or '<root>'} ({type(ms.style).__name__}) on rank {rank}"
+                    ms.style.attach(shard_modules[rank][name], ms.splits, ms.context(rank, world, comm))
+    except BaseException as e:
+        restore(released, made, world)
+        if hasattr(e, "add_note"):
+            e.add_note(f"while building the shards, at {where}; the original model was restored as it was")
+        raise
     return shards
 
 
@@ -269,13 +306,35 @@ def _consume(module: nn.Module, world: int) -> None:
     module.register_forward_pre_hook(refuse)
 
 
+def _warn_shared_dropout(module: nn.Module, placement: list[torch.device]) -> None:
+    """Shards on one device type without per-device generators (CPU slots) draw different dropout masks
+    from the one generator they share: replicated activations, and the gradients of replicated
+    parameters, then differ between shards."""
+    shared = len(set(placement)) < len(placement)
+    drops = [n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    if shared and drops:
+        logger.warning(
+            "%s has dropout (%s%s) and %d shards share one device's random generator: in training mode each "
+            "shard draws its own masks, so replicated activations and replicated parameters' gradients differ "
+            "between shards. Train with dropout off (p=0) when simulating devices on one device; eval() is fine.",
+            type(module).__name__, drops[0], f" and {len(drops) - 1} more" if len(drops) > 1 else "", len(placement),
+        )
+
+
 def _check_loaded(model: TensorParallel) -> None:
-    for name, p in model.named_parameters():
-        if p.is_meta:
-            raise RuntimeError(
-                f"{name} is on the meta device: this model was built without weights. Load them first "
-                "(tensorshard.load_sharded / tensorshard.from_pretrained), or build it from a model with weights."
-            )
+    if model._loaded:
+        return
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    meta = list(dict.fromkeys(re.sub(r"^module_shards\.\d+\.", "", n) for n, t in tensors if t.is_meta))  # original names
+    if meta:
+        more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
+        raise RuntimeError(
+            f"{meta[0]}{more} is on the meta device: this model was split without its weights. Load them into "
+            "the split model first (tensorshard's sharded checkpoint loader), or split a model that holds its "
+            "weights. Buffers computed in __init__ (rotary inv_freq, say) are not in checkpoints: build the "
+            "model with them on a real device."
+        )
+    model._loaded = True
 
 
 def _tensor_bytes(module: nn.Module) -> int:
@@ -326,8 +385,17 @@ def _to_device(tree: Any, device: torch.device) -> Any:
 
 
 def _replicate_inputs(tree: Any, devices: list[torch.device]):
-    """A function rank -> that rank's copy of the inputs (tensors moved to its device)."""
+    """A function rank -> that rank's copy of the inputs (tensors moved to its device).
+
+    Inputs may live on any device: each shard gets its own copy on its device (they are not checked
+    against the model's devices, as they would have to be under torchrun)."""
     leaves, spec = tree_flatten(tree)
+    meta = next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"input tensor #{meta} (shape {tuple(leaves[meta].shape)}) is on the meta device: it has no values "
+            "to compute with. Pass real tensors (on any device; each shard gets a copy on its own)."
+        )
     grad = torch.is_grad_enabled()
     copies = {
         i: _ReplicateInput.apply(devices, x)

@@ -3,7 +3,8 @@
 `shard_plan(module, plan, world_size)` matches the plan, builds the head groups of every `Heads` entry,
 and asks each style how its module's tensors split. It only reads the model: every error about the plan
 (a pattern that matches nothing, a style on the wrong layer type, a dimension with fewer units than
-devices, a tied weight split two different ways) is raised here, before any engine touches the model.
+devices, neighbouring layers that disagree on a split (engines/validate.py), a tied weight split two
+different ways) is raised here, before any engine touches the model.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..partition import HeadGroups, Partition
 from ..plans.plan import Plan
 from ..styles.base import ShardContext, Splits, Style
 from ..styles.heads import Heads
+from .validate import check_layouts
 
 
 @dataclass
@@ -69,6 +71,8 @@ def shard_plan(module: nn.Module, plan: Plan, world_size: int) -> ShardedModel:
         shard = ModuleShard(name, a.pattern, a.style, heads, {})
         shard.splits = a.style.shard(by_name[name], shard.context(0, world_size, NoComm(0, world_size)))
         modules[name] = shard
+
+    check_layouts(module, modules, world_size)  # neighbours agree on how the features they pass are split
 
     # Every tensor (a tied weight appears under several modules) must be split one way only.
     tensors: dict[int, tuple[int, Partition] | None] = {}

@@ -4,15 +4,20 @@ The caller's thread runs shard 0 itself; shards 1..N-1 run in persistent worker 
 releases the GIL inside its kernels, so the shards' matrix products overlap). Grad mode, inference mode
 and autocast are thread-local in PyTorch; `ThreadState` copies them from the caller into every worker.
 
-A shard that raises aborts the others' collectives (see comm/threads.py); `run` waits until every shard
-has finished, so no thread is left waiting, then re-raises the first real error with a note naming the
-device. A shard that never comes back within the timeout is reported and its thread is replaced.
+A shard that raises aborts the others' collectives (see comm/threads.py); `run` then waits for every
+shard to stop, so none is left running the failed call, and re-raises the error that came first, with a
+note naming the device. The wait is bounded: a worker still running `timeout` seconds after shard 0
+returned, or `grace` seconds after a shard failed, is reported stuck and abandoned (its thread exits
+when it comes back; the next call starts a fresh one). After a KeyboardInterrupt the others get
+`INTERRUPT_GRACE` seconds. Worker threads end when their pool is garbage-collected or closed.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
+import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -51,6 +56,11 @@ class ThreadState:
             yield
 
 
+ABORT_GRACE = 5.0  # seconds (at most) the other shards get to stop once one has failed
+INTERRUPT_GRACE = 2.0  # ... after a KeyboardInterrupt in the caller
+_POLL = 0.1  # seconds between checks for a failure while waiting for a worker
+
+
 class _Task:
     __slots__ = ("fn", "done", "value", "error")
 
@@ -65,6 +75,13 @@ class WorkerPool:
         self.name = name
         self._queues: dict[int, queue.SimpleQueue] = {}
         self._threads: dict[int, threading.Thread] = {}
+        # The threads hold only their queues, so the pool can be collected; then they are told to stop.
+        self._finalizer = weakref.finalize(self, _stop_all, self._queues)
+
+    def close(self) -> None:
+        """Stop the idle worker threads (a later `run` starts new ones)."""
+        _stop_all(self._queues)
+        self._threads.clear()
 
     def _worker(self, index: int) -> queue.SimpleQueue:
         thread = self._threads.get(index)
@@ -76,9 +93,11 @@ class WorkerPool:
         return self._queues[index]
 
     def _forget(self, index: int) -> None:
-        """Drop a worker that is stuck; the next call starts a fresh thread."""
+        """Drop a worker that is stuck: it exits once it returns; the next call starts a fresh thread."""
         self._threads.pop(index, None)
-        self._queues.pop(index, None)
+        q = self._queues.pop(index, None)
+        if q is not None:
+            q.put(None)
 
     def run(
         self,
@@ -87,33 +106,61 @@ class WorkerPool:
         labels: Sequence[str],
         on_error: Callable[[BaseException, int], None],
         timeout: float,
+        first_error: Callable[[], BaseException | None] = lambda: None,
+        grace: float = ABORT_GRACE,
     ) -> list[Any]:
+        """Run the shards; return their values, or raise the error that came first (`first_error()` if
+        it is one of theirs, else the first that is not a `CollectiveAborted`).
+
+        Waits at most `timeout` seconds for the workers after shard 0 returns, and at most `grace` once a
+        shard has failed (`INTERRUPT_GRACE` after a KeyboardInterrupt).
+        """
         tasks = [_Task(fn) for fn in fns]
         for index, task in enumerate(tasks[1:], start=1):
             self._worker(index).put(task)
         _execute(tasks[0])
+        errors: dict[int, BaseException] = {}
+        deadline = time.monotonic() + timeout
+        interrupted: BaseException | None = None
+
+        def failed(error: BaseException, index: int) -> None:
+            nonlocal deadline
+            errors[index] = error
+            on_error(error, index)
+            wait = grace if isinstance(error, Exception) else min(grace, INTERRUPT_GRACE)
+            deadline = min(deadline, time.monotonic() + wait)
+
         if tasks[0].error is not None:
-            on_error(tasks[0].error, 0)
+            failed(tasks[0].error, 0)
         for index, task in enumerate(tasks[1:], start=1):
-            try:
-                finished = task.done.wait(timeout)
-            except BaseException as e:  # e.g. KeyboardInterrupt while waiting
-                on_error(e, 0)
-                for other in tasks[1:]:
-                    other.done.wait(timeout)
-                raise
-            if not finished:
-                task.error = TimeoutError(
-                    f"the shard on {labels[index]} did not finish within {timeout:g} s; it is stuck outside "
-                    "tensorshard's collectives (in the model's own code?)"
-                )
+            while True:
+                try:
+                    if task.done.wait(max(0.0, min(deadline - time.monotonic(), _POLL))):
+                        break
+                except BaseException as e:  # KeyboardInterrupt while waiting
+                    interrupted = interrupted or e
+                    failed(e, 0)
+                    continue
+                if first_error() is not None:
+                    deadline = min(deadline, time.monotonic() + grace)  # a worker failed: stop soon
+                if time.monotonic() >= deadline:
+                    break
+            if not task.done.is_set():
                 self._forget(index)
-            if task.error is not None:
-                on_error(task.error, index)
-        errors = [(i, t.error) for i, t in enumerate(tasks) if t.error is not None]
+                failed(TimeoutError(
+                    f"the shard on {labels[index]} (rank {index}) did not stop in time: it is stuck outside "
+                    "tensorshard's collectives (in the model's own code?). Its thread was abandoned."
+                ), index)
+            elif task.error is not None:
+                failed(task.error, index)
+        if interrupted is not None:
+            raise interrupted
         if errors:
-            # Report the shard that failed first, not the ones that stopped because of it.
-            index, error = next(((i, e) for i, e in errors if not isinstance(e, CollectiveAborted)), errors[0])
+            first = first_error()
+            index, error = next(
+                ((i, e) for i, e in errors.items() if e is first),
+                next(((i, e) for i, e in errors.items() if not isinstance(e, CollectiveAborted)), next(iter(errors.items()))),
+            )
             note = f"raised in the tensor-parallel shard on {labels[index]} (rank {index})"
             if hasattr(error, "add_note"):
                 error.add_note(note)
@@ -134,4 +181,14 @@ def _execute(task: _Task) -> None:
 
 def _loop(q: queue.SimpleQueue) -> None:
     while True:
-        _execute(q.get())
+        task = q.get()
+        if task is None:  # the pool was closed, collected, or gave up on this thread
+            return
+        _execute(task)
+        del task  # do not keep the call's outputs alive until the next call
+
+
+def _stop_all(queues: dict[int, queue.SimpleQueue]) -> None:
+    for q in queues.values():
+        q.put(None)
+    queues.clear()

@@ -58,18 +58,20 @@ def zero_partition(rows: int, world_size: int) -> Partition:
     return Partition(rows, tuple(ranges))
 
 
-def choose_params(model, names: Sequence[str] | None) -> list[str]:
-    """Which original parameter names ZeRO-3 partitions (validating user-given names)."""
-    world = model.world_size
-    shard = model.module_shards[0]
-    params = dict(shard.named_parameters(remove_duplicate=False))
-    buffers = dict(shard.named_buffers(remove_duplicate=False))
+def choose_params(module: nn.Module, splits: dict, world: int, names: Sequence[str] | None) -> list[str]:
+    """Which parameter names ZeRO-3 partitions, validating user-given names.
+
+    Called on the unsplit module with the plan's `splits` (name -> split or None) before anything is
+    changed, so a bad name leaves the user's model as it was.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
     if names is None:
         chosen = [
             n for n, p in params.items()
-            if model.splits.get(n) is None and p.requires_grad and p.dim() >= 1 and p.shape[0] >= world
+            if splits.get(n) is None and p.requires_grad and p.dim() >= 1 and p.shape[0] >= world
         ]
-        skipped = [n for n, p in params.items() if model.splits.get(n) is None and n not in chosen]
+        skipped = [n for n, p in params.items() if splits.get(n) is None and n not in chosen]
         if skipped:
             logger.debug("ZeRO-3 leaves whole (frozen, scalar, or fewer rows than devices): %s", skipped)
         return chosen
@@ -83,9 +85,9 @@ def choose_params(model, names: Sequence[str] | None) -> list[str]:
             close = difflib.get_close_matches(name, list(params), n=3)
             hint = f" Closest: {', '.join(close)}." if close else ""
             raise ValueError(f"sharded_param_names: {name!r} is not a parameter of the model.{hint}")
-        if model.splits.get(name) is not None:
+        if splits.get(name) is not None:
             raise ValueError(
-                f"sharded_param_names: {name!r} is already split by the plan (dim {model.splits[name][0]}); "
+                f"sharded_param_names: {name!r} is already split by the plan (dim {splits[name][0]}); "
                 "ZeRO-3 partitions only what the plan leaves whole"
             )
         p = params[name]
@@ -98,16 +100,13 @@ def choose_params(model, names: Sequence[str] | None) -> list[str]:
     return chosen
 
 
-def shard_replicated(model, names: Sequence[str] | None = None) -> list[str]:
-    """Partition the replicated parameters `names` (default: all trainable ones) of a TensorParallel model.
+def shard_replicated(model, chosen: Sequence[str]) -> list[str]:
+    """Partition the replicated parameters `chosen` (see `choose_params`) of a TensorParallel model.
 
     Returns the names partitioned. Tied parameters stay tied (one slice object per device).
     """
     world = model.world_size
-    if world == 1:
-        return []
-    chosen = choose_params(model, names)
-    if not chosen:
+    if world == 1 or not chosen:
         return []
     if getattr(model, "zero_splits", None):
         raise RuntimeError("this model is already ZeRO-3 partitioned")

@@ -116,7 +116,7 @@ class Plan(Mapping[str, Style]):
         if unused:
             lines = []
             for pattern in unused:
-                close = difflib.get_close_matches(pattern, [n for n in names if n], n=4, cutoff=0.5)
+                close = difflib.get_close_matches(pattern, _candidates(pattern, names), n=4, cutoff=0.5)
                 hint = f" Closest module names: {', '.join(close)}." if close else ""
                 lines.append(f"  {pattern!r} matches no module of {type(module).__name__}.{hint}")
             raise ValueError(
@@ -179,6 +179,14 @@ class Assignment:
     pattern: str
     style: Style
     heads_owner: str | None = None
+
+
+def _candidates(pattern: str, names: list[str]) -> list[str]:
+    """Module names to suggest for `pattern`; for a glob, with numbered segments as ``*`` (layers.*.mlp)."""
+    names = [n for n in names if n]
+    if not any(c in pattern for c in "*?["):
+        return names
+    return list(dict.fromkeys(".".join("*" if p.isdigit() else p for p in n.split(".")) for n in names))
 
 
 def _inside(name: str, parent: str) -> bool:

@@ -75,5 +75,9 @@ def _resolve(module: nn.Module, path: str, where: str):
     for part in parents:
         owner = getattr(owner, part, None)
     if owner is None or not hasattr(owner, attr):
-        raise ValueError(f"{where}: Heads attrs names {path!r}, but {type(module).__name__} has no such attribute")
+        ints = sorted(k for k, v in vars(module).items() if isinstance(v, int) and not isinstance(v, bool) and not k.startswith("_"))
+        raise ValueError(
+            f"{where}: Heads attrs names {path!r}, but {type(module).__name__} has no such attribute. Name the "
+            f"attributes its forward reshapes with (its int attributes: {', '.join(ints) or 'none'})."
+        )
     return owner, attr

@@ -1,0 +1,264 @@
+"""The rendezvous of the in-process engine's shards: where worker threads meet at each collective.
+
+Each shard deposits its tensor at a slot (one slot per collective, in call order); the last to arrive
+computes the collective for all of them (comm/threads.py supplies that computation) and every shard
+picks up its own result.
+
+No wait is unbounded. Everything one call of the model shares (rendezvous slots, the first error, cached
+inputs) lives in a `_Call` that is dropped when the call ends, so a shard left over from an abandoned call
+cannot disturb the next one. A shard waiting at a collective stops, with an error naming the device and
+the operation, as soon as:
+
+- another shard raised (`CollectiveAborted`, which points at that error);
+- a shard it waits for returned without reaching this collective, or the shards met at different
+  collectives or with tensors of different shapes: they ran different code (`RuntimeError`);
+- `timeout` seconds passed without the missing shards arriving (`TimeoutError`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+_local = threading.local()  # .calls: the calls this thread runs a shard of, innermost last
+
+
+def _running() -> list["_Call"]:
+    calls = getattr(_local, "calls", None)
+    if calls is None:
+        calls = _local.calls = []
+    return calls
+
+
+class CollectiveAborted(RuntimeError):
+    """Raised in a shard waiting at a collective when another shard failed."""
+
+
+@dataclass
+class _Slot:
+    """The n-th collective of a call: what each rank brought, and the results once the last one arrived."""
+
+    world_size: int
+    payloads: list[Any] = field(default_factory=list)
+    ops: list[tuple[str, str, Any] | None] = field(default_factory=list)  # (op, where, signature) per rank
+    arrived: int = 0
+    results: list[Any] | None = None
+    picked: int = 0
+
+    def __post_init__(self) -> None:
+        self.payloads = [None] * self.world_size
+        self.ops = [None] * self.world_size
+
+
+class _Call:
+    """The state one call of the model shares between its shards; dropped when the call ends."""
+
+    def __init__(self, group: "ThreadGroup") -> None:
+        n = group.world_size
+        self.group = group
+        self.slots: dict[int, _Slot] = {}
+        self.seq = [0] * n  # collectives each rank has entered
+        self.finished: list[bool] = [False] * n  # ranks whose shard returned
+        self.error: BaseException | None = None  # the first failure; every waiting shard stops on it
+        self.ended = False
+        self.parallel_inputs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(n)]
+
+
+class ThreadGroup:
+    """Rendezvous between the shards of one in-process model; one `_Call` per forward call."""
+
+    def __init__(self, devices: Sequence[torch.device], timeout: float, *, serial: bool = False,
+                 labels: Sequence[str] | None = None) -> None:
+        self.devices = list(devices)
+        self.world_size = len(self.devices)
+        self.labels = list(labels) if labels is not None else [str(d) for d in self.devices]
+        self.timeout = timeout
+        # serial (debug mode): one shard runs at a time; the baton passes at every rendezvous.
+        self.baton = threading.RLock() if serial else None
+        self._cond = threading.Condition()
+        self.current: _Call | None = None
+
+    def _who(self, rank: int) -> str:
+        return f"device {self.labels[rank]} (rank {rank})"
+
+    # -- calls ---------------------------------------------------------------------------------------------
+
+    def begin(self) -> _Call:
+        """Start a call. The engine runs one call at a time per group."""
+        with self._cond:
+            self.current = _Call(self)
+            return self.current
+
+    def end(self, call: _Call) -> None:
+        """End a call: drop its cached tensors; a shard still inside it fails at its next collective."""
+        with self._cond:
+            call.ended = True
+            call.slots = {}
+            call.parallel_inputs = [{} for _ in range(self.world_size)]
+            if self.current is call:
+                self.current = None
+            self._cond.notify_all()
+
+    def abort(self, call: _Call, error: BaseException) -> None:
+        """Wake every shard of `call` waiting at a collective; the first error is the one reported."""
+        with self._cond:
+            if call.error is None:
+                call.error = error
+            self._cond.notify_all()
+
+    def running_here(self) -> bool:
+        """True when the calling thread is running a shard of this group (a re-entrant call)."""
+        return any(c.group is self and not c.ended for c in _running())
+
+    def run_shard(self, call: _Call, rank: int, fn: Callable[[], Any]) -> Any:
+        """Run shard `rank` of `call` in this thread: a failure aborts the call, a return is reported."""
+        stack = _running()
+        stack.append(call)
+        try:
+            try:
+                if self.baton is not None:
+                    self._take_baton(call, rank)
+                try:
+                    result = fn()
+                finally:
+                    if self.baton is not None:
+                        self.baton.release()
+            except BaseException as e:
+                self.abort(call, e)
+                raise
+            with self._cond:
+                call.finished[rank] = True
+                self._cond.notify_all()  # a shard waiting for this one must not wait in vain
+            return result
+        finally:
+            stack.remove(call)
+
+    def _take_baton(self, call: _Call, rank: int) -> None:
+        if not self.baton.acquire(timeout=self.timeout):
+            raise TimeoutError(
+                f"[debug] {self._who(rank)} waited {self.timeout:g} s for its turn: another shard is stuck "
+                "outside tensorshard's collectives"
+            )
+
+    # -- rendezvous ----------------------------------------------------------------------------------------
+
+    def _call_of_this_thread(self, op: str, where: str) -> _Call:
+        call = next((c for c in reversed(_running()) if c.group is self), None)
+        if call is None or call is not self.current or call.ended:
+            raise CollectiveAborted(
+                f"{op} at {where or '?'} ran outside the current call of its tensor-parallel model (a shard "
+                "left over from a call that failed or timed out, a shard module called directly, or a "
+                "forward recomputed in backward by activation checkpointing, which the in-process engine "
+                "does not support)"
+            )
+        return call
+
+    def parallel_inputs(self, rank: int, op: str, where: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """This call's cache of tensors already passed through copy_to_parallel on `rank`."""
+        return self._call_of_this_thread(op, where).parallel_inputs[rank]
+
+    def _raise_aborted(self, call: _Call, rank: int, op: str, where: str) -> None:
+        raise CollectiveAborted(
+            f"{op} at {where or '?'} on {self._who(rank)} stopped because another shard failed: "
+            f"{type(call.error).__name__}: {call.error}"
+        )
+
+    def _fail(self, call: _Call, error: BaseException) -> BaseException:
+        """Record `error` as the call's failure (unless one is already recorded) and wake everyone."""
+        call.error = call.error or error
+        self._cond.notify_all()
+        return error
+
+    def exchange(
+        self,
+        rank: int,
+        op: str,
+        where: str,
+        payload: Any,
+        compute: Callable[[list[Any]], list[Any]],
+        signature: Any = None,
+    ) -> Any:
+        """Deposit `payload`; once all shards have, `compute(payloads)` runs once; return this rank's result.
+
+        `signature` (e.g. shape and dtype) must be equal on every rank, or the call fails.
+        """
+        baton = self.baton
+        with self._cond:
+            call = self._call_of_this_thread(op, where)
+            if call.error is not None:
+                self._raise_aborted(call, rank, op, where)
+            seq = call.seq[rank]
+            call.seq[rank] += 1
+            slot = call.slots.setdefault(seq, _Slot(self.world_size))
+            slot.payloads[rank] = payload
+            slot.ops[rank] = (op, where, signature)
+            slot.arrived += 1
+            last = slot.arrived == self.world_size
+            if last and len(set(slot.ops)) > 1:
+                raise self._fail(call, self._mismatch(seq, slot))
+        if last:
+            try:
+                results = compute(slot.payloads)
+            except BaseException as e:
+                self.abort(call, e)
+                raise
+            with self._cond:
+                slot.results = results
+                slot.payloads = []
+                self._cond.notify_all()
+        else:
+            if baton is not None:
+                baton.release()
+            try:
+                self._wait(call, seq, slot, rank, op, where)
+            finally:
+                if baton is not None:
+                    self._take_baton(call, rank)
+        with self._cond:
+            result = slot.results[rank]
+            slot.picked += 1
+            if slot.picked == self.world_size:
+                call.slots.pop(seq, None)
+            return result
+
+    def _mismatch(self, seq: int, slot: _Slot) -> RuntimeError:
+        seen = "; ".join(
+            f"{self._who(r)}: {o} at {w or '?'}" + (f" {s}" if s is not None else "")
+            for r, (o, w, s) in enumerate(slot.ops)
+        )
+        return RuntimeError(
+            f"collective #{seq + 1} of this call differs between shards ({seen}). The shards ran different "
+            "code (control flow on values that differ per device?) or the plan splits a tensor that the model "
+            "uses whole; TENSORSHARD_DEBUG=1 runs the shards one by one to find where they diverge."
+        )
+
+    def _wait(self, call: _Call, seq: int, slot: _Slot, rank: int, op: str, where: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while slot.results is None:
+                if call.error is not None:
+                    self._raise_aborted(call, rank, op, where)
+                if call.ended:
+                    raise CollectiveAborted(f"{op} at {where or '?'} on {self._who(rank)}: the call ended")
+                missing = [r for r in range(self.world_size) if slot.ops[r] is None]
+                gone = [r for r in missing if call.finished[r]]
+                if gone:
+                    who = ", ".join(f"{self._who(r)} ({call.seq[r]} collective(s))" for r in gone)
+                    raise self._fail(call, RuntimeError(
+                        f"{op} at {where or '?'} (collective #{seq + 1}) on {self._who(rank)}: {who} returned "
+                        "without reaching it. The shards ran different code (control flow on values that "
+                        "differ per device?); TENSORSHARD_DEBUG=1 runs them one by one to find where."
+                    ))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    who = ", ".join(self._who(r) for r in missing)
+                    raise self._fail(call, TimeoutError(
+                        f"{op} at {where or '?'} (collective #{seq + 1}): {who} did not arrive within "
+                        f"{self.timeout:g} s. A shard is stuck or ran different code; raise the limit with "
+                        "tensor_parallel(..., timeout=S) or TENSORSHARD_TIMEOUT=S if a step is just slow."
+                    ))
+                self._cond.wait(remaining)

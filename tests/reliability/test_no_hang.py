@@ -1,0 +1,240 @@
+"""No hang, ever: every way a shard can fail ends the call promptly, with an error naming the device and
+the operation, leaves no worker thread behind, and leaves the model usable for the next call."""
+
+import copy
+import gc
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import tensorshard as tp
+from helpers import rel_err
+from workers_state import busy_workers
+
+pytestmark = pytest.mark.timeout(60)
+
+PLAN = {"a[12]": tp.ColwiseParallel(), "b[12]": tp.RowwiseParallel()}
+
+
+class Steps(nn.Module):
+    """Two column -> row pairs (two all-reduces); each shard can be told to misbehave somewhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.a1, self.b1 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.a2, self.b2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.fail = None  # "before", "between" or "after" the collectives
+        self.stall = 0.0  # seconds to sleep between the two pairs
+        self.skip_first = False  # go straight to the second pair
+        self.early_exit = False  # return after the first pair
+        self.rows = None  # keep only this many rows before the second pair (a different shape)
+
+    def forward(self, x):
+        if self.fail == "before":
+            raise ValueError("failing before the collectives")
+        h = x if self.skip_first else self.b1(self.a1(x))
+        if self.fail == "between":
+            raise ValueError("failing between the collectives")
+        time.sleep(self.stall)
+        if self.early_exit:
+            return h
+        if self.rows:
+            h = h[: self.rows]
+        y = self.b2(self.a2(h))
+        if self.fail == "after":
+            raise ValueError("failing after the collectives")
+        return y
+
+
+def split(n=3, **kwargs):
+    ref = Steps()
+    kwargs.setdefault("sharded", False)  # the collective numbers below are those of the plan alone
+    return ref, tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * n, plan=PLAN, **kwargs)
+
+
+def assert_usable(model, ref, gen):
+    """The next call works and matches the unsplit model (fp32, 1e-5), gradients included."""
+    for shard in model.module_shards:
+        shard.fail, shard.stall, shard.skip_first, shard.early_exit, shard.rows = None, 0.0, False, False, None
+    x = torch.randn(4, 8, generator=gen)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = model(xa)
+    assert rel_err(out, ref(xb)) < 1e-5
+    out.sum().backward()
+    ref(xb).sum().backward()
+    assert rel_err(xa.grad, xb.grad) < 1e-5
+
+
+def notes(error) -> str:
+    return " ".join(getattr(error, "__notes__", []))
+
+
+@pytest.mark.parametrize("where", ["before", "between", "after"])
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_a_raising_shard_reraises_in_the_caller_promptly(where, rank, gen):
+    ref, model = split(3)
+    model.module_shards[rank].fail = where
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=f"failing {where} the collectives") as info:
+        model(torch.randn(4, 8, generator=gen, requires_grad=True))
+    assert time.monotonic() - start < 5
+    assert f"cpu[{rank}] (rank {rank})" in notes(info.value)
+    assert busy_workers(model) == []  # every shard stopped; none is left waiting at a collective
+    assert_usable(model, ref, gen)
+
+
+def test_a_shard_returning_early_stops_the_others_at_once(gen):
+    ref, model = split(3)  # default timeout: 300 s
+    model.module_shards[1].early_exit = True
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"all_reduce at b2 \(collective #2\).*cpu\[1\] \(rank 1\) \(1 collective\(s\)\) returned without reaching it"):
+        with torch.no_grad():
+            model(torch.randn(4, 8, generator=gen))
+    assert time.monotonic() - start < 5
+    assert busy_workers(model) == []
+    assert_usable(model, ref, gen)
+
+
+def test_shards_at_different_collectives_fail_naming_both(gen):
+    ref, model = split(2)
+    model.module_shards[1].skip_first = True  # rank 0 is at b1 while rank 1 is at b2
+    with pytest.raises(RuntimeError, match=r"collective #1 of this call differs between shards.*all_reduce at b1.*all_reduce at b2"):
+        with torch.no_grad():
+            model(torch.randn(4, 8, generator=gen))
+    assert_usable(model, ref, gen)
+
+
+def test_different_shapes_at_one_collective_fail_instead_of_broadcasting(gen):
+    ref, model = split(3)
+    model.module_shards[2].rows = 1  # (1, 8) would broadcast against (4, 8) in the sum
+    with pytest.raises(RuntimeError, match=r"differs between shards.*\(4, 8\).*\(1, 8\)"):
+        with torch.no_grad():
+            model(torch.randn(4, 8, generator=gen))
+    assert_usable(model, ref, gen)
+
+
+def test_a_stuck_worker_is_reported_and_abandoned_and_cannot_disturb_later_calls(gen):
+    ref, model = split(2, timeout=0.3)
+    assert_usable(model, ref, gen)  # starts the worker thread
+    stuck = model._pool._threads[1]
+    model.module_shards[1].stall = 3.0
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"all_reduce at b2 \(collective #2\): device cpu\[1\] \(rank 1\) did not arrive within 0.3 s"):
+        with torch.no_grad():
+            model(torch.randn(4, 8, generator=gen))
+    assert time.monotonic() - start < 2.5  # did not wait for the stuck shard (3 s)
+    model.module_shards[1].stall = 0.0
+    # While the abandoned thread sleeps, wakes and runs into its stale call, new calls are unaffected.
+    while stuck.is_alive() and time.monotonic() - start < 10:
+        assert_usable(model, ref, gen)
+    stuck.join(5)
+    assert not stuck.is_alive()  # it exited once it came back
+    assert model._pool._threads[1] is not stuck
+    assert_usable(model, ref, gen)
+
+
+def test_timeout_from_the_environment(monkeypatch, gen):
+    monkeypatch.setenv("TENSORSHARD_TIMEOUT", "0.25")
+    ref, model = split(2)
+    assert model.timeout == 0.25
+    model.module_shards[0].stall = 1.0
+    with pytest.raises(TimeoutError, match=r"device cpu\[0\] \(rank 0\) did not arrive within 0.25 s"):
+        with torch.no_grad():
+            model(torch.randn(4, 8, generator=gen))
+    assert_usable(model, ref, gen)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals go to the main thread")
+def test_ctrl_c_in_the_caller_stops_every_shard(gen):
+    ref, model = split(2)
+    model.module_shards[1].stall = 0.5  # the caller (shard 0) waits at b2 when Ctrl-C arrives
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        with torch.no_grad():
+            model(torch.randn(4, 8, generator=gen))
+    assert time.monotonic() - start < 4
+    timer.join()
+    assert busy_workers(model) == []
+    assert_usable(model, ref, gen)
+
+
+def test_an_error_in_backward_propagates_and_training_goes_on(gen):
+    ref, model = split(2)
+
+    def refuse(grad):
+        raise ValueError("gradient hook refused")
+
+    handle = model.module_shards[1].a1.weight.register_hook(refuse)
+    with pytest.raises(ValueError, match="gradient hook refused"):
+        model(torch.randn(4, 8, generator=gen)).sum().backward()
+    handle.remove()
+    model.zero_grad()  # gradients the failed pass had already accumulated
+    assert_usable(model, ref, gen)
+
+
+def test_concurrent_callers_take_turns_and_get_their_own_answers(gen):
+    ref, model = split(2)
+    inputs = [torch.randn(4, 8, generator=gen) for _ in range(3)]
+    errors = []
+
+    def caller(x):
+        try:
+            for _ in range(30):
+                with torch.no_grad():
+                    assert rel_err(model(x), ref(x)) < 1e-5
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(x,)) for x in inputs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_reentrant_call_is_an_error_not_a_deadlock(rank, gen):
+    ref, model = split(2)
+    x = torch.randn(4, 8, generator=gen)
+    handle = model.module_shards[rank].b1.register_forward_hook(lambda *_: model(x))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="called from inside one of its own shards"):
+        model(x)
+    assert time.monotonic() - start < 5
+    handle.remove()
+    assert_usable(model, ref, gen)
+
+
+def test_debug_mode_stops_too(gen):
+    ref, model = split(3, debug=True, timeout=2)
+    model.module_shards[2].early_exit = True
+    with pytest.raises(RuntimeError, match="returned without reaching it"):
+        with torch.no_grad():
+            model(torch.randn(4, 8, generator=gen))
+    model.module_shards[2].early_exit = False
+    model.module_shards[1].fail = "between"
+    with pytest.raises(ValueError, match="failing between"):
+        model(torch.randn(4, 8, generator=gen))
+    assert_usable(model, ref, gen)
+
+
+def test_worker_threads_end_with_their_model(gen):
+    threads = []
+    for _ in range(3):
+        _, model = split(4)
+        model(torch.randn(2, 8, generator=gen))
+        threads += list(model._pool._threads.values())
+        del model
+    assert len(threads) == 9
+    gc.collect()
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
