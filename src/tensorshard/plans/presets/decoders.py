@@ -15,6 +15,7 @@ from __future__ import annotations
 from ...styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, ShardParams
 from ..plan import Plan
 from . import preset
+from .styles import SumGradients
 
 
 def _attention(config, **extra_attrs: str) -> dict:
@@ -44,11 +45,20 @@ def _experts(intermediate: int) -> ShardParams:
     return ShardParams(params={"gate_up_proj": {"dim": 1, "blocks": [intermediate, intermediate]}, "down_proj": 2})
 
 
-@preset("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+# Qwen3 normalises q and k per head (over head_dim) with one weight shared by all heads: each device applies
+# it to its own heads, so its gradient is a partial sum.
+QK_NORMS = {"layers.*.self_attn.[qk]_norm": SumGradients()}
+
+
+@preset("llama", "mistral", "qwen2", "gemma", "gemma2")
 def llama(config) -> Plan:
-    # qwen3's q_norm / k_norm act on head_dim, shared by all heads: replicated (the default) is right.
     # gemma's scaled embedding multiplies the looked-up rows by a constant, which commutes with the split.
     return Plan({"embed_tokens": EmbeddingParallel(), **_attention(config), **GATED_MLP})
+
+
+@preset("qwen3")
+def qwen3(config) -> Plan:
+    return Plan({"embed_tokens": EmbeddingParallel(), **_attention(config), **QK_NORMS, **GATED_MLP})
 
 
 @preset("mixtral")
@@ -67,6 +77,7 @@ def qwen3_moe(config) -> Plan:
     return Plan({
         "embed_tokens": EmbeddingParallel(),
         **_attention(config),
+        **QK_NORMS,
         "layers.*.mlp.experts": _experts(config.moe_intermediate_size),
         **GATED_MLP,
     })

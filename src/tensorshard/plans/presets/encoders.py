@@ -30,11 +30,12 @@ def t5(config) -> Plan:
             f"{at}.q": ColwiseParallel(blocks=("q",)),
             f"{at}.[kv]": ColwiseParallel(blocks=("kv",)),
             f"{at}.o": RowwiseParallel(blocks=("q",)),
-            # (buckets, heads) -> this device's head columns; its output is used as is, no collective.
-            f"{at}.relative_attention_bias": ShardParams(
-                params={"weight": {"dim": 1, "blocks": ["q"]}}, input="split", output="split"
-            ),
         }
+    # The relative position bias (first self-attention of each stack): its (buckets, heads) table keeps this
+    # device's head columns; the bias it computes is used as is, no collective.
+    plan["*.block.*.layer.*.SelfAttention.relative_attention_bias"] = ShardParams(
+        params={"weight": {"dim": 1, "blocks": ["q"]}}, input="split", output="split"
+    )
     plan |= {
         "*.block.*.layer.*.DenseReluDense.wi*": ColwiseParallel(),  # wi, or the gated wi_0 and wi_1
         "*.block.*.layer.*.DenseReluDense.wo": RowwiseParallel(),

@@ -9,8 +9,8 @@ block), but fused projections are common here, each with its own layout of the o
     falcon (multi-query)[q (all heads) | k | v] with one KV head  blocks ("q", "kv", "kv"), KV replicated
     falcon (new arch.)  per KV group: its G query heads, k, v     blocks ("kv*(G+2)",), whole groups only
 
-BLOOM (and Falcon with alibi=True) build the ALiBi bias for every head outside the attention: each device
-keeps its own heads' slice (`AttentionHeads(head_inputs=...)`).
+BLOOM (and Falcon with alibi=True) build the ALiBi bias for every head outside the attention (Falcon also
+folds it into the attention mask): each device keeps its own heads' slice (`AttentionHeads(head_inputs=...)`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def falcon(config) -> Plan:
         num_heads=n_heads,
         num_kv_heads=n_kv,
         attrs={"num_heads": "heads", "num_kv_heads": "kv_heads"},
-        head_inputs={"alibi": "batch*heads"} if config.alibi else {},
+        # FalconModel reshapes ALiBi to (batch, heads, 1, keys) and folds it into the mask (batch, heads, q, k)
+        head_inputs={"alibi": "heads", "attention_mask": "heads"} if config.alibi else {},
         whole_kv_groups=bool(config.new_decoder_architecture),
     )
     return Plan({

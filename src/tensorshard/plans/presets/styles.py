@@ -1,14 +1,22 @@
-"""Attention geometry for presets whose attention needs more than `Heads`: per-head inputs built outside
-the attention (ALiBi biases), and fused layouts that keep each KV group's query heads next to its K and V.
+"""Styles for transformers presets that `Heads` and the layer styles do not cover.
+
+`AttentionHeads`: `Heads`, plus per-head inputs built outside the attention (ALiBi biases) and a guard for
+fused layouts that keep each KV group's query heads next to its K and V.
+
+`SumGradients`: a module kept whole on every device that each device runs on its own share of split
+activations (Qwen3's q_norm / k_norm, over head_dim, applied to this device's heads only). Its forward is
+exact, but each device's gradient covers only its heads: the gradients are summed over devices (one
+all-reduce per use in backward), as transformers' "replicated_with_grad_allreduce" does.
 
     "h.*.self_attention": AttentionHeads(num_heads=16, head_dim=64, attrs={"num_heads": "heads"},
                                          head_inputs={"alibi": "batch*heads"})
 
 ``head_inputs`` names arguments of the module's forward that carry a slice per *query head* of the whole
-model, and their layout: ``"batch*heads"`` (heads folded into dim 0 after the batch, as BLOOM's and
-Falcon's ALiBi tensor of shape (batch * heads, 1, keys)) or ``"heads"`` (heads in dim 1). Each device keeps
-the slices of its own heads (`comm.split`: in backward the gradient is gathered, so a replicated input
-keeps its full gradient on every device).
+model, and their layout: ``"batch*heads"`` (heads folded into dim 0 after the batch, as BLOOM's ALiBi
+tensor of shape (batch * heads, 1, keys)) or ``"heads"`` (heads in dim 1, as Falcon's ALiBi and the mask
+it is folded into; a size of 1 there broadcasts over heads and is left alone). Each device keeps the
+slices of its own heads (`comm.split`: in backward the gradient is gathered, so a replicated input keeps
+its full gradient on every device).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import torch
 from torch import nn
 
 from ...partition import Partition
-from ...styles.base import ShardContext, Splits, original_forward, register, wrap_forward
+from ...styles.base import ShardContext, Splits, Style, original_forward, register, wrap_forward
 from ...styles.heads import Heads
 
 LAYOUTS = ("batch*heads", "heads")
@@ -74,7 +82,7 @@ class AttentionHeads(Heads):
 
         def local(x: torch.Tensor, layout: str) -> torch.Tensor:
             if layout == "heads":
-                return comm.split(x, 1, parts, where=name)
+                return x if x.shape[1] == 1 else comm.split(x, 1, parts, where=name)
             # (batch * heads, ...) -> (batch, heads, ...) -> this device's heads -> (batch * local heads, ...)
             folded = x.view(-1, heads.num_heads, *x.shape[1:])
             return comm.split(folded, 1, parts, where=name).flatten(0, 1)
@@ -86,5 +94,32 @@ class AttentionHeads(Heads):
                 if isinstance(value, torch.Tensor):
                     bound.arguments[arg] = local(value, layout)
             return run(*bound.args, **bound.kwargs)
+
+        wrap_forward(module, forward)
+
+
+@register("sum_gradients")
+@dataclass(frozen=True, kw_only=True)
+class SumGradients(Style):
+    """Keep the module whole on every device and sum its own parameters' gradients over the devices.
+
+    For a module each device runs on its share of split activations (see the module docstring). Using it
+    on a module that runs on replicated activations would multiply its gradients by the device count.
+    """
+
+    def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
+        comm, name = ctx.comm, ctx.name
+        everyone = [list(range(ctx.world_size))]
+        names = [n for n, p in module.named_parameters(recurse=False)]
+        run = original_forward(module)
+
+        def forward(*args, **kwargs):
+            held = {n: module._parameters[n] for n in names}
+            try:
+                for n in names:  # the forward sees the parameter through `tie`: identity, summed gradient
+                    module._parameters[n] = comm.tie(held[n], everyone, where=f"{name}.{n}")
+                return run(*args, **kwargs)
+            finally:
+                module._parameters.update(held)
 
         wrap_forward(module, forward)
