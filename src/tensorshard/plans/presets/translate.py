@@ -11,7 +11,7 @@ module (or parameter) names. It is a starting point for architectures without a 
     embedding_rowwise / _colwise      -> EmbeddingParallel(split="vocab" / "embedding")
     experts' gate_up_proj / down_proj
       under moe_tp_experts            -> ShardParams on the experts module (dims 1 and 2 of the 3-D weights)
-    replicated_with_grad_allreduce,
+    replicated_with_grad_allreduce    -> SumGradients (inside an attention split by heads; else nothing)
     sequence_parallel, ep_router, ... -> nothing: the module stays whole (its gradient is whole anyway)
 
 Attention: transformers splits q/k/v evenly, which only works when the heads divide the devices. Here,
@@ -31,15 +31,17 @@ from torch import nn
 
 from ...styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style
 from ..plan import Plan, match_pattern
+from .styles import SumGradients
 
 logger = logging.getLogger(__name__)
 
 COLWISE = {"colwise", "local_colwise"}
 ROWWISE = {"rowwise", "local_rowwise", "rowwise_split_input"}
 WHOLE = {  # styles whose module is simply replicated here
-    "replicated_with_grad_allreduce", "sequence_parallel", "replicate", "ep_router", "grouped_gemm",
-    "ep_dispatch_experts", "moe_identity_expert", "gather", "local",
+    "sequence_parallel", "replicate", "ep_router", "grouped_gemm", "ep_dispatch_experts", "moe_identity_expert",
+    "gather", "local",
 }
+PARTIAL_GRADS = "replicated_with_grad_allreduce"  # a whole module run on this device's heads only
 QUERY = {"q_proj", "q", "query", "wq"}
 KEY_VALUE = {"k_proj", "v_proj", "k", "v", "key", "value", "wk", "wv"}
 # Attributes attention forwards commonly reshape with, and the local quantity each takes.
@@ -57,6 +59,7 @@ def translate_tp_plan(tp_plan: dict[str, str], config, base: nn.Module) -> Plan:
     """A Plan for `base` (the base model, e.g. LlamaModel) from its config's `base_model_tp_plan`."""
     modules = dict(base.named_modules())
     entries: dict[str, Style] = {}
+    partial_grads: list[str] = []  # replicated_with_grad_allreduce entries, kept if their attention splits
     expert_params: dict[str, dict] = defaultdict(dict)  # experts module pattern -> ShardParams params
     untranslated: dict[str, str] = {}  # parent pattern -> why it stays whole
 
@@ -75,6 +78,9 @@ def translate_tp_plan(tp_plan: dict[str, str], config, base: nn.Module) -> Plan:
                     untranslated[parent] = f"{leaf}: {value!r}"
             continue
         if value in WHOLE or value == "moe_tp_experts":
+            continue
+        if value == PARTIAL_GRADS:
+            partial_grads.append(pattern)
             continue
         style = _module_style(value, targets[0])
         if style is None:
@@ -103,6 +109,9 @@ def translate_tp_plan(tp_plan: dict[str, str], config, base: nn.Module) -> Plan:
             entries[f"{parent}.{leaf}"] = type(style)(blocks=blocks)
         attention = next(m for n, m in modules.items() if match_pattern(parent, n))
         entries = {parent: _heads(config, attention), **entries}
+        for pattern in partial_grads:  # e.g. q_norm / k_norm over head_dim, now applied to local heads only
+            if pattern.startswith(parent + "."):
+                entries[pattern] = SumGradients()
 
     for parent, why in untranslated.items():
         logger.warning("base_model_tp_plan of %r: %s is not translated; %s stays whole", config.model_type, why, parent)
