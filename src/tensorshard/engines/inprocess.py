@@ -200,8 +200,8 @@ class TensorParallel(nn.Module):
             raise ValueError(f"view({path!r}): the split model has no submodule {path!r} ({e})") from None
         view = TensorParallel.__new__(TensorParallel)
         nn.Module.__init__(view)
-        for attr in ("debug", "devices", "labels", "output_device", "timeout", "plan", "_group", "_pool", "_placement"):
-            object.__setattr__(view, attr, getattr(self, attr))
+        own = set(view.__dict__)  # nn.Module's bookkeeping: the view's own; every other attribute is shared
+        view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
         prefix = f"{path}." if path else ""
         view.splits = {k[len(prefix):]: v for k, v in self.splits.items() if k.startswith(prefix)}
         view.module_shards = nn.ModuleList(parts)
