@@ -14,11 +14,14 @@ from .engines.inprocess import TensorParallel
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
 from .plans.plan import Plan
+from .plans.presets import preset_for
+from .plans.presets.styles import AttentionHeads, SumGradients
 from .styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionHeads",
     "CollectiveCounter",
     "ColwiseParallel",
     "EmbeddingParallel",
@@ -30,10 +33,12 @@ __all__ = [
     "RowwiseParallel",
     "ShardParams",
     "Style",
+    "SumGradients",
     "TensorParallel",
     "count_collectives",
     "gathered_state_dict",
     "memory_per_device",
+    "preset_for",
     "save_tensor_parallel",
     "split_evenly",
     "tensor_parallel",

@@ -22,7 +22,8 @@ shards. What differs from the unsplit model:
 - ``state_dict()`` is the shards' (use ``tp.save_tensor_parallel`` for the unsplit one); submodules such
   as ``model.model`` live in ``model.module_shards[r]``;
 - unsupported, with an error saying so: output_attentions, static caches, resizing embeddings, gradient
-  checkpointing (its recomputation would re-run collectives outside the call).
+  checkpointing (its recomputation would re-run collectives outside the call);
+- training with dropout > 0 is not exact (each device draws its own masks): a warning says so.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class TransformersTensorParallel(TensorParallel):
         object.__setattr__(self, "_original", module)  # consumed (on meta); not a submodule
         object.__setattr__(self, "_views", {})
         object.__setattr__(self, "_taken_caches", [None] * self.world_size)
+        object.__setattr__(self, "_warned_dropout", False)
         self.train(training)
         for rank, shard in enumerate(self.module_shards):
             shard.register_forward_hook(functools.partial(_take_cache, self._taken_caches, rank))
@@ -116,6 +118,13 @@ class TransformersTensorParallel(TensorParallel):
         cache = kwargs.get("past_key_values")
         if cache is not None:
             kwargs["past_key_values"] = shard_cache(cache, self.world_size)
+        if self.training and not self._warned_dropout and _uses_dropout(self.config):
+            object.__setattr__(self, "_warned_dropout", True)
+            logger.warning(
+                "training %s with dropout: each device draws its own masks, so activations every device should "
+                "hold alike (after an all-reduce) differ, and the copies of replicated weights (norms) drift apart. "
+                "Set the config's dropout probabilities to 0 before splitting to train exactly.", type(self).__name__
+            )
         taken = self._taken_caches
         taken[:] = [None] * self.world_size
         output = super().forward(**kwargs)
@@ -269,6 +278,13 @@ def _replace(output: Any, old: Any, new: Any) -> Any:
     if type(output) is tuple:
         return tuple(new if v is old else v for v in output)
     return output
+
+
+def _uses_dropout(config) -> bool:
+    """Any dropout probability above 0 in the config (attention_dropout, hidden_dropout_prob, resid_pdrop...)."""
+    return any(
+        isinstance(v, float) and v > 0 and ("dropout" in k or "pdrop" in k) for k, v in config.to_dict().items()
+    )
 
 
 def _align_experts(model: TensorParallel) -> None:
