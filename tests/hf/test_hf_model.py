@@ -165,3 +165,16 @@ def test_training_with_dropout_warns_once(caplog, gen):
         model(input_ids=ids)
         model(input_ids=ids)
     assert caplog.text.count("training TensorParallelGPT2LMHeadModel with dropout") == 1
+
+
+def test_beam_search_and_several_samples(llama, gen):
+    """Beam search reorders the cache on every device; num_return_sequences expands it."""
+    ref, model = llama
+    ids = torch.randint(1, VOCAB, (2, 5), generator=gen)
+    beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **beams), ref.generate(ids, **beams))
+    samples = []
+    for m in (model, ref):
+        torch.manual_seed(3)
+        samples.append(m.generate(ids, do_sample=True, num_return_sequences=3, max_new_tokens=6, pad_token_id=0))
+    assert torch.equal(*samples)

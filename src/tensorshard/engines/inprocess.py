@@ -205,7 +205,7 @@ class TensorParallel(nn.Module):
         prefix = f"{path}." if path else ""
         view.splits = {k[len(prefix):]: v for k, v in self.splits.items() if k.startswith(prefix)}
         view.module_shards = nn.ModuleList(parts)
-        view.train(parts[0].training)
+        view.training = parts[0].training
         return view
 
     def memory_per_device(self) -> dict[str, int]:

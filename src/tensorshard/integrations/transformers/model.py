@@ -41,6 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from transformers.cache_utils import Cache
+
 from ...checkpoint.gather import gathered_state_dict
 from ...engines.inprocess import TensorParallel
 from .cache import ShardedCache, shard_cache, sharded
@@ -98,7 +100,8 @@ class TransformersTensorParallel(TensorParallel):
         object.__setattr__(self, "_views", {})
         object.__setattr__(self, "_taken_caches", [None] * self.world_size)
         object.__setattr__(self, "_warned_dropout", False)
-        self.train(training)
+        object.__setattr__(self, "_forward_parameters", dict(inspect.signature(type(module).forward).parameters))
+        self.training = training  # the shards keep the original's per-module modes
         for rank, shard in enumerate(self.module_shards):
             shard.register_forward_hook(functools.partial(_take_cache, self._taken_caches, rank))
         _align_experts(self)
@@ -112,8 +115,7 @@ class TransformersTensorParallel(TensorParallel):
                 "output_attentions=True: each device computes the attention weights of its own heads only, and "
                 "a split model does not gather them; call without output_attentions"
             )
-        params = self._parameters_of_forward()
-        if "use_cache" in params and "use_cache" not in kwargs:
+        if "use_cache" in self._forward_parameters and "use_cache" not in kwargs:
             kwargs["use_cache"] = getattr(self.config, "use_cache", None)  # the shards' configs are copies
         cache = kwargs.get("past_key_values")
         if cache is not None:
@@ -128,19 +130,18 @@ class TransformersTensorParallel(TensorParallel):
         taken = self._taken_caches
         taken[:] = [None] * self.world_size
         output = super().forward(**kwargs)
-        if all(c is not None for c in taken):  # the shards built their own caches: one sharded cache over them
-            output = _replace(output, _RANK_CACHE, sharded(list(taken)))
-        taken[:] = [None] * self.world_size
+        built, taken[:] = list(taken), [None] * self.world_size
+        if any(c is not None for c in built):  # the shards built their own caches: one sharded cache over them
+            if not all(c is not None for c in built):
+                raise RuntimeError(f"only some shards returned a cache ({built}); the shards ran different code")
+            output = _replace(output, _RANK_CACHE, sharded(built))
         return output
-
-    def _parameters_of_forward(self) -> dict[str, inspect.Parameter]:
-        return dict(inspect.signature(type(self._original).forward).parameters)
 
     def _keywords(self, args: tuple, kwargs: dict) -> dict:
         """Positional arguments as keywords, named as in the model's forward."""
         if not args:
             return kwargs
-        names = [n for n, p in self._parameters_of_forward().items() if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
+        names = [n for n, p in self._forward_parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
         if len(args) > len(names):
             raise TypeError(f"{type(self).__name__}.forward takes at most {len(names)} positional arguments ({len(args)} given)")
         clash = [n for n in names[: len(args)] if n in kwargs]
@@ -250,8 +251,6 @@ class TransformersTensorParallel(TensorParallel):
 
 def _take_cache(taken: list, rank: int, module: nn.Module, args: tuple, output: Any) -> Any:
     """Forward hook of shard `rank`: keep the cache the shard built itself, leave a placeholder in the output."""
-    from transformers.cache_utils import Cache
-
     def swap(value):
         if isinstance(value, Cache) and not isinstance(value, ShardedCache):
             taken[rank] = value
