@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")
@@ -8,6 +7,4 @@ def smollm2():
     Tests split deep copies of it: splitting consumes the model it is given."""
     from tensorshard.demo import load_smollm2
 
-    model, tokenizer = load_smollm2("cpu")
-    torch.set_num_threads(1)  # the loader may change it; the suite runs with one intra-op thread
-    return model, tokenizer
+    return load_smollm2("cpu")

@@ -121,6 +121,12 @@ def test_save_pretrained_writes_an_unsplit_checkpoint(name, n, gen, tmp_path):
     optimizer.step()  # the checkpoint must hold the trained weights, not the original ones
     model.eval()
 
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ValueError, match="a file of that name exists"):
+        model.save_pretrained(tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "not a folder"
+    (tmp_path / "file").unlink()
+
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "model-00001-of-00002.safetensors").write_text("stale")  # from an earlier save
     model.save_pretrained(tmp_path / "out")

@@ -60,7 +60,7 @@ def translate_tp_plan(tp_plan: dict[str, str], config, base: nn.Module) -> Plan:
     modules = dict(base.named_modules())
     entries: dict[str, Style] = {}
     partial_grads: list[str] = []  # replicated_with_grad_allreduce entries, kept if their attention splits
-    expert_params: dict[str, dict] = defaultdict(dict)  # experts module pattern -> ShardParams params
+    param_splits: dict[str, dict] = defaultdict(dict)  # owner pattern -> ShardParams params (3-D experts)
     untranslated: dict[str, str] = {}  # parent pattern -> why it stays whole
 
     for pattern, value in tp_plan.items():
@@ -68,12 +68,16 @@ def translate_tp_plan(tp_plan: dict[str, str], config, base: nn.Module) -> Plan:
         targets = [m for n, m in modules.items() if match_pattern(pattern, n)]
         if not targets:  # a parameter (experts' 3-D weights) or something this model class lacks
             owners = [m for n, m in modules.items() if match_pattern(parent, n)]
-            if owners and isinstance(getattr(owners[0], leaf, None), nn.Parameter):
-                if value in ("packed_colwise", "colwise"):
-                    half = getattr(owners[0], leaf).shape[1] // 2
-                    expert_params[parent][leaf] = {"dim": 1, "blocks": [half, half]} if value == "packed_colwise" else 1
+            param = getattr(owners[0], leaf, None) if owners else None
+            if isinstance(param, nn.Parameter) and param.dim() >= 2:
+                out_dim = param.dim() - 2  # (out, in), or (experts, out, in) for 3-D experts
+                if value == "packed_colwise":  # [gate | up] along the output features
+                    half = param.shape[out_dim] // 2
+                    param_splits[parent][leaf] = {"dim": out_dim, "blocks": [half, half]}
+                elif value in COLWISE:
+                    param_splits[parent][leaf] = out_dim
                 elif value in ROWWISE:
-                    expert_params[parent][leaf] = getattr(owners[0], leaf).dim() - 1
+                    param_splits[parent][leaf] = param.dim() - 1
                 elif value not in WHOLE:
                     untranslated[parent] = f"{leaf}: {value!r}"
             continue
@@ -88,7 +92,7 @@ def translate_tp_plan(tp_plan: dict[str, str], config, base: nn.Module) -> Plan:
         else:
             entries[pattern] = style
 
-    for parent, params in expert_params.items():
+    for parent, params in param_splits.items():
         entries[parent] = ShardParams(params=params)
 
     # Attention: q/k/v column-parallel without gathering -> split on heads, with a Heads entry on the parent.
