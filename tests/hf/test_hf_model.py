@@ -115,26 +115,25 @@ def test_save_pretrained_writes_an_unsplit_checkpoint(name, n, gen, tmp_path):
     ref = tiny_model(name, config)
     model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * n)
     ids = torch.randint(1, VOCAB, (2, 6), generator=gen)
+    out = tmp_path / "out"
+
+    model.save_pretrained(out)
+    plain = T.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(plain) is type(ref) and plain.config.architectures == [type(ref).__name__]
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, ref(ids).logits)  # the same weights, bit for bit
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()  # the checkpoint must hold the trained weights, not the original ones
+    optimizer.step()  # the next save must hold the trained weights
     model.eval()
-
-    (tmp_path / "file").write_text("not a folder")
-    with pytest.raises(ValueError, match="a file of that name exists"):
-        model.save_pretrained(tmp_path / "file")
-    assert (tmp_path / "file").read_text() == "not a folder"
-    (tmp_path / "file").unlink()
-
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "model-00001-of-00002.safetensors").write_text("stale")  # from an earlier save
-    model.save_pretrained(tmp_path / "out")
+    (out / "model-00001-of-00002.safetensors").write_text("stale")  # as if from an earlier, sharded save
+    model.save_pretrained(out)
     assert sorted(os.listdir(tmp_path)) == ["out"]  # the temporary folder is gone
-    assert not (tmp_path / "out" / "model-00001-of-00002.safetensors").exists()
+    assert not (out / "model-00001-of-00002.safetensors").exists()
 
-    plain = T.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(plain) is type(ref) and plain.config.architectures == [type(ref).__name__]
+    plain = T.AutoModelForCausalLM.from_pretrained(out).eval()
     with tp.save_tensor_parallel(model):
         gathered = model.state_dict()
     for key, value in plain.state_dict().items():
@@ -142,6 +141,11 @@ def test_save_pretrained_writes_an_unsplit_checkpoint(name, n, gen, tmp_path):
     with torch.no_grad():
         assert rel_err(plain(ids).logits, model(ids).logits) < 1e-5
         assert rel_err(plain(ids).logits, ref(ids).logits) > 1e-3  # the step changed the weights
+
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ValueError, match="a file of that name exists"):
+        model.save_pretrained(tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "not a folder"
 
 
 def test_adamw_steps_match_the_unsplit_model(llama, gen):
