@@ -17,7 +17,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def split_copy(ref: nn.Module, n: int, **kwargs) -> nn.Module:
-    """tensor_parallel() over n CPU slots of a deep copy of `ref` (ref stays usable)."""
+    """tensor_parallel() over n CPU slots of a deep copy of `ref` (ref stays usable).
+
+    ZeRO-3 stays off unless a test asks for it (sharded=True): these tests check the tensor-parallel layout
+    and its collectives, which the default for train-mode models would extend by one all-gather per call.
+    """
+    kwargs.setdefault("sharded", False)
     return tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * n, **kwargs)
 
 

@@ -8,7 +8,16 @@ under torchrun on torch.distributed (`parallelize`).
 """
 
 from .api import tensor_parallel
-from .checkpoint import gathered_state_dict, save_tensor_parallel
+from .checkpoint import (
+    convert_state_dict,
+    from_pretrained,
+    gathered_state_dict,
+    infer_sharded_device_map,
+    load_sharded,
+    save_gathered,
+    save_sharded,
+    save_tensor_parallel,
+)
 from .comm.counter import CollectiveCounter, count_collectives
 from .engines.inprocess import TensorParallel
 from .memory import memory_per_device
@@ -35,10 +44,16 @@ __all__ = [
     "Style",
     "SumGradients",
     "TensorParallel",
+    "convert_state_dict",
     "count_collectives",
+    "from_pretrained",
     "gathered_state_dict",
+    "infer_sharded_device_map",
+    "load_sharded",
     "memory_per_device",
     "preset_for",
+    "save_gathered",
+    "save_sharded",
     "save_tensor_parallel",
     "split_evenly",
     "tensor_parallel",

@@ -38,8 +38,12 @@ def tensor_parallel(
         plan: a `Plan` or ``{pattern: style}`` dict; default: a preset, else an inferred plan.
         tensor_parallel_config: the tensor_parallel package's name for `plan`.
         distributed: run under torchrun, one process per device (see `tensorshard.parallelize`).
-        sharded: ZeRO-3 partitioning of the parameters the plan leaves whole.
-        sharded_param_names: which parameters `sharded` partitions (default: all replicated trainable ones).
+        sharded: ZeRO-3 for the parameters the plan leaves whole (norms, biases, small layers): each device
+            keeps 1/N of them, of their gradients and of their optimizer state; they are gathered once per
+            forward call. Default (None): on when training, i.e. the module is in train mode, has trainable
+            parameters and there are 2+ devices; off for ``model.eval()`` models (inference, generation).
+        sharded_param_names: which replicated parameters `sharded` partitions, by original name (default:
+            every trainable one with at least as many rows as devices). Implies ``sharded=True``.
         timeout: seconds a shard may wait at a collective before the call fails.
         debug: run all shards on one device, one at a time (also TENSORSHARD_DEBUG=1).
     """
@@ -50,15 +54,28 @@ def tensor_parallel(
         from .engines.torchrun import tensor_parallel_distributed
 
         return tensor_parallel_distributed(module, device_ids, plan=plan, sharded=sharded, timeout=timeout)
-    if sharded or sharded_param_names:
-        raise NotImplementedError("sharded=True (ZeRO-3 for replicated parameters) is not available yet")
-    if _is_transformers_model(module):
+    if sharded is False and sharded_param_names:
+        raise ValueError("sharded_param_names lists parameters for ZeRO-3, but sharded=False turns it off; drop one")
+    if sharded is None:
+        # Default: on when training (train mode, trainable parameters, 2+ devices); see engines/zero.py.
+        from .devices import resolve_devices
+        from .engines.zero import default_sharded
+
+        sharded = bool(sharded_param_names) or (
+            isinstance(module, nn.Module) and default_sharded(module, len(resolve_devices(device_ids)))
+        )
+    options = dict(output_device=output_device, plan=plan, timeout=timeout, debug=debug)
+    if _is_transformers_model(module):  # still an instance of its class: generate, save_pretrained, ...
         from .integrations.transformers import tensor_parallel_pretrained
 
-        return tensor_parallel_pretrained(
-            module, device_ids, output_device=output_device, plan=plan, timeout=timeout, debug=debug
-        )
-    return TensorParallel(module, device_ids, output_device=output_device, plan=plan, timeout=timeout, debug=debug)
+        model = tensor_parallel_pretrained(module, device_ids, **options)
+    else:
+        model = TensorParallel(module, device_ids, **options)
+    if sharded:
+        from .engines.zero import shard_replicated
+
+        shard_replicated(model, sharded_param_names)
+    return model
 
 
 def _is_transformers_model(module: Any) -> bool:

@@ -85,3 +85,9 @@ def test_output_device_and_eval_mode(gen):
     with torch.no_grad():
         out = model(tokens)
     assert out.device == torch.device("cpu") and not out.requires_grad
+
+
+def test_wrapper_keeps_the_module_mode():
+    ref = Transformer().eval()
+    model = split_copy(ref, 2, plan=plans.transformer(8, 2))
+    assert not model.training and not model.module_shards[1].layers[0].training

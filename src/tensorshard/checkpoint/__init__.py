@@ -1,5 +1,27 @@
-"""Checkpoints of split models: gathered (unsplit) saves, sharded saves that reload at any device count."""
+"""Checkpoints of split models.
 
-from .gather import gathered_state_dict, save_tensor_parallel
+- gathered (unsplit) saves: `save_tensor_parallel`, `gathered_state_dict`, `save_gathered` (gather.py);
+- sharded saves that reload at any device count, with optimizer state: `save_sharded`, `load_sharded`;
+- streaming loads straight into the devices: `from_pretrained` (streaming.py);
+- the `tensor_parallel` package's hand-loading helpers: `convert_state_dict`, `infer_sharded_device_map`
+  (dispatch.py).
+"""
 
-__all__ = ["gathered_state_dict", "save_tensor_parallel"]
+from .gather import gathered_state_dict, save_gathered, save_tensor_parallel
+from .index import read_index
+from .sharded import load_sharded, save_sharded
+from .dispatch import convert_state_dict, infer_sharded_device_map
+from .streaming import empty_weights, from_pretrained
+
+__all__ = [
+    "convert_state_dict",
+    "empty_weights",
+    "from_pretrained",
+    "gathered_state_dict",
+    "infer_sharded_device_map",
+    "load_sharded",
+    "read_index",
+    "save_gathered",
+    "save_sharded",
+    "save_tensor_parallel",
+]

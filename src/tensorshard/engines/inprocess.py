@@ -109,6 +109,7 @@ class TensorParallel(nn.Module):
         }
         self.module_shards = nn.ModuleList(_build_shards(module, sharded, placement, self._group))
         self._placement = placement
+        self.train(module.training)  # the wrapper starts in the mode the module was in
         _consume(module, world)
         split = sum(1 for m in sharded.modules.values() if m.splits)
         logger.info(
@@ -120,7 +121,10 @@ class TensorParallel(nn.Module):
 
     @property
     def tensor_parallel_config(self) -> Plan:
-        return self.plan
+        """The plan, bound to this model (equal to `plan`; `convert_state_dict` reads the layout from it)."""
+        from ..checkpoint.dispatch import bound_plan
+
+        return bound_plan(self)
 
     @property
     def world_size(self) -> int:

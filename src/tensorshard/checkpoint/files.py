@@ -1,0 +1,126 @@
+"""Safetensors files written one tensor at a time, in the layout torch.distributed.checkpoint reads.
+
+The safetensors format is an 8-byte little-endian header length, a JSON header (per tensor: dtype, shape,
+byte range; plus free-form string metadata under ``__metadata__``), then the raw bytes. Because the header
+only needs shapes and dtypes, `write_safetensors` writes it first and then streams each tensor from its
+device to disk, so saving never holds more than one tensor in host memory (`safetensors.torch.save_file`
+needs them all at once).
+
+A file that holds a *chunk* of a larger tensor records where the chunk sits the way
+`torch.distributed.checkpoint`'s Hugging Face storage does (``DCP_SHARDING_INFO``: key ->
+``{"saved_offsets": [...]}``), so `HuggingFaceStorageReader` loads our sharded checkpoints and we load its.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .atomic import staged_file
+
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+DTYPES_BY_CODE = {code: dtype for dtype, code in DTYPE_CODES.items()}
+DTYPES_BY_NAME = {str(dtype).removeprefix("torch."): dtype for dtype in DTYPE_CODES}
+
+# The keys torch.distributed.checkpoint's safetensors storage uses (torch/distributed/checkpoint/_hf_utils.py).
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+DCP_VERSION = "DCP_VERSION"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.float32 -> "float32" (the spelling of checkpoint indexes)."""
+    if dtype not in DTYPE_CODES:
+        raise NotImplementedError(f"tensors of dtype {dtype} cannot be stored in safetensors files")
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class FileEntry:
+    """One tensor to write: its key, shape and dtype now, its data (any device) when its turn comes."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    data: Callable[[], torch.Tensor]
+    offsets: tuple[int, ...] | None = None  # where this chunk sits in the global tensor (None: whole)
+
+
+def write_safetensors(path: Path, entries: Sequence[FileEntry], metadata: dict[str, str] | None = None) -> Path:
+    """Write `entries` to a staged (temporary) file beside `path`; return the temporary path.
+
+    The caller renames it into place with `atomic.publish` once every file of the checkpoint is written.
+    """
+    header: dict[str, object] = {}
+    meta = dict(metadata or {})
+    if any(e.offsets is not None for e in entries):
+        meta[DCP_SHARDING_INFO] = json.dumps(
+            {e.key: {"saved_offsets": list(e.offsets if e.offsets is not None else (0,) * len(e.shape))} for e in entries}
+        )
+        meta.setdefault(DCP_VERSION, "1.0")
+    meta.setdefault("format", "pt")
+    header["__metadata__"] = meta
+    offset = 0
+    for e in entries:
+        code = DTYPE_CODES.get(e.dtype)
+        if code is None:
+            raise NotImplementedError(f"{e.key}: tensors of dtype {e.dtype} cannot be stored in safetensors files")
+        nbytes = prod(e.shape) * torch.empty((), dtype=e.dtype).element_size()
+        header[e.key] = {"dtype": code, "shape": list(e.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned
+
+    with staged_file(path) as (f, tmp):
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for e in entries:
+            tensor = e.data()
+            if tuple(tensor.shape) != tuple(e.shape) or tensor.dtype != e.dtype:
+                raise RuntimeError(
+                    f"{e.key}: announced {tuple(e.shape)} {e.dtype}, got {tuple(tensor.shape)} {tensor.dtype} "
+                    "(the model changed while it was being saved?)"
+                )
+            _write_tensor(f, tensor)
+            del tensor
+    return tmp
+
+
+def _write_tensor(f, tensor: torch.Tensor) -> None:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel():
+        f.write(memoryview(flat.view(torch.uint8).numpy()))
+
+
+def read_header(path: str | os.PathLike) -> dict:
+    """The JSON header of a safetensors file (tensor entries and ``__metadata__``)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (size,) = struct.unpack("<Q", head)
+        if size > 100_000_000:
+            raise ValueError(f"{path}: not a safetensors file (header length {size})")
+        try:
+            return json.loads(f.read(size))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a safetensors file ({e})") from None

@@ -1,0 +1,129 @@
+"""Filling a model's tensors from a `Source`, rank by rank, checking first that everything fits.
+
+`match_tensors` pairs every tensor of the model with a tensor of the checkpoint (by name, tied weights by
+any of their names) and raises one error that lists every name that is missing, unexpected, or of the
+wrong shape or dtype, before anything is read. `fill` then asks the source for each rank's boxes:
+
+- a tensor that is already real is overwritten in place (a resumed optimizer keeps its parameters);
+- a tensor on the meta device gets new storage on its rank's device, swapped into every module that holds
+  it (ties stay tied), allocated only when its turn comes.
+
+Host memory beyond the destination tensors: what the source needs for one tensor (see sources.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .layout import ModelLayout, TensorEntry, local_shape, local_view, rank_pieces
+from .sources import Source, describe_names
+
+logger = logging.getLogger(__name__)
+
+
+def match_tensors(
+    layout: ModelLayout,
+    source: Source,
+    *,
+    aliases: dict[str, str] | None = None,
+    strict: bool = True,
+    exact_dtype: bool = True,
+    fix: str = "",
+) -> list[tuple[TensorEntry, str]]:
+    """(entry, name in the source) for every persistent tensor of the model that the source holds."""
+    if hasattr(source, "choose_prefix"):  # DCP folders keep the model under a key prefix
+        source.choose_prefix(n for e in layout for n in e.names)
+    names = set(source.names())
+    aliases = aliases or {}
+    pairs, missing, used = [], [], set()
+    wrong_shape, wrong_dtype, broken = [], [], []
+    for entry in layout:
+        found = next((n for n in entry.names if n in names), None)
+        if found is None:
+            found = next((aliases[n] for n in entry.names if aliases.get(n) in names), None)
+        if found is None:
+            if entry.persistent:
+                missing.append(entry.name)
+            continue
+        used.add(found)
+        shape, dtype = source.info(found)
+        if tuple(shape) != tuple(entry.shape):
+            wrong_shape.append(f"{entry.name}: checkpoint {list(shape)}, model {list(entry.shape)}")
+        elif exact_dtype and dtype != entry.dtype:
+            wrong_dtype.append(f"{entry.name}: checkpoint {dtype}, model {entry.dtype}")
+        else:
+            problems = source.problems(found)
+            if problems:
+                broken.append(f"{found}: {'; '.join(problems)}")
+        pairs.append((entry, found))
+    unexpected = sorted(names - used - set(aliases))
+    lines = []
+    if wrong_shape:
+        lines.append(f"{len(wrong_shape)} tensor(s) have another shape: " + "; ".join(wrong_shape[:8]))
+    if wrong_dtype:
+        lines.append(
+            f"{len(wrong_dtype)} tensor(s) have another dtype: " + "; ".join(wrong_dtype[:8])
+            + " (convert the model first, e.g. model.to(torch.bfloat16), to load these exactly)"
+        )
+    if broken:
+        lines.append(f"{len(broken)} tensor(s) cannot be read: " + "; ".join(broken[:8]))
+    if strict and missing:
+        lines.append(f"{len(missing)} tensor(s) of the model are not in the checkpoint: {describe_names(missing)}")
+    if strict and unexpected:
+        lines.append(f"{len(unexpected)} tensor(s) of the checkpoint are not in the model: {describe_names(unexpected)}")
+    if lines:
+        raise ValueError(
+            f"{source.description} does not fit this {type(layout.shards[0]).__name__}:\n  " + "\n  ".join(lines)
+            + (f"\n{fix}" if fix else "") + "\nNothing was loaded; the model is unchanged."
+        )
+    if missing:
+        logger.warning("not in %s, left as they are: %s", source.description, describe_names(missing))
+    if unexpected:
+        logger.info("in %s but not in the model, skipped: %s", source.description, describe_names(unexpected))
+    return pairs
+
+
+def fill(
+    layout: ModelLayout,
+    pairs: Sequence[tuple[TensorEntry, str]],
+    source: Source,
+    *,
+    progress: bool = True,
+    desc: str = "loading",
+) -> None:
+    """Copy every paired tensor's boxes into each rank (in place, or into new storage for meta tensors)."""
+    created: list[tuple[TensorEntry, int, torch.Tensor]] = []
+
+    def requests():
+        for entry, name in pairs:
+            targets = []
+            for rank in range(layout.world_size):
+                local = layout.local(entry, rank)
+                if local.is_meta:
+                    device = layout.devices[rank] if layout.devices[rank].type != "meta" else torch.device("cpu")
+                    dest = torch.empty(local_shape(entry.shape, entry.placement, rank), dtype=entry.dtype, device=device)
+                    created.append((entry, rank, dest))
+                else:
+                    dest = local.detach()
+                pieces = rank_pieces(entry.shape, entry.placement, rank)
+                targets += [(box, local_view(dest, entry.placement, box, start)) for box, start in pieces]
+            yield name, targets
+
+    nbytes = {name: entry.nbytes for entry, name in pairs}
+    bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, desc=desc, disable=not progress, leave=False)
+    try:
+        with torch.no_grad():
+            source.read_all(requests(), lambda name: bar.update(nbytes[name]))
+    finally:
+        bar.close()
+    for entry, rank, dest in created:
+        layout.set_local(entry, rank, dest)
+
+
+def still_meta(layout: ModelLayout) -> list[str]:
+    """Names of tensors that no load has filled yet."""
+    return [e.name for e in layout if any(layout.local(e, r).is_meta for r in range(layout.world_size))]

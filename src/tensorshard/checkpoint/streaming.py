@@ -1,0 +1,209 @@
+"""Loading straight into the shards: the model is built empty, each device reads only its slices.
+
+    model = tp.from_pretrained("path/to/checkpoint", ["cuda:0", "cuda:1"])
+
+`from_pretrained` builds the model with its parameters on the meta device (`empty_weights`, like
+accelerate's `init_empty_weights`: buffers such as rotary frequencies stay real), splits it with the plan
+(which needs only shapes), then reads every tensor's slices from the checkpoint straight to their devices.
+
+**Memory contract.** Host memory beyond the loaded shards stays below one tensor of the checkpoint: a
+safetensors slice is read from the mapped file into its device tensor, each file unmapped after each
+tensor; a GGUF tensor is dequantized whole, once, then sliced. So peak host memory is at most one device's
+share of the model (when the devices are CPU slots the shards *are* host memory) plus the largest single
+tensor. A tqdm bar shows the bytes read.
+
+For those who load by hand (the `tensor_parallel` package's flow), see dispatch.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..plans.plan import Plan
+from .layout import model_layout
+from .loader import fill, match_tensors, still_meta
+from .sources import INDEX_NAME, describe_names, open_folder
+
+logger = logging.getLogger(__name__)
+
+
+# --- from_pretrained --------------------------------------------------------------------------------------
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    device_ids: Sequence | None = None,
+    *,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    plan: Plan | dict | None = None,
+    dtype: torch.dtype | None = None,
+    sharded: bool | None = None,
+    sharded_param_names: Sequence[str] | None = None,
+    gguf_file: str | None = None,
+    output_device: Any = None,
+    timeout: float | None = None,
+    progress: bool = True,
+) -> nn.Module:
+    """Build a tensor-parallel model and stream its weights from `path` into the devices.
+
+    Args:
+        path: a folder of safetensors files (Hugging Face layout with ``config.json``, a tensorshard sharded
+            checkpoint, or a torch.distributed.checkpoint folder), a ``.safetensors`` file, or a ``.gguf`` file.
+        device_ids: the devices, as for `tensor_parallel`.
+        model: the model to fill: a module (ideally built on the meta device, e.g. under
+            ``tp.checkpoint.empty_weights()``) or a function that builds one (called under it). Default: the
+            transformers model that ``config.json`` (or the GGUF metadata) describes, in eval mode, as
+            transformers' from_pretrained returns it.
+        plan: as for `tensor_parallel` (default: the plan a tensorshard checkpoint was saved with, else a
+            preset, else an inferred plan). A stored plan that does not fit the model is an error naming
+            the patterns that match nothing.
+        dtype: dtype of the floating-point weights (default: the checkpoint's for transformers models; the
+            model's own otherwise). Weights are cast on the way in.
+        sharded, sharded_param_names: ZeRO-3 for replicated parameters, as for `tensor_parallel`.
+        gguf_file: the GGUF file's name inside the folder `path` (or give the file as `path`).
+        progress: show a tqdm progress bar.
+
+    Peak host memory: see the module docstring (one device's share plus the largest tensor).
+    """
+    from ..api import tensor_parallel
+
+    path = Path(path)
+    gguf_path = _gguf_path(path, gguf_file)
+    if plan is None and gguf_path is None and (path / INDEX_NAME).exists():
+        plan = _stored_plan(path)
+    module = _build(path, model, dtype, gguf_path)
+    source = None
+    if gguf_path is not None:
+        from .gguf import GGUFSource
+
+        source, index = GGUFSource(gguf_path, module), None  # maps names on the unsplit module
+    training = module.training
+    split = tensor_parallel(
+        module, device_ids, output_device=output_device, plan=plan, sharded=sharded,
+        sharded_param_names=sharded_param_names, timeout=timeout,
+    )
+    split.train(training)  # the wrapper starts in train mode; follow the model (eval for transformers models)
+    if source is None:
+        source, index = open_folder(path)
+    layout = model_layout(split)
+    pairs = match_tensors(layout, source, aliases=(index or {}).get("aliases", {}), strict=False, exact_dtype=False)
+    fill(layout, pairs, source, progress=progress, desc=f"loading {path.name}")
+    source.close()
+    empty = still_meta(layout)
+    if empty:
+        raise RuntimeError(
+            f"{len(empty)} tensor(s) were not in {source.description} and are still empty: {describe_names(empty)}. "
+            "Check that the checkpoint belongs to this model; buffers the model computes itself must be real when "
+            "it is built (tp.checkpoint.empty_weights() and accelerate.init_empty_weights() keep them so; "
+            "torch.device('meta') does not)."
+        )
+    logger.info("loaded %s into %d device(s): %d tensors", path, layout.world_size, len(pairs))
+    return split
+
+
+def _stored_plan(folder: Path) -> Plan | None:
+    """The plan a tensorshard checkpoint was saved with (used when from_pretrained gets no plan)."""
+    from .index import read_index
+
+    data = read_index(folder).get("plan")
+    if data is None:
+        return None
+    try:
+        plan = Plan.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{folder / INDEX_NAME}: the stored plan cannot be read ({e}); pass plan=...") from None
+    logger.info("using the plan stored in %s", folder / INDEX_NAME)
+    return plan
+
+
+def _gguf_path(path: Path, gguf_file: str | None) -> Path | None:
+    if gguf_file is not None:
+        p = path / gguf_file if path.is_dir() else Path(gguf_file)
+        if not p.exists():
+            raise FileNotFoundError(f"gguf_file={gguf_file!r}: no such file {p}")
+        return p
+    return path if path.suffix == ".gguf" else None
+
+
+@contextlib.contextmanager
+def empty_weights():
+    """Build modules with their parameters on the meta device and their buffers real, like accelerate's
+    `init_empty_weights`, except that assigning an existing parameter to another module (tying weights,
+    ``model.output.weight = model.embed.weight``) keeps it one parameter (accelerate's makes a copy)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            extra = dict(param.__dict__)
+            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad, **extra)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype | None):
+    if dtype is None or not dtype.is_floating_point:
+        yield
+        return
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def _build(path: Path, model, dtype: torch.dtype | None, gguf_path: Path | None) -> nn.Module:
+    if isinstance(model, nn.Module):
+        return model
+    if model is not None:
+        if not callable(model):
+            raise TypeError(f"model must be an nn.Module or a function that builds one; got {type(model).__name__}")
+        with empty_weights(), _default_dtype(dtype):
+            built = model()
+        if not isinstance(built, nn.Module):
+            raise TypeError(f"model() returned {type(built).__name__}, not an nn.Module")
+        return built
+    return _build_transformers(path, dtype, gguf_path)
+
+
+def _build_transformers(path: Path, dtype: torch.dtype | None, gguf_path: Path | None) -> nn.Module:
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            f"building the model from {path} needs transformers (pip install tensorshard[hf]); or pass model=..."
+        ) from e
+    if gguf_path is not None:
+        from .gguf import gguf_config
+
+        config = gguf_config(gguf_path)
+        dtype = dtype or torch.float32  # dequantized weights are float32
+    else:
+        folder = path if path.is_dir() else path.parent
+        if not (folder / "config.json").exists():
+            raise FileNotFoundError(
+                f"{folder} has no config.json to build the model from; pass model=... (a module or a function)"
+            )
+        config = transformers.AutoConfig.from_pretrained(folder)
+        dtype = dtype or getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    build = cls._from_config if cls is not None else transformers.AutoModelForCausalLM.from_config
+    with empty_weights():
+        module = build(config, dtype=dtype)
+    return module.eval()  # as transformers' from_pretrained returns it (and ZeRO-3 stays off by default)

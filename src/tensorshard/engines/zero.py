@@ -1,0 +1,242 @@
+"""ZeRO-3 for what the plan leaves whole: each device keeps 1/N of every replicated parameter.
+
+    model = tp.tensor_parallel(model, ["cuda:0", "cuda:1"], sharded=True)
+
+The plan splits the big layers; norms, biases and small layers stay replicated, a full copy (with its
+gradient and optimizer state) on every device. With `sharded`, device r keeps only rows
+``[start_r, stop_r)`` (dim 0, split as evenly as `split_evenly` says) of each such parameter, as the
+parameter itself, so `model.parameters()`, the gradients and the optimizer's state are 1/N per device.
+
+At the start of every forward call each shard gathers all of its partitioned parameters in ONE all-gather
+(counted by `tp.count_collectives` as ``all_gather`` at "zero-3") and the modules see full tensors until the
+call returns. Backward needs no communication: under the SPMD convention (comm/base.py) every shard
+computes the full, identical gradient of a replicated parameter, so the gather's backward keeps each
+shard's own rows. The optimizer updates rows elementwise, exactly as it would update the full copies, so
+training matches the unsplit run bit for bit where the unsharded engine does.
+
+Costs: one all-gather per forward call, and the gathered tensors stay alive while autograd needs them
+(until backward), like the replicated copies they stand for. Parameters with fewer rows than devices,
+buffers, and frozen parameters (by default) stay replicated.
+
+Under torchrun the same job belongs to FSDP2 (`fully_shard`) on a data-parallel mesh axis: see
+docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.autograd import Function
+
+from ..comm.counter import record
+from ..partition import Partition, split_evenly
+
+logger = logging.getLogger(__name__)
+
+WHERE = "zero-3"
+
+
+def default_sharded(module: nn.Module, world_size: int) -> bool:
+    """``sharded=None``: on when training (module in train mode with a trainable parameter) on 2+ devices.
+
+    Inference (``model.eval()``, as transformers' from_pretrained returns models) keeps replicated
+    parameters whole: no extra all-gather per generated token.
+    """
+    return world_size > 1 and module.training and any(p.requires_grad for p in module.parameters())
+
+
+def zero_partition(rows: int, world_size: int) -> Partition:
+    """Rows of a dim-0 ZeRO partition: 10 rows over 4 devices -> 3, 3, 2, 2."""
+    ranges, start = [], 0
+    for size in split_evenly(rows, world_size):
+        ranges.append(((start, start + size),))
+        start += size
+    return Partition(rows, tuple(ranges))
+
+
+def choose_params(model, names: Sequence[str] | None) -> list[str]:
+    """Which original parameter names ZeRO-3 partitions (validating user-given names)."""
+    world = model.world_size
+    shard = model.module_shards[0]
+    params = dict(shard.named_parameters(remove_duplicate=False))
+    buffers = dict(shard.named_buffers(remove_duplicate=False))
+    if names is None:
+        chosen = [
+            n for n, p in params.items()
+            if model.splits.get(n) is None and p.requires_grad and p.dim() >= 1 and p.shape[0] >= world
+        ]
+        skipped = [n for n, p in params.items() if model.splits.get(n) is None and n not in chosen]
+        if skipped:
+            logger.debug("ZeRO-3 leaves whole (frozen, scalar, or fewer rows than devices): %s", skipped)
+        return chosen
+    if isinstance(names, str):
+        raise TypeError(f"sharded_param_names must be a list of parameter names; got the string {names!r}")
+    chosen = []
+    for name in names:
+        if name in buffers:
+            raise ValueError(f"sharded_param_names: {name!r} is a buffer; ZeRO-3 partitions parameters only")
+        if name not in params:
+            close = difflib.get_close_matches(name, list(params), n=3)
+            hint = f" Closest: {', '.join(close)}." if close else ""
+            raise ValueError(f"sharded_param_names: {name!r} is not a parameter of the model.{hint}")
+        if model.splits.get(name) is not None:
+            raise ValueError(
+                f"sharded_param_names: {name!r} is already split by the plan (dim {model.splits[name][0]}); "
+                "ZeRO-3 partitions only what the plan leaves whole"
+            )
+        p = params[name]
+        if p.dim() == 0 or p.shape[0] < world:
+            raise ValueError(
+                f"sharded_param_names: {name!r} has shape {tuple(p.shape)}, fewer rows than the {world} devices; "
+                "leave it out"
+            )
+        chosen.append(name)
+    return chosen
+
+
+def shard_replicated(model, names: Sequence[str] | None = None) -> list[str]:
+    """Partition the replicated parameters `names` (default: all trainable ones) of a TensorParallel model.
+
+    Returns the names partitioned. Tied parameters stay tied (one slice object per device).
+    """
+    world = model.world_size
+    if world == 1:
+        return []
+    chosen = choose_params(model, names)
+    if not chosen:
+        return []
+    if getattr(model, "zero_splits", None):
+        raise RuntimeError("this model is already ZeRO-3 partitioned")
+
+    # Group names by tensor (tied weights appear under several names, all of which get the slice).
+    shards = list(model.module_shards)
+    first = dict(shards[0].named_parameters(remove_duplicate=False))
+    groups: dict[int, list[str]] = {}
+    for name, p in first.items():
+        if model.splits.get(name) is None:
+            groups.setdefault(id(p), []).append(name)
+    wanted = {id(first[n]) for n in chosen}
+    tied = [names_ for key, names_ in groups.items() if key in wanted]
+
+    zero_splits = {}
+    slots: list[list[list[tuple[nn.Module, str]]]] = [[] for _ in range(world)]  # rank -> param -> owners
+    partitions = []
+    for names_ in tied:
+        full = first[names_[0]]
+        part = zero_partition(full.shape[0], world)
+        partitions.append(part)
+        for name in names_:
+            zero_splits[name] = (0, part)
+        for rank, shard in enumerate(shards):
+            owners = [_owner(shard, n) for n in names_]
+            old = owners[0][0]._parameters[owners[0][1]]
+            (start, stop), = part.ranges[rank]
+            # clone: the slice must not keep the full tensor's storage alive
+            data = old.detach().narrow(0, start, stop - start)
+            new = nn.Parameter(data if data.is_meta else data.clone(), requires_grad=old.requires_grad)
+            for module, attr in owners:
+                module._parameters[attr] = new
+            slots[rank].append(owners)
+
+    state = _ZeroState(model, slots, partitions)
+    for rank, shard in enumerate(shards):
+        shard.register_forward_pre_hook(state.gather_hook(rank))
+        shard.register_forward_hook(state.release_hook(rank), always_call=True)
+    model.zero_splits = zero_splits
+    model._zero = state
+    saved = sum(p.numel() for names_ in tied for p in [first[names_[0]]]) * (world - 1) // world
+    logger.info(
+        "ZeRO-3: %d replicated parameter(s) partitioned over %d devices (~%d elements fewer per device)",
+        len(tied), world, saved,
+    )
+    return [n for names_ in tied for n in names_]
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_name, _, attr = name.rpartition(".")
+    return (root.get_submodule(module_name) if module_name else root), attr
+
+
+class _ZeroState:
+    """The hooks of every shard: gather partitioned parameters before a call, put the slices back after."""
+
+    def __init__(self, model, slots, partitions: list[Partition]) -> None:
+        self.group = model._group
+        self.slots = slots
+        self.partitions = partitions
+        self.saved: list[list[nn.Parameter] | None] = [None] * len(slots)
+
+    def gather_hook(self, rank: int):
+        def hook(module, args):
+            owners = self.slots[rank]
+            slices = [mod._parameters[attr] for (mod, attr), *_ in owners]
+            self.saved[rank] = slices
+            fulls = self.group.exchange(rank, "all_gather", WHERE, slices, self._gather)
+            for param_owners, full in zip(owners, fulls):
+                for mod, attr in param_owners:
+                    mod._parameters[attr] = full  # a non-leaf tensor for this call; backward reaches the slice
+
+        return hook
+
+    def release_hook(self, rank: int):
+        def hook(module, args, output):
+            slices = self.saved[rank]
+            if slices is None:
+                return
+            for param_owners, p in zip(self.slots[rank], slices):
+                for mod, attr in param_owners:
+                    mod._parameters[attr] = p
+            self.saved[rank] = None
+
+        return hook
+
+    def _gather(self, payloads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Runs once per call, in the last shard to arrive: every shard's slices -> full tensors per device."""
+        devices = self.group.devices
+        world, count = len(payloads), len(self.partitions)
+        flat = [t for per_rank in payloads for t in per_rank]
+        record("all_gather", sum(p.size * _row_bytes(t) for p, t in zip(self.partitions, payloads[0])), "forward", WHERE)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+            outs = _GatherParams.apply(devices, self.partitions, *flat)
+        else:
+            outs = _assemble(devices, self.partitions, flat)
+        return [list(outs[r * count:(r + 1) * count]) for r in range(world)]
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return (t.numel() // max(t.shape[0], 1)) * t.element_size()
+
+
+def _assemble(devices, partitions, flat):
+    """Per rank, per parameter (rank-major): the full tensor on that rank's device."""
+    world, count = len(devices), len(partitions)
+    fulls = []
+    for i, part in enumerate(partitions):
+        pieces = [flat[r * count + i].detach().to(devices[0]) for r in range(world)]
+        fulls.append(part.assemble(pieces, 0))
+    return [fulls[i] if r == 0 else fulls[i].to(devices[r], copy=True) for r in range(world) for i in range(count)]
+
+
+class _GatherParams(Function):
+    """All-gather of many parameters at once, one input and one output per (device, parameter).
+
+    Backward: each device's gradient of the full tensor is complete (SPMD), so it keeps its own rows.
+    """
+
+    @staticmethod
+    def forward(ctx, devices, partitions, *flat):
+        ctx.partitions, ctx.world = partitions, len(devices)
+        return tuple(_assemble(devices, partitions, flat))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        count = len(ctx.partitions)
+        out = []
+        for index, g in enumerate(grads):
+            rank, i = divmod(index, count)
+            out.append(None if g is None else ctx.partitions[i].take(g, 0, rank).contiguous())
+        return (None, None, *out)

@@ -1,0 +1,113 @@
+"""The memory contract of streaming loads, measured: a ~1 GB checkpoint in several safetensors files
+streams into 4 CPU slots with little host memory beyond the shards themselves.
+
+The load runs in a fresh subprocess that resets its peak-RSS counter (/proc/self/clear_refs) just before
+`tp.from_pretrained` and reads VmHWM after it. Extra memory = peak - RSS before - bytes the shards hold.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+DIM, HIDDEN, LAYERS = 2048, 4096, 16  # 16 x 2 x (4096 x 2048) fp32 = 1.07 GB; largest tensor 32 MiB
+FILES = 4
+
+CHILD = r"""
+import json, os, sys
+import torch
+from torch import nn
+import tensorshard as tp
+
+torch.set_num_threads(1)
+DIM, HIDDEN, LAYERS = {dim}, {hidden}, {layers}
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+plan = tp.Plan({{"blocks.*.up": tp.ColwiseParallel(), "blocks.*.down": tp.RowwiseParallel()}})
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS counter
+before = status("VmRSS")
+model = tp.from_pretrained(sys.argv[1], ["cpu"] * 4, model=Stack, plan=plan, sharded=False, progress=False)
+peak = status("VmHWM")
+held = sum(tp.memory_per_device(model).values())
+
+# Spot-check the values: each device's slices equal the file's (up: rows, down: columns, norm: whole).
+from safetensors import safe_open
+index = json.load(open(os.path.join(sys.argv[1], "model.safetensors.index.json")))["weight_map"]
+same = []
+for name, dim in (("blocks.0.up.weight", 0), (f"blocks.{{LAYERS - 1}}.down.weight", 1), ("blocks.3.norm.bias", None)):
+    with safe_open(os.path.join(sys.argv[1], index[name]), "pt") as f:
+        full = f.get_tensor(name)
+    module, attr = name.rsplit(".", 1)
+    pieces = [getattr(s.get_submodule(module), attr) for s in model.module_shards]
+    same.append(all(torch.equal(p, full if dim is None else full.chunk(4, dim)[r]) for r, p in enumerate(pieces)))
+print(json.dumps({{"before": before, "peak": peak, "held": held, "same": same}}))
+"""
+
+
+def write_checkpoint(folder: Path) -> tuple[int, int]:
+    """Random weights in FILES safetensors files plus an index, written one file at a time."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    names = []
+    for i in range(LAYERS):
+        names += [(f"blocks.{i}.norm.weight", (DIM,)), (f"blocks.{i}.norm.bias", (DIM,)),
+                  (f"blocks.{i}.up.weight", (HIDDEN, DIM)), (f"blocks.{i}.down.weight", (DIM, HIDDEN))]
+    per_file = -(-len(names) // FILES)
+    weight_map, total, largest = {}, 0, 0
+    for k in range(FILES):
+        file_name = f"model-{k + 1:05d}-of-{FILES:05d}.safetensors"
+        tensors = {name: torch.empty(shape).uniform_(-1, 1, generator=gen) for name, shape in names[k * per_file:(k + 1) * per_file]}
+        save_file(tensors, folder / file_name)
+        for name, t in tensors.items():
+            weight_map[name] = file_name
+            total += t.numel() * 4
+            largest = max(largest, t.numel() * 4)
+        del tensors
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total, largest
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc to measure peak RSS")
+def test_a_1gb_checkpoint_streams_into_4_slots_with_bounded_extra_memory(tmp_path):
+    total, largest = write_checkpoint(tmp_path)
+    assert total > 1e9
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    script = CHILD.format(dim=DIM, hidden=HIDDEN, layers=LAYERS)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["same"] == [True, True, True]
+    assert result["held"] >= total  # the shards hold the whole model (replicated norms 4 times)
+    extra = result["peak"] - result["before"] - result["held"]
+    print(f"\npeak extra host memory: {extra / 2**20:.0f} MiB (largest tensor {largest / 2**20:.0f} MiB)")
+    assert extra < 0.35e9 + largest
