@@ -188,3 +188,15 @@ def test_beam_search_and_several_samples(llama, gen):
         torch.manual_seed(3)
         samples.append(m.generate(ids, do_sample=True, num_return_sequences=3, max_new_tokens=6, pad_token_id=0))
     assert torch.equal(*samples)
+
+
+def test_streamed_load_gives_the_same_kind_of_model(llama, gen, tmp_path):
+    """tp.from_pretrained (weights streamed into the shards) goes through tensor_parallel(): the result
+    is a transformers model too, with generate()."""
+    ref, model = llama
+    model.save_pretrained(tmp_path)
+    loaded = tp.from_pretrained(tmp_path, ["cpu"] * 3, progress=False)
+    assert type(loaded).__name__ == "TensorParallelLlamaForCausalLM" and not loaded.training
+    ids = torch.randint(1, VOCAB, (1, 4), generator=gen)
+    generate = dict(max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    assert torch.equal(loaded.generate(ids, **generate), ref.generate(ids, **generate))
