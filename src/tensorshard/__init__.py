@@ -24,11 +24,14 @@ from .engines.inprocess import TensorParallel
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
 from .plans.plan import Plan
+from .plans.presets import preset_for
+from .plans.presets.styles import AttentionHeads, SumGradients
 from .styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionHeads",
     "CollectiveAborted",
     "CollectiveCounter",
     "ColwiseParallel",
@@ -41,6 +44,7 @@ __all__ = [
     "RowwiseParallel",
     "ShardParams",
     "Style",
+    "SumGradients",
     "TensorParallel",
     "convert_state_dict",
     "count_collectives",
@@ -49,6 +53,7 @@ __all__ = [
     "infer_sharded_device_map",
     "load_sharded",
     "memory_per_device",
+    "preset_for",
     "save_gathered",
     "save_sharded",
     "save_tensor_parallel",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 from torch import nn
@@ -27,7 +28,9 @@ def tensor_parallel(
 
     In one process (the default): ``tensor_parallel(model, ["cuda:0", "cuda:1"])`` returns a
     `TensorParallel` holding one shard per device, which trains and runs like the original. The original
-    module is consumed (its weights move into the shards; it is left on the meta device).
+    module is consumed (its weights move into the shards; it is left on the meta device). A transformers
+    `PreTrainedModel` comes back as an instance of its own class too, with ``generate``, ``config`` and
+    ``save_pretrained`` (see docs/transformers.md).
 
     Args:
         device_ids: devices for the shards (default: all visible GPUs, else one CPU slot).
@@ -62,7 +65,19 @@ def tensor_parallel(
         sharded = bool(sharded_param_names) or (
             isinstance(module, nn.Module) and default_sharded(module, len(resolve_devices(device_ids)))
         )
-    return TensorParallel(
-        module, device_ids, output_device=output_device, plan=plan, timeout=timeout, debug=debug,
+    options = dict(
+        output_device=output_device, plan=plan, timeout=timeout, debug=debug,
         sharded=bool(sharded), sharded_param_names=sharded_param_names,
     )
+    if _is_transformers_model(module):  # still an instance of its class: generate, save_pretrained, ...
+        from .integrations.transformers import tensor_parallel_pretrained
+
+        model = tensor_parallel_pretrained(module, device_ids, **options)
+    else:
+        model = TensorParallel(module, device_ids, **options)
+    return model
+
+
+def _is_transformers_model(module: Any) -> bool:
+    transformers = sys.modules.get("transformers")  # never import it for a plain PyTorch model
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)

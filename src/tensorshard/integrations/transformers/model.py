@@ -1,0 +1,302 @@
+"""A split transformers model that is still a transformers model.
+
+    model = AutoModelForCausalLM.from_pretrained(...)
+    model = tp.tensor_parallel(model, ["cuda:0", "cuda:1"])      # an instance of TensorParallelLlamaForCausalLM
+    out = model.generate(input_ids, max_new_tokens=50)           # transformers' own generate
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.save_pretrained("out/")                                # an unsplit checkpoint
+
+`tensor_parallel()` returns, for a `PreTrainedModel`, an instance of a class made on the fly that inherits
+both `TensorParallel` (the engine: shards, forward) and the model's own class (``LlamaForCausalLM``: its
+``generate``, ``prepare_inputs_for_generation``, ``can_generate``, class attributes...). The model's
+constructor never runs: the instance takes the original's ``config``, ``generation_config`` and other plain
+attributes, and its ``forward`` (with the model's own signature, which ``generate`` inspects) runs the
+shards. What differs from the unsplit model:
+
+- the KV cache is sharded: each device caches its own heads (cache.py);
+- ``get_input_embeddings()``, ``get_output_embeddings()``, ``get_encoder()`` return views that run that part
+  of every shard (T5's ``generate`` runs the encoder through one);
+- ``save_pretrained`` gathers the unsplit weights (on the CPU, one tensor at a time, then the whole state
+  dict: peak host memory is one full copy of the model) and writes them with transformers' own
+  ``save_pretrained`` of the original class, into a temporary folder moved into place;
+- ``state_dict()`` is the shards' (use ``tp.save_tensor_parallel`` for the unsplit one); submodules such
+  as ``model.model`` live in ``model.module_shards[r]``;
+- unsupported, with an error saying so: output_attentions, static caches, resizing embeddings, gradient
+  checkpointing (its recomputation would re-run collectives outside the call);
+- training with dropout > 0 is not exact (each device draws its own masks): a warning says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from transformers.cache_utils import Cache
+
+from ...checkpoint.gather import gathered_state_dict
+from ...engines.inprocess import TensorParallel
+from .cache import ShardedCache, shard_cache, sharded
+
+logger = logging.getLogger(__name__)
+
+_NOT_COPIED = {"hf_device_map", "_hf_hook"}  # accelerate dispatch state of the original: meaningless here
+_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
+
+
+class _RankCache:
+    """Stands in for a shard's own cache in its output until the caller's thread puts the sharded one there."""
+
+
+_RANK_CACHE = _RankCache()
+
+
+def is_transformers_model(module: Any) -> bool:
+    """True for a transformers PreTrainedModel (without importing transformers when nobody has)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+
+
+def tensor_parallel_pretrained(module: nn.Module, device_ids=None, **kwargs) -> "TransformersTensorParallel":
+    """Split a transformers model; the result is also an instance of the model's class (see module doc)."""
+    return split_class(type(module))(module, device_ids, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def split_class(model_class: type) -> type:
+    """``TensorParallel<ModelClass>``: the engine first in the MRO, then the model's own class."""
+
+    def forward(self, *args, **kwargs):
+        return TransformersTensorParallel.forward(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(model_class.forward)  # generate() inspects the argument names
+    forward.__doc__ = model_class.forward.__doc__
+    name = f"TensorParallel{model_class.__name__}"
+    return type(name, (TransformersTensorParallel, model_class), {"forward": forward, "__module__": __name__})
+
+
+class TransformersTensorParallel(TensorParallel):
+    """The engine side of a split transformers model; instances come from `split_class(...)`."""
+
+    def __init__(self, module: nn.Module, device_ids=None, **kwargs) -> None:
+        if not is_transformers_model(module):
+            raise TypeError(f"expected a transformers PreTrainedModel, got {type(module).__name__}")
+        plain = {k: v for k, v in vars(module).items() if k not in vars(nn.Module()) and k not in _NOT_COPIED}
+        training = module.training
+        super().__init__(module, device_ids, **kwargs)
+        for key, value in plain.items():  # config, generation_config, name_or_path, ...
+            if key not in self.__dict__:
+                object.__setattr__(self, key, value)
+        object.__setattr__(self, "_original", module)  # consumed (on meta); not a submodule
+        object.__setattr__(self, "_views", {})
+        object.__setattr__(self, "_taken_caches", [None] * self.world_size)
+        object.__setattr__(self, "_warned_dropout", False)
+        object.__setattr__(self, "_forward_parameters", dict(inspect.signature(type(module).forward).parameters))
+        self.training = training  # the shards keep the original's per-module modes
+        for rank, shard in enumerate(self.module_shards):
+            shard.register_forward_hook(functools.partial(_take_cache, self._taken_caches, rank))
+        _align_experts(self)
+
+    # -- running -----------------------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = self._keywords(args, kwargs)
+        if kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False):
+            raise NotImplementedError(
+                "output_attentions=True: each device computes the attention weights of its own heads only, and "
+                "a split model does not gather them; call without output_attentions"
+            )
+        if "use_cache" in self._forward_parameters and "use_cache" not in kwargs:
+            kwargs["use_cache"] = getattr(self.config, "use_cache", None)  # the shards' configs are copies
+        cache = kwargs.get("past_key_values")
+        if cache is not None:
+            kwargs["past_key_values"] = shard_cache(cache, self.world_size)
+        if self.training and not self._warned_dropout and _uses_dropout(self.config):
+            object.__setattr__(self, "_warned_dropout", True)
+            logger.warning(
+                "training %s with dropout: each device draws its own masks, so activations every device should "
+                "hold alike (after an all-reduce) differ, and the copies of replicated weights (norms) drift apart. "
+                "Set the config's dropout probabilities to 0 before splitting to train exactly.", type(self).__name__
+            )
+        taken = self._taken_caches
+        taken[:] = [None] * self.world_size
+        output = super().forward(**kwargs)
+        built, taken[:] = list(taken), [None] * self.world_size
+        if any(c is not None for c in built):  # the shards built their own caches: one sharded cache over them
+            if not all(c is not None for c in built):
+                raise RuntimeError(f"only some shards returned a cache ({built}); the shards ran different code")
+            output = _replace(output, _RANK_CACHE, sharded(built))
+        return output
+
+    def _keywords(self, args: tuple, kwargs: dict) -> dict:
+        """Positional arguments as keywords, named as in the model's forward."""
+        if not args:
+            return kwargs
+        names = [n for n, p in self._forward_parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD][1:]
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__}.forward takes at most {len(names)} positional arguments ({len(args)} given)")
+        clash = [n for n in names[: len(args)] if n in kwargs]
+        if clash:
+            raise TypeError(f"{type(self).__name__}.forward got multiple values for {clash}")
+        return {**dict(zip(names, args)), **kwargs}
+
+    # -- what transformers code asks of a model ------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """Where outputs land (generate creates its tensors there)."""
+        return self.output_device
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self._view_of(lambda m: m.get_input_embeddings())
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self._view_of(lambda m: m.get_output_embeddings())
+
+    def get_encoder(self, *args, **kwargs) -> nn.Module:
+        return self._view_of(lambda m: m.get_encoder(*args, **kwargs))
+
+    def get_decoder(self, *args, **kwargs) -> nn.Module:
+        return self._view_of(lambda m: m.get_decoder(*args, **kwargs))
+
+    def _view_of(self, pick) -> nn.Module | None:
+        """A TensorParallel view running the submodule `pick` returns, on every device at once."""
+        shard = self.module_shards[0]
+        target = pick(shard)
+        if target is None:
+            return None
+        if target is shard:
+            return self
+        path = next((n for n, m in shard.named_modules() if m is target), None)
+        if path is None:
+            raise RuntimeError(f"{type(target).__name__} returned by the model is not one of its submodules")
+        if path not in self._views:
+            view = self.view(path)
+            run = view.forward
+
+            def forward(*args, **kwargs):
+                return run(*args, **kwargs)
+
+            forward.__signature__ = inspect.signature(target.forward)  # generate inspects the encoder's
+            view.forward = forward
+            self._views[path] = view
+        return self._views[path]
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
+        """Write an unsplit checkpoint that ``from_pretrained`` loads into a plain model.
+
+        The weights are gathered to the CPU (peak host memory: one full copy of the model) and written by
+        the original class's ``save_pretrained`` (same files, config and generation config as an unsplit
+        save) into a temporary folder next to `save_directory`, whose files are then moved into it.
+        """
+        if kwargs.get("state_dict") is not None:
+            raise ValueError("a split model gathers its own state dict for save_pretrained; do not pass state_dict=")
+        if kwargs.get("push_to_hub"):
+            raise NotImplementedError("push_to_hub from a split model: save_pretrained locally, then upload the folder")
+        target = Path(save_directory)
+        if target.exists() and not target.is_dir():
+            raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
+        state = dict(gathered_state_dict(self))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            self._original.save_pretrained(tmp, state_dict=state, **kwargs)
+            target.mkdir(exist_ok=True)
+            written = {p.name for p in tmp.iterdir()}
+            for pattern in _WEIGHT_FILES:  # weights of an earlier save that this one does not overwrite
+                for stale in target.glob(pattern):
+                    if stale.name not in written:
+                        stale.unlink()
+            for path in tmp.iterdir():
+                os.replace(path, target / path.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("saved the unsplit %s to %s", type(self._original).__name__, target)
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise NotImplementedError(
+            "resize_token_embeddings on a split model: resize the unsplit model before tensor_parallel()"
+        )
+
+    def gradient_checkpointing_enable(self, *args, **kwargs):
+        raise NotImplementedError(
+            "gradient checkpointing on a split model is not supported: recomputing a block in backward would "
+            "run its collectives outside the forward call"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original")
+            if original is not None and name in original._modules:
+                raise AttributeError(
+                    f"{type(self).__name__} has no {name!r}: the model is split over {self.labels}; the copy "
+                    f"on device r is model.module_shards[r].{name}"
+                ) from None
+            raise
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+
+def _take_cache(taken: list, rank: int, module: nn.Module, args: tuple, output: Any) -> Any:
+    """Forward hook of shard `rank`: keep the cache the shard built itself, leave a placeholder in the output."""
+    def swap(value):
+        if isinstance(value, Cache) and not isinstance(value, ShardedCache):
+            taken[rank] = value
+            return _RANK_CACHE
+        return value
+
+    if isinstance(output, dict):  # ModelOutput
+        for key, value in list(output.items()):
+            new = swap(value)
+            if new is not value:
+                output[key] = new
+        return output
+    if isinstance(output, tuple):
+        return type(output)(swap(v) for v in output) if type(output) is tuple else output
+    return output
+
+
+def _replace(output: Any, old: Any, new: Any) -> Any:
+    if isinstance(output, dict):
+        for key, value in list(output.items()):
+            if value is old:
+                output[key] = new
+        return output
+    if type(output) is tuple:
+        return tuple(new if v is old else v for v in output)
+    return output
+
+
+def _uses_dropout(config) -> bool:
+    """Any dropout probability above 0 in the config (attention_dropout, hidden_dropout_prob, resid_pdrop...)."""
+    return any(
+        isinstance(v, float) and v > 0 and ("dropout" in k or "pdrop" in k) for k, v in config.to_dict().items()
+    )
+
+
+def _align_experts(model: TensorParallel) -> None:
+    """transformers' default "grouped_mm" experts kernel needs 16-byte aligned rows; an uneven split of the
+    experts' hidden size (14336 over 3: 4779 features of 4 bytes) breaks that, so such shards use the
+    "batched_mm" kernel instead (same math, no alignment requirement)."""
+    switched = []
+    for label, shard in zip(model.labels, model.module_shards):
+        config = getattr(shard, "config", None)
+        if getattr(config, "_experts_implementation", None) != "grouped_mm":
+            continue
+        if any(p.dim() == 3 and (p.shape[-1] * p.element_size()) % 16 for p in shard.parameters()):
+            shard.set_experts_implementation("batched_mm")
+            switched.append(label)
+    if switched:
+        logger.info("experts on %s: local sizes not 16-byte aligned; using the batched_mm kernel", ", ".join(switched))
