@@ -8,9 +8,11 @@ under torchrun on torch.distributed (`parallelize`).
 """
 
 from .api import tensor_parallel
+from .data import InputMismatchError, TensorParallelSampler, broadcast_batch, check_same_inputs
 from .checkpoint import gathered_state_dict, save_tensor_parallel
 from .comm.counter import CollectiveCounter, count_collectives
 from .engines.inprocess import TensorParallel
+from .engines.torchrun import parallelize, synchronize_rng
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
 from .plans.plan import Plan
@@ -24,6 +26,7 @@ __all__ = [
     "EmbeddingParallel",
     "HeadGroups",
     "Heads",
+    "InputMismatchError",
     "Partition",
     "Plan",
     "Replicate",
@@ -31,10 +34,15 @@ __all__ = [
     "ShardParams",
     "Style",
     "TensorParallel",
+    "TensorParallelSampler",
+    "broadcast_batch",
+    "check_same_inputs",
     "count_collectives",
     "gathered_state_dict",
     "memory_per_device",
+    "parallelize",
     "save_tensor_parallel",
     "split_evenly",
+    "synchronize_rng",
     "tensor_parallel",
 ]
