@@ -16,7 +16,19 @@ from .engines.torchrun import parallelize, synchronize_rng
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
 from .plans.plan import Plan
-from .styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style
+from .loss_parallel import vocab_parallel_cross_entropy
+from .styles import (
+    ColwiseParallel,
+    EmbeddingParallel,
+    Heads,
+    Replicate,
+    RowwiseParallel,
+    RowwiseToSequence,
+    SequenceParallel,
+    ShardParams,
+    Style,
+    VocabParallelHead,
+)
 
 __version__ = "0.1.0"
 
@@ -31,10 +43,13 @@ __all__ = [
     "Plan",
     "Replicate",
     "RowwiseParallel",
+    "RowwiseToSequence",
+    "SequenceParallel",
     "ShardParams",
     "Style",
     "TensorParallel",
     "TensorParallelSampler",
+    "VocabParallelHead",
     "broadcast_batch",
     "check_same_inputs",
     "count_collectives",
@@ -45,4 +60,5 @@ __all__ = [
     "split_evenly",
     "synchronize_rng",
     "tensor_parallel",
+    "vocab_parallel_cross_entropy",
 ]

@@ -339,8 +339,9 @@ class DistComm(Comm):
             hit = self._parallel.get(id(x))
             if hit is not None and hit[0] is x:
                 return hit[1]  # q, k and v (gate and up) share one node: backward reduces once
-            gathered = self._gathered.get(id(x))
-            if gathered is not None and gathered[0] is x:
+            source = x if id(x) in self._gathered else x._base  # the gathered tensor, or a view of it (x[:, -k:])
+            gathered = self._gathered.get(id(source))
+            if gathered is not None and gathered[0] is source:
                 # A gathered sequence read by column layers: its backward reduce-scatters instead.
                 gathered[1].partial = True
                 self._parallel[id(x)] = (x, x)

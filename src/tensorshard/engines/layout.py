@@ -24,10 +24,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..partition import Partition
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def chunk_sizes(n: int, world: int) -> list[int]:
@@ -87,8 +91,10 @@ class Layout:
             return cls(dim, sizes[rank], sizes[rank], part.size)
         return cls(dim, sizes[rank], max(sizes), max(sizes) * part.world_size)
 
-    def to_dtensor(self, local: torch.Tensor, mesh) -> DTensor:
+    def to_dtensor(self, local: torch.Tensor, mesh) -> "DTensor":
         """This rank's slice as a DTensor (padding it when the layout says so)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard  # lazy: a 0.5 s import
+
         if self.dim is None:
             return DTensor.from_local(local, mesh, (Replicate(),), run_check=False)
         if self.padded:
@@ -106,8 +112,10 @@ class Layout:
         return local.narrow(self.dim, 0, self.local) if self.padded else local
 
 
-def as_dtensor(x: torch.Tensor, dim: int, partition: Partition, mesh, *, where: str = "") -> DTensor:
+def as_dtensor(x: torch.Tensor, dim: int, partition: Partition, mesh, *, where: str = "") -> "DTensor":
     """A split activation as the `Shard(dim)` DTensor it is (differentiable); the split must be chunk-like."""
+    from torch.distributed.tensor import DTensor, Shard
+
     if not is_chunk_layout(partition):
         raise ValueError(
             f"{where}: an output split {[partition.local_size(r) for r in range(partition.world_size)]} is not "
