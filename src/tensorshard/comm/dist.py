@@ -403,15 +403,15 @@ class DistComm(Comm):
     def partial_grads(self, module, names, *, where: str = "") -> None:
         self.partial.update((id(module), name) for name in names)
 
-    def defer_grad(self, local: torch.Tensor, param, *, owned: bool, where: str = "") -> torch.Tensor:
+    def defer_grad(self, local: torch.Tensor, param, *, on_the_spot: bool = False, where: str = "") -> torch.Tensor:
         """The local view of a parameter whose gradient is a partial sum over the group: summed in the
-        end-of-backward bucket when `param` is the engine's own, else (e.g. FSDP's unsharded copy, whose
-        gradient FSDP reads right after the module's backward) summed on the spot."""
+        end-of-backward bucket, or with `on_the_spot` (FSDP2, which reads a module's gradients right after
+        its backward) by its own all-reduce during backward."""
         if self.world_size == 1 or not (torch.is_grad_enabled() and local.requires_grad):
             return local
-        if owned:
-            return _DeferGrad.apply(local, self.bucket, param)
-        return _SumGrad.apply(local, self.group, where)
+        if on_the_spot:
+            return _SumGrad.apply(local, self.group, where)
+        return _DeferGrad.apply(local, self.bucket, param)
 
     # -- loss parallelism ------------------------------------------------------------------------------------
 

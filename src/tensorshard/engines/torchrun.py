@@ -28,8 +28,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import weakref
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -59,11 +59,6 @@ class TorchrunState:
     splits: dict[str, tuple[int, Partition] | None]  # original state-dict name -> split
     layouts: dict[str, Layout]  # state-dict name -> how this rank stores it
     checks_left: int = 0
-    owned: dict[int, weakref.ref] = field(default_factory=dict)  # our DTensor parameters, by id
-
-    def owns(self, param) -> bool:
-        ref = self.owned.get(id(param))
-        return ref is not None and ref() is param
 
 
 def parallelize(
@@ -89,8 +84,14 @@ def parallelize(
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize() splits an nn.Module; got {type(module).__name__}")
-    if isinstance(getattr(module, "tensorshard", None), TorchrunState):
-        raise TypeError(f"this {type(module).__name__} is already parallelized; parallelize the original model once")
+    done = getattr(module, "tensorshard", None)
+    if isinstance(done, TorchrunState):
+        if done.mesh == device_mesh and (plan is None or (isinstance(plan, Mapping) and done.plan == Plan(plan))):
+            return module  # idempotent, as Lightning's configure_model must be
+        raise TypeError(
+            f"this {type(module).__name__} is already parallelized on mesh {done.mesh} with another plan or mesh; "
+            "parallelize the original model once"
+        )
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(
             f"device_mesh must be a torch DeviceMesh, got {type(device_mesh).__name__}; build one with "
@@ -181,9 +182,7 @@ def _local_tensor(t, kind: str, split, layout: Layout, state: TorchrunState, dev
         local = full
     if kind == "buffer":
         return layout.to_dtensor(local, state.mesh) if split is not None else local
-    param = nn.Parameter(layout.to_dtensor(local, state.mesh), requires_grad=t.requires_grad)
-    state.owned[id(param)] = weakref.ref(param)
-    return param
+    return nn.Parameter(layout.to_dtensor(local, state.mesh), requires_grad=t.requires_grad)
 
 
 def _swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state: TorchrunState) -> None:
@@ -206,7 +205,9 @@ def _swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state
                 continue  # already local (a re-entrant call), or not a tensor of this mesh
             local = layout.view(t.to_local())
             if partial:
-                local = comm.defer_grad(local, t, owned=state.owns(t), where=f"{type(mod).__name__}.{name}")
+                # FSDP2 reads a managed module's gradients right after its backward: reduce on the spot.
+                on_the_spot = getattr(mod, "_is_fsdp_managed_module", False)
+                local = comm.defer_grad(local, t, on_the_spot=on_the_spot, where=f"{type(mod).__name__}.{name}")
             saved.append((table, name, t))
             table[name] = local
         try:
