@@ -54,3 +54,29 @@ def test_transformer(pool2, pool4, args):
 
 def test_conv_net(pool2):
     assert pool2.run(parity_task, "conv", ()) == ["ok"] * 2
+
+
+class Logits(torch.nn.Module):
+    """A causal LM's logits as a plain tensor output, for check_training_parity."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids):
+        return self.lm(ids).logits
+
+
+def llama_task() -> str:
+    import tiny_llama
+
+    ref = tiny_llama.build()
+    model = tp.parallelize(copy.deepcopy(ref), tp_mesh(), plan=tiny_llama.plan())
+    gen = torch.Generator().manual_seed(3)
+    check_training_parity(Logits(ref), Logits(model), lambda: torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=gen))
+    return "ok"
+
+
+def test_tiny_llama(pool2, pool4):  # 4 ranks: each of the 2 KV heads on two ranks
+    for pool in (pool2, pool4):
+        assert pool.run(llama_task) == ["ok"] * pool.world

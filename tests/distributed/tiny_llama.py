@@ -5,14 +5,15 @@ hidden 64, 2 layers, 4 query heads over 2 KV heads (grouped-query attention), ML
 """
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import tensorshard as tp
 
 VOCAB = 128
 
 
-def build(seed: int = 0) -> LlamaForCausalLM:
+def build(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM  # imported here: slow, and not every task needs it
+
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -301,6 +301,14 @@ def _accumulate(param, grad: torch.Tensor) -> None:
 # --- the Comm -----------------------------------------------------------------------------------------
 
 
+def _alias_key(x: torch.Tensor) -> tuple:
+    """Equal for `x` and its aliases: module hooks (full backward hooks, CommDebugMode's tracker) hand each
+    submodule a fresh tensor object viewing the same data. The version counter (shared by aliases, bumped
+    by in-place writes) keeps a modified tensor from matching its old self."""
+    return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version)
+
+
+
 class DistComm(Comm):
     """Collectives of this process's shard, over the process group of a 1-D tensor-parallel mesh."""
 
@@ -312,8 +320,9 @@ class DistComm(Comm):
         self.bucket = PartialGradBucket(self.group)
         self.partial: set[tuple[int, str]] = set()  # (id(module), name) of parameters with partial grads
         self._depth = 0
-        self._parallel: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._gathered: dict[int, tuple[torch.Tensor, _Gathered]] = {}
+        # this call's tensors by _alias_key (the tensors are kept so their memory is not reused meanwhile)
+        self._parallel: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._gathered: dict[tuple, tuple[torch.Tensor, _Gathered]] = {}
 
     # -- per-call state ----------------------------------------------------------------------------------
 
@@ -335,20 +344,21 @@ class DistComm(Comm):
     def copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
+        key = _alias_key(x)
         if self._depth:
-            hit = self._parallel.get(id(x))
-            if hit is not None and hit[0] is x:
+            hit = self._parallel.get(key)
+            if hit is not None:
                 return hit[1]  # q, k and v (gate and up) share one node: backward reduces once
-            source = x if id(x) in self._gathered else x._base  # the gathered tensor, or a view of it (x[:, -k:])
-            gathered = self._gathered.get(id(source))
-            if gathered is not None and gathered[0] is source:
-                # A gathered sequence read by column layers: its backward reduce-scatters instead.
-                gathered[1].partial = True
-                self._parallel[id(x)] = (x, x)
+            source = self._gathered.get(key) or (self._gathered.get(_alias_key(x._base)) if x._base is not None else None)
+            if source is not None:
+                # A gathered sequence (or a view of it, x[:, -k:]) read by column layers: the gather's
+                # backward reduce-scatters their partial gradients instead.
+                source[1].partial = True
+                self._parallel[key] = (x, x)
                 return x
         y = _CopyToParallel.apply(x, self.group, where)
         if self._depth:
-            self._parallel[id(x)] = (x, y)
+            self._parallel[key] = (x, y)
         return y
 
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
@@ -397,7 +407,7 @@ class DistComm(Comm):
         state = _Gathered()
         y = _GatherSequence.apply(x, self, where, dim, state)
         if self._depth:
-            self._gathered[id(y)] = (y, state)
+            self._gathered[_alias_key(y)] = (y, state)
         return y
 
     def partial_grads(self, module, names, *, where: str = "") -> None:
