@@ -49,4 +49,5 @@ if __name__ == "__main__":
     assert worst < 1e-5, worst
     if dist.get_rank() == 0:
         print(f"{nodes} nodes x {mesh['tensor_parallel'].size()} ranks: losses match one process (worst {worst:.1e})")
+    dist.barrier()  # let every rank finish before the group goes away
     dist.destroy_process_group()
