@@ -52,8 +52,9 @@ def test_transformer(pool2, pool4, args):
         assert pool.run(parity_task, "transformer", args) == ["ok"] * pool.world
 
 
-def test_conv_net(pool2):
-    assert pool2.run(parity_task, "conv", ()) == ["ok"] * 2
+def test_conv_net(pool2, pool4):
+    for pool in (pool2, pool4):
+        assert pool.run(parity_task, "conv", ()) == ["ok"] * pool.world
 
 
 class Logits(torch.nn.Module):
