@@ -34,7 +34,7 @@ if __name__ == "__main__":
     fabric.seed_everything(0)
     model = fabric.setup(FeedForward(256, 256))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-3))
-    for step in range(5):
+    for _ in range(5):
         batch = torch.randn(8, 256)  # same seed on every rank: the same batch
         loss = model(batch).sum()
         optimizer.zero_grad()

@@ -8,13 +8,11 @@ import copy
 import os
 import subprocess
 import sys
-import tempfile
 
 import lightning as L
 import pytest
 import torch
 
-import tensorshard as tp
 import lightning_example as ex
 from helpers import rel_err
 from models import FeedForward

@@ -1,7 +1,6 @@
 """Identical batches inside a tensor-parallel group: the sampler, broadcast_batch, and the check that fires
 when ranks receive different inputs (instead of training silently on a mix of batches)."""
 
-import copy
 
 import pytest
 import torch

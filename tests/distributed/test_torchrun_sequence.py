@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import tensorshard as tp
@@ -93,6 +93,13 @@ def cross_entropy_task(vocab: int) -> list[float]:
         loss.sum().backward()
         expected.sum().backward()
         errors += [rel_err(loss, expected), rel_err(logits.grad.full_tensor(), whole.grad)]
+    # torch's own loss_parallel() reads the same sharded logits
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        logits = distribute_tensor(full.clone(), world_mesh(), [Shard(2)])
+        theirs = F.cross_entropy(logits.flatten(0, 1), target.flatten())
+    errors.append(rel_err(theirs.full_tensor(), tp.vocab_parallel_cross_entropy(logits, target)))
     return errors
 
 

@@ -308,7 +308,6 @@ def _alias_key(x: torch.Tensor) -> tuple:
     return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device, x._version)
 
 
-
 class DistComm(Comm):
     """Collectives of this process's shard, over the process group of a 1-D tensor-parallel mesh."""
 

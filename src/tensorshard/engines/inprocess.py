@@ -95,7 +95,9 @@ class TensorParallel(nn.Module):
         world = len(devices)
         self.plan = resolve_plan(module, plan, world)
         sharded = shard_plan(module, self.plan, world)  # raises on any plan error; the model is untouched
-        only = sorted({f"{ms.name or '<root>'}: {ms.style.describe()}" for ms in sharded.modules.values() if getattr(ms.style, "torchrun_only", False)})
+        only = sorted(
+            {f"{ms.name or '<root>'}: {ms.style.describe()}" for ms in sharded.modules.values() if getattr(ms.style, "torchrun_only", False)}
+        )
         if only:
             raise NotImplementedError(
                 f"the plan uses styles only the torchrun engine implements ({'; '.join(only)}): run under torchrun "

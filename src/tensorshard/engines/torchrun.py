@@ -152,7 +152,7 @@ def mesh_device(mesh) -> torch.device:
 def _distribute(module: nn.Module, sharded: ShardedModel, state: TorchrunState, device, source: int | None) -> dict:
     """Replace every parameter and buffer by this rank's local slice (a DTensor, or a plain replicated
     buffer). Returns {module: {(kind, name): layout}} for the tensors that are now DTensors."""
-    rank, mesh = state.comm.rank, state.mesh
+    rank = state.comm.rank
     made: dict[int, torch.Tensor] = {}
     held: dict[nn.Module, dict[tuple[str, str], Layout]] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
