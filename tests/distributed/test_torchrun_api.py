@@ -85,3 +85,15 @@ def errors_task() -> str:
 
 def test_bad_input_leaves_the_model_alone(pool2):
     assert pool2.run(errors_task) == ["ok", "ok"]
+
+
+def test_sequence_parallel_plans_round_trip_through_json():
+    import tiny_llama
+
+    plan = tiny_llama.sequence_parallel_plan()
+    assert tp.Plan.from_json(plan.to_json()) == plan
+    assert "RowwiseToSequence(blocks=('q',))" in plan.table() and "VocabParallelHead()" in plan.table()
+    with pytest.raises(ValueError, match="input='gathered'"):
+        tp.SequenceParallel(input="gathered")
+    with pytest.raises(ValueError, match="never gathers"):
+        tp.VocabParallelHead(gather_output=True)

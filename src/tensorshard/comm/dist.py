@@ -15,7 +15,13 @@ on every rank (every rank runs the same graph):
 
 Per-call state: `copy_to_parallel` runs once per input tensor per call of the root module, so q, k and v
 reading the same tensor share one backward all-reduce. The engine brackets root calls with `begin_call` /
-`end_call`; a submodule called on its own caches nothing (more backward all-reduces, still exact).
+`end_call`; a submodule called on its own caches nothing (more backward all-reduces, still exact). When
+column layers read the output of `gather_sequence`, `copy_to_parallel` claims it instead: no node of its
+own, and the gather's backward becomes a reduce-scatter of their partial gradients (read by anything
+else, its gradient is whole and the backward just keeps this rank's slice).
+
+Parameters whose gradients are partial sums (`partial_grads`: norms running on sequence shards) go
+through `PartialGradBucket`: one all-reduce per backward pass for all of them.
 
 gloo's all-gather needs equal sizes: uneven pieces (59/59/58 features, 5/4 heads) are padded to the
 longest and trimmed after. Every collective is reported to `comm/counter.record` once.
@@ -23,7 +29,6 @@ longest and trimmed after. Every collective is reported to `comm/counter.record`
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,8 +43,6 @@ from .counter import record
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-logger = logging.getLogger(__name__)
 
 # torch 2.13 renamed the single-tensor collectives; 2.6 has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
