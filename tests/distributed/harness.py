@@ -31,7 +31,7 @@ class RankFailure(AssertionError):
     """A task failed on at least one rank."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -70,6 +70,14 @@ def _worker(rank: int, world: int, init_file: str, port: int, tasks, results) ->
     dist.destroy_process_group()
 
 
+def world_mesh():
+    """A 1-D tensor-parallel mesh over all ranks of the pool (for tasks)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
 class Pool:
     """`world` spawned processes in one gloo group; started on first use, restarted after a failure."""
 
@@ -81,7 +89,7 @@ class Pool:
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix="tensorshard-pool-")
         init_file = os.path.join(self._dir.name, "rendezvous")
-        port = _free_port()
+        port = free_port()
         self.tasks = [ctx.SimpleQueue() for _ in range(self.world)]
         self.results = ctx.Queue()
         self.procs = [

@@ -1,28 +1,23 @@
 """The README's multi-node torchrun command, as 2 "nodes" x 2 processes on loopback."""
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from harness import free_port
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
 HERE = os.path.dirname(__file__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_of_two_processes(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "..", "..", "src"), os.path.join(HERE, ".."), HERE])
     env["OMP_NUM_THREADS"] = "1"
-    port = str(_free_port())
+    port = str(free_port())
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={rank}",

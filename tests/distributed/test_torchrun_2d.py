@@ -13,6 +13,7 @@ from torch.distributed.fsdp import fully_shard
 
 import plans_for_tests as plans
 import tensorshard as tp
+from harness import world_mesh
 from helpers import rel_err
 from models import FeedForward, Transformer
 
@@ -57,7 +58,7 @@ def test_fsdp2_data_parallel_times_tensor_parallel_matches_one_process(pool4):
 
 def _build(kind: str, seed: int):
     torch.manual_seed(seed)
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    mesh = world_mesh()
     if kind == "uneven":  # 90 over 4: 23/23/22/22, stored padded
         return tp.parallelize(FeedForward(64, 90), mesh, plan=plans.FEED_FORWARD), lambda g: torch.randn(3, 64, generator=g)
     # 2 KV heads over 4 ranks: each KV head stored on two ranks

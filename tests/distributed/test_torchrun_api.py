@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 import plans_for_tests as plans
 import tensorshard as tp
+from harness import world_mesh
 from helpers import rel_err
 from models import FeedForward
 
@@ -49,7 +50,7 @@ def weights_from_rank_zero_task() -> float:
     mine = FeedForward(16, 32)
     torch.manual_seed(0)
     rank_zeros = FeedForward(16, 32)
-    model = tp.parallelize(mine, init_device_mesh("cpu", (dist.get_world_size(),)), plan=plans.FEED_FORWARD)
+    model = tp.parallelize(mine, world_mesh(), plan=plans.FEED_FORWARD)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     assert model.w1.weight.to_local().shape == (32 // dist.get_world_size(), 16)  # only this rank's rows
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))

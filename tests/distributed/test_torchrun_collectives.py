@@ -5,11 +5,11 @@ import copy
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 import plans_for_tests as plans
 import tensorshard as tp
+from harness import world_mesh
 import tiny_llama
 from helpers import rel_err
 from models import Block, FeedForward
@@ -18,9 +18,6 @@ pytestmark = pytest.mark.timeout(120)
 
 BLOCK_PLAN = {k.removeprefix("layers.*."): v for k, v in plans.transformer(8, 4).items() if k.startswith("layers")}
 
-
-def world_mesh():
-    return init_device_mesh("cpu", (torch.distributed.get_world_size(),))
 
 
 def counted(model, x, loss=lambda y: y.square().mean()):

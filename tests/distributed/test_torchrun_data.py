@@ -9,13 +9,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import plans_for_tests as plans
 import tensorshard as tp
+from harness import world_mesh
 from models import FeedForward
 
 pytestmark = pytest.mark.timeout(120)
 
-
-def world_mesh():
-    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def diverging_inputs_task() -> list[str]:

@@ -6,9 +6,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import tensorshard as tp
+from harness import world_mesh
 import tiny_llama
 
 pytestmark = pytest.mark.timeout(120)
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def generate_task() -> dict:
     ref = tiny_llama.build()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = world_mesh()
     model = tp.parallelize(copy.deepcopy(ref), mesh, plan=tiny_llama.plan())
     prompt = torch.randint(0, tiny_llama.VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
     settings = dict(max_new_tokens=8, pad_token_id=0)

@@ -8,18 +8,15 @@ import copy
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 import plans_for_tests as plans
 import tensorshard as tp
+from harness import world_mesh
 from helpers import check_training_parity
 from models import ConvNet, FeedForward, Transformer
 
 pytestmark = pytest.mark.timeout(120)
 
-
-def tp_mesh():
-    return init_device_mesh("cpu", (torch.distributed.get_world_size(),))
 
 
 def parity_task(kind: str, args: tuple) -> str:
@@ -35,7 +32,7 @@ def parity_task(kind: str, args: tuple) -> str:
     else:
         ref, plan = ConvNet(channels=12), plans.CONV_NET
         make_input = lambda: torch.randn(3, 3, 6, 6, generator=gen)  # noqa: E731
-    model = tp.parallelize(copy.deepcopy(ref), tp_mesh(), plan=plan)
+    model = tp.parallelize(copy.deepcopy(ref), world_mesh(), plan=plan)
     check_training_parity(ref, model, make_input)
     return "ok"
 
@@ -72,7 +69,7 @@ def llama_task() -> str:
     import tiny_llama
 
     ref = tiny_llama.build()
-    model = tp.parallelize(copy.deepcopy(ref), tp_mesh(), plan=tiny_llama.plan())
+    model = tp.parallelize(copy.deepcopy(ref), world_mesh(), plan=tiny_llama.plan())
     gen = torch.Generator().manual_seed(3)
     check_training_parity(Logits(ref), Logits(model), lambda: torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=gen))
     return "ok"

@@ -6,13 +6,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 import tensorshard as tp
+from harness import world_mesh
 import tiny_llama
 from helpers import rel_err
 
@@ -20,9 +19,6 @@ pytestmark = pytest.mark.timeout(120)
 
 LAYERS, BATCH, SEQ = 2, 2, 8
 
-
-def world_mesh():
-    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def sequence_parallel_task() -> dict:

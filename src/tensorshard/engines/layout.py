@@ -93,7 +93,7 @@ class Layout:
 
     def to_dtensor(self, local: torch.Tensor, mesh) -> "DTensor":
         """This rank's slice as a DTensor (padding it when the layout says so)."""
-        from torch.distributed.tensor import DTensor, Replicate, Shard  # lazy: a 0.5 s import
+        from torch.distributed.tensor import DTensor, Replicate  # lazy: a 0.5 s import
 
         if self.dim is None:
             return DTensor.from_local(local, mesh, (Replicate(),), run_check=False)
@@ -101,11 +101,7 @@ class Layout:
             pad = list(local.shape)
             pad[self.dim] = self.stored - self.local
             local = torch.cat([local, local.new_zeros(pad)], self.dim)
-        shape = list(local.shape)
-        shape[self.dim] = self.global_size
-        return DTensor.from_local(
-            local, mesh, (Shard(self.dim),), run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape)
-        )
+        return _sharded(local, mesh, self.dim, self.global_size)
 
     def view(self, local: torch.Tensor) -> torch.Tensor:
         """The true slice inside a stored local tensor."""
@@ -114,15 +110,20 @@ class Layout:
 
 def as_dtensor(x: torch.Tensor, dim: int, partition: Partition, mesh, *, where: str = "") -> "DTensor":
     """A split activation as the `Shard(dim)` DTensor it is (differentiable); the split must be chunk-like."""
-    from torch.distributed.tensor import DTensor, Shard
-
     if not is_chunk_layout(partition):
         raise ValueError(
             f"{where}: an output split {[partition.local_size(r) for r in range(partition.world_size)]} is not "
             "torch.chunk's layout, so it cannot be handed out as a DTensor; split it with chunk_partition()"
         )
-    shape = list(x.shape)
-    shape[dim] = partition.size
+    return _sharded(x, mesh, dim, partition.size)
+
+
+def _sharded(local: torch.Tensor, mesh, dim: int, global_size: int) -> "DTensor":
+    """`local` as this rank's piece of a `Shard(dim)` DTensor `global_size` long along `dim`."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = list(local.shape)
+    shape[dim] = global_size
     return DTensor.from_local(
-        x, mesh, (Shard(dim),), run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape)
+        local, mesh, (Shard(dim),), run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape)
     )
