@@ -18,15 +18,29 @@ from .checkpoint import (
     save_sharded,
     save_tensor_parallel,
 )
+from .data import InputMismatchError, TensorParallelSampler, broadcast_batch, check_same_inputs
 from .comm.counter import CollectiveCounter, count_collectives
 from .comm.rendezvous import CollectiveAborted
 from .engines.inprocess import TensorParallel
+from .engines.torchrun import parallelize, synchronize_rng
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
 from .plans.plan import Plan
 from .plans.presets import preset_for
 from .plans.presets.styles import AttentionHeads, SumGradients
-from .styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style
+from .loss_parallel import vocab_parallel_cross_entropy
+from .styles import (
+    ColwiseParallel,
+    EmbeddingParallel,
+    Heads,
+    Replicate,
+    RowwiseParallel,
+    RowwiseToSequence,
+    SequenceParallel,
+    ShardParams,
+    Style,
+    VocabParallelHead,
+)
 
 __version__ = "0.1.0"
 
@@ -38,14 +52,21 @@ __all__ = [
     "EmbeddingParallel",
     "HeadGroups",
     "Heads",
+    "InputMismatchError",
     "Partition",
     "Plan",
     "Replicate",
     "RowwiseParallel",
+    "RowwiseToSequence",
+    "SequenceParallel",
     "ShardParams",
     "Style",
     "SumGradients",
     "TensorParallel",
+    "TensorParallelSampler",
+    "VocabParallelHead",
+    "broadcast_batch",
+    "check_same_inputs",
     "convert_state_dict",
     "count_collectives",
     "from_pretrained",
@@ -53,10 +74,13 @@ __all__ = [
     "infer_sharded_device_map",
     "load_sharded",
     "memory_per_device",
+    "parallelize",
     "preset_for",
     "save_gathered",
     "save_sharded",
     "save_tensor_parallel",
     "split_evenly",
+    "synchronize_rng",
     "tensor_parallel",
+    "vocab_parallel_cross_entropy",
 ]

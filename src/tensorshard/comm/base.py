@@ -16,6 +16,16 @@ holds this shard's slice, and its gradient is the gradient of that slice.
 `copy_to_parallel` is the one collective of the backward pass: a column-parallel layer reading a
 replicated input. Engines apply it once per input tensor per forward call, so q, k and v reading the same
 normed hidden states cost one all-reduce in backward, not three.
+
+Optional collectives, for sequence parallelism and vocabulary-parallel losses; an engine that lacks them
+raises NotImplementedError naming the feature (today only the torchrun engine has them):
+
+    reduce_scatter    partial sums -> sequence shards  forward: reduce-scatter  backward: all-gather
+    gather_sequence   sequence shards -> whole, read by column layers
+                                                       forward: all-gather      backward: reduce-scatter
+    partial_grads     replicated parameters of a module running on sequence shards: their gradients are
+                      partial sums, reduced once per backward pass (bucketed)
+    as_sharded        a split activation handed to user code as one object that knows its split (DTensor)
 """
 
 from __future__ import annotations
@@ -47,6 +57,27 @@ class Comm(ABC):
 
     @abstractmethod
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor: ...
+
+    # -- optional: sequence parallelism and loss parallelism ---------------------------------------------
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
+        raise _torchrun_only("sequence parallelism (reduce-scatter to sequence shards)", where)
+
+    def gather_sequence(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
+        raise _torchrun_only("sequence parallelism (all-gather of sequence shards)", where)
+
+    def partial_grads(self, module, names, *, where: str = "") -> None:
+        raise _torchrun_only("sequence parallelism (partial gradients of replicated parameters)", where)
+
+    def as_sharded(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = ""):
+        raise _torchrun_only("loss parallelism (vocabulary-sharded logits)", where)
+
+
+def _torchrun_only(feature: str, where: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{where or 'this module'}: {feature} needs the torchrun engine (tensorshard.parallelize under torchrun); "
+        "the in-process engine does not support it. Use a plan without SequenceParallel / VocabParallelHead here."
+    )
 
 
 class NoComm(Comm):

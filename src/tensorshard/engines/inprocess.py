@@ -113,6 +113,15 @@ class TensorParallel(nn.Module):
         world = len(devices)
         self.plan = resolve_plan(module, plan, world)
         layout = shard_plan(module, self.plan, world)  # raises on any plan error; the model is untouched
+        only = sorted(
+            {f"{ms.name or '<root>'}: {ms.style.describe()}" for ms in layout.modules.values() if getattr(ms.style, "torchrun_only", False)}
+        )
+        if only:
+            raise NotImplementedError(
+                f"the plan uses styles only the torchrun engine implements ({'; '.join(only)}): run under torchrun "
+                "with tensorshard.parallelize(), or use a plan without SequenceParallel / RowwiseToSequence / "
+                "VocabParallelHead in one process"
+            )
 
         placement = [devices[0]] * world if self.debug else devices
         _warn_shared_dropout(module, placement)

@@ -1,1 +1,1 @@
-"""Integrations with other libraries (transformers, ...), each importing its library only when used."""
+"""Integrations with other libraries (transformers, Lightning); each imports its library only when used."""

@@ -6,7 +6,9 @@ from .embedding import EmbeddingParallel
 from .heads import Heads
 from .replicate import Replicate
 from .row import RowwiseParallel
+from .sequence import RowwiseToSequence, SequenceParallel
 from .shard_params import ShardParams
+from .vocab_head import VocabParallelHead
 
 __all__ = [
     "STYLES",
@@ -15,7 +17,10 @@ __all__ = [
     "Heads",
     "Replicate",
     "RowwiseParallel",
+    "RowwiseToSequence",
+    "SequenceParallel",
     "ShardContext",
     "ShardParams",
     "Style",
+    "VocabParallelHead",
 ]

@@ -1,0 +1,322 @@
+"""The torchrun engine: one process per device, each holding its shards as DTensors on the TP mesh.
+
+    # torchrun --nproc_per_node=4 train.py
+    mesh = init_device_mesh("cuda", (4,))
+    model = tp.parallelize(model, mesh, plan=plan)      # in place; returns the module
+
+The same plans and styles as the in-process engine, applied in place to this process's copy of the model:
+
+1. `shard_plan` validates the plan against the whole model before anything changes.
+2. Every tensor is broadcast from TP rank `src_data_rank` (so ranks need not share a seed), then this rank
+   keeps only its slice: split parameters become `Shard` DTensors on the mesh (see engines/layout.py for
+   uneven and fused splits), replicated ones `Replicate` DTensors, so `fully_shard` (FSDP2) and
+   `torch.distributed.checkpoint` compose with the model.
+3. Each style attaches its collectives, taken from a `DistComm` on the mesh's process group.
+4. Forward runs on plain local tensors: every module holding DTensors swaps in their local views for the
+   duration of its own forward (inside FSDP2's hooks, so FSDP's unsharded parameters are swapped too),
+   and the collectives are ours, not DTensor's: a transformer block costs 2 all-reduces each way.
+
+The root module's forward also resets the per-call collective cache and, for its first `check_inputs`
+calls, checks that every TP rank got the same inputs (see data.py).
+
+Memory: each rank must be able to hold the whole model once (it starts from its own full copy); build the
+model on the meta device with `src_data_rank=None` and load weights afterwards to avoid that.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm.dist import DistComm
+from ..partition import Partition
+from ..plans.plan import Plan
+from ..styles.base import original_forward, wrap_forward
+from .layout import Layout
+from .sharding import ShardedModel, direct_tensors, shard_plan
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHECKS = 3  # root calls whose inputs are compared across TP ranks
+
+
+@dataclass
+class TorchrunState:
+    """What `parallelize` did to a module: kept as ``module.tensorshard``."""
+
+    plan: Plan
+    mesh: Any  # the 1-D tensor-parallel DeviceMesh
+    comm: DistComm
+    splits: dict[str, tuple[int, Partition] | None]  # original state-dict name -> split
+    layouts: dict[str, Layout]  # state-dict name -> how this rank stores it
+    checks_left: int = 0
+
+
+def parallelize(
+    module: nn.Module,
+    device_mesh,
+    plan: Plan | dict | None = None,
+    *,
+    src_data_rank: int | None = 0,
+    check_inputs: int = DEFAULT_CHECKS,
+) -> nn.Module:
+    """Split `module` over the processes of a 1-D tensor-parallel mesh, in place; returns the module.
+
+    Args:
+        module: the model, whole, on every rank (CPU, its device, or the meta device).
+        device_mesh: the tensor-parallel mesh, e.g. ``init_device_mesh("cuda", (4,))`` or, for 2-D,
+            ``mesh["tensor_parallel"]`` (Lightning: ``self.device_mesh["tensor_parallel"]``).
+        plan: a `Plan`, a ``{pattern: style}`` dict or a plan JSON path; default: preset, else inferred.
+        src_data_rank: TP rank whose weights every rank takes (broadcast); None: each rank keeps its own
+            (identical seeds, or meta-device models loaded later).
+        check_inputs: number of first calls on which TP ranks compare their inputs (0: never).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"parallelize() splits an nn.Module; got {type(module).__name__}")
+    done = getattr(module, "tensorshard", None)
+    if isinstance(done, TorchrunState):
+        if done.mesh == device_mesh and (plan is None or (isinstance(plan, Mapping) and done.plan == Plan(plan))):
+            return module  # idempotent, as Lightning's configure_model must be
+        raise TypeError(
+            f"this {type(module).__name__} is already parallelized on mesh {done.mesh} with another plan or mesh; "
+            "parallelize the original model once"
+        )
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(
+            f"device_mesh must be a torch DeviceMesh, got {type(device_mesh).__name__}; build one with "
+            "torch.distributed.device_mesh.init_device_mesh('cuda', (world_size,)) under torchrun"
+        )
+    if device_mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize() needs the 1-D tensor-parallel mesh; got a {device_mesh.ndim}-D mesh with dims "
+            f"{device_mesh.mesh_dim_names}. Pass its tensor-parallel dimension, e.g. mesh['tensor_parallel'] "
+            "(Lightning: self.device_mesh['tensor_parallel'])."
+        )
+    if device_mesh.get_coordinate() is None:
+        raise ValueError(f"rank {dist.get_rank()} is not part of device_mesh {device_mesh}; every rank must pass its own TP mesh")
+    if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
+        raise ValueError(f"check_inputs must be a number of calls >= 0; got {check_inputs!r}")
+    world, rank = device_mesh.size(), device_mesh.get_local_rank()
+    if src_data_rank is not None and not 0 <= src_data_rank < world:
+        raise ValueError(f"src_data_rank={src_data_rank} is not a rank of the {world}-rank mesh; use 0..{world - 1} or None")
+
+    from ..plans import resolve_plan  # late import: presets and inference import the styles
+
+    plan = resolve_plan(module, plan, world)
+    sharded = shard_plan(module, plan, world)  # raises on any plan error; the model is untouched
+    comm = DistComm(device_mesh)
+    state = TorchrunState(plan, device_mesh, comm, {}, {}, check_inputs)
+    source = None if src_data_rank is None else dist.get_global_rank(comm.group, src_data_rank)
+    held = _distribute(module, sharded, state, mesh_device(device_mesh), source)
+
+    by_name = dict(module.named_modules())
+    if world > 1:
+        for name, ms in sharded.modules.items():
+            ms.style.attach(by_name[name], ms.splits, ms.context(rank, world, comm))
+    for mod, tensors in held.items():
+        _swap_local_views(mod, tensors, state)  # after attach: outermost, and partial grads are known
+    _wrap_root(module, state)
+    module.tensorshard = state
+
+    if dist.get_rank() == 0:
+        split = sum(1 for m in sharded.modules.values() if m.splits)
+        logger.info(
+            "parallelized %s over %d rank(s) of mesh %s: %d module(s) split, %d plan entries",
+            type(module).__name__, world, device_mesh.mesh.tolist(), split, len(plan),
+        )
+    return module
+
+
+# --- building the local shards ------------------------------------------------------------------------
+
+
+def mesh_device(mesh) -> torch.device:
+    """This process's device on `mesh` (the current CUDA device for a "cuda" mesh)."""
+    kind = mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _distribute(module: nn.Module, sharded: ShardedModel, state: TorchrunState, device, source: int | None) -> dict:
+    """Replace every parameter and buffer by this rank's local slice (a DTensor, or a plain replicated
+    buffer). Returns {module: {(kind, name): layout}} for the tensors that are now DTensors."""
+    rank = state.comm.rank
+    made: dict[int, torch.Tensor] = {}
+    held: dict[nn.Module, dict[tuple[str, str], Layout]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for kind, name, t in list(direct_tensors(mod)):
+            split = sharded.split_of(t)
+            layout = Layout.of(split, rank)
+            key = f"{mod_name}.{name}" if mod_name else name
+            state.splits[key], state.layouts[key] = split, layout
+            if id(t) not in made:
+                made[id(t)] = _local_tensor(t, kind, split, layout, state, device, source)
+            (mod._parameters if kind == "param" else mod._buffers)[name] = made[id(t)]
+            if kind == "param" or split is not None:
+                held.setdefault(mod, {})[(kind, name)] = layout
+    return held
+
+
+def _local_tensor(t, kind: str, split, layout: Layout, state: TorchrunState, device, source: int | None):
+    full = t.detach()
+    if not full.is_meta:
+        full = full.to(device)
+        if source is not None:
+            full = full.contiguous()
+            dist.broadcast(full, src=source, group=state.comm.group)
+    if split is not None:
+        dim, part = split
+        local = part.take(full, dim, state.comm.rank).clone(memory_format=torch.contiguous_format)
+    else:
+        local = full
+    if kind == "buffer":
+        return layout.to_dtensor(local, state.mesh) if split is not None else local
+    return nn.Parameter(layout.to_dtensor(local, state.mesh), requires_grad=t.requires_grad)
+
+
+def _swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state: TorchrunState) -> None:
+    """Make `mod`'s forward see the local tensors of its DTensor parameters/buffers."""
+    from torch.distributed.tensor import DTensor
+
+    comm, mesh = state.comm, state.mesh
+    entries = [
+        ("_parameters" if kind == "param" else "_buffers", name, layout, (id(mod), name) in comm.partial)
+        for (kind, name), layout in held.items()
+    ]
+    inner = mod.forward
+
+    def forward(*args, **kwargs):
+        saved = []
+        for table_name, name, layout, partial in entries:
+            table = getattr(mod, table_name)
+            t = table.get(name)
+            if not isinstance(t, DTensor) or t.device_mesh != mesh:
+                continue  # already local (a re-entrant call), or not a tensor of this mesh
+            local = layout.view(t.to_local())
+            if partial:
+                # FSDP2 reads a managed module's gradients right after its backward: reduce on the spot.
+                on_the_spot = getattr(mod, "_is_fsdp_managed_module", False)
+                local = comm.defer_grad(local, t, on_the_spot=on_the_spot, where=f"{type(mod).__name__}.{name}")
+            saved.append((table, name, t))
+            table[name] = local
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            for table, name, t in saved:
+                table[name] = t
+
+    wrap_forward(mod, forward)
+
+
+def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
+    """Per-call collective cache and the first calls' identical-input check, around the root forward."""
+    from ..data import check_same_inputs
+
+    inner = root.forward
+    try:
+        signature = inspect.signature(original_forward(root))
+    except (TypeError, ValueError):
+        signature = None
+    comm = state.comm
+
+    def forward(*args, **kwargs):
+        comm.begin_call()
+        try:
+            if state.checks_left > 0 and comm.world_size > 1:
+                state.checks_left -= 1
+                check_same_inputs(_named_inputs(signature, args, kwargs), comm.group, where=type(root).__name__)
+            return inner(*args, **kwargs)
+        finally:
+            comm.end_call()
+
+    wrap_forward(root, forward)
+
+
+def _named_inputs(signature, args, kwargs) -> dict[str, Any]:
+    if signature is not None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+            return dict(bound.arguments)
+        except TypeError:
+            pass
+    return {**{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
+
+
+# --- tensor_parallel(..., distributed=True) -----------------------------------------------------------
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def tensor_parallel_distributed(
+    module: nn.Module,
+    device_ids: Sequence | None = None,
+    *,
+    plan: Plan | dict | None = None,
+    sharded: bool | None = None,
+    timeout: float | None = None,
+) -> nn.Module:
+    """`tensor_parallel(module, distributed=True)`: every process of the job is one tensor-parallel rank.
+
+    Initialises the default process group from torchrun's environment when it is not yet (NCCL on GPUs,
+    gloo on CPU), builds a 1-D mesh over all processes, and calls `parallelize`. Returns the module.
+    """
+    if sharded:
+        raise NotImplementedError(
+            "sharded=True with distributed=True: shard the replicated parameters with torch's fully_shard on a "
+            "data-parallel mesh instead (2-D parallelism, see docs/torchrun.md)"
+        )
+    use_cuda = torch.cuda.is_available()
+    if device_ids is not None:
+        devices = list(device_ids)
+        if len(devices) != 1:
+            raise ValueError(
+                f"with distributed=True each process drives one device; device_ids={device_ids!r} lists "
+                f"{len(devices)}. Pass None (cuda:LOCAL_RANK, else cpu) or this process's device, e.g. ['cuda:1']."
+            )
+        device = torch.device(f"cuda:{devices[0]}" if isinstance(devices[0], int) else devices[0])
+        use_cuda = device.type == "cuda"
+        if use_cuda:
+            torch.cuda.set_device(device)
+    elif use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        if not _under_torchrun():
+            raise RuntimeError(
+                "tensor_parallel(..., distributed=True) runs one process per device: launch the script with "
+                "`torchrun --nproc_per_node=N script.py` (or call torch.distributed.init_process_group() first). "
+                "No process group is initialised and RANK/WORLD_SIZE/MASTER_ADDR are not set. For one process "
+                "and several devices, drop distributed=True."
+            )
+        kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+        dist.init_process_group("nccl" if use_cuda else "gloo", **kwargs)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cuda" if use_cuda else "cpu", (dist.get_world_size(),), mesh_dim_names=("tensor_parallel",))
+    return parallelize(module, mesh, plan)
+
+
+def synchronize_rng(device_mesh, seed: int | None = None) -> int:
+    """Seed torch's RNG identically on every rank of `device_mesh` (TP rank 0's seed): sampling in
+    `generate()` then draws the same tokens everywhere. Returns the seed."""
+    group = device_mesh.get_group()
+    value = torch.tensor([seed if seed is not None else int(torch.randint(0, 2**62, ()))], dtype=torch.int64)
+    if device_mesh.device_type != "cpu":
+        value = value.to(mesh_device(device_mesh))
+    dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+    seed = int(value.item())
+    torch.manual_seed(seed)
+    return seed

@@ -1,0 +1,48 @@
+"""A tiny random Llama (transformers) and its tensor-parallel plans, for the torchrun tests.
+
+hidden 64, 2 layers, 4 query heads over 2 KV heads (grouped-query attention), MLP width 176, vocabulary
+128. On 4 ranks each KV head is replicated on two ranks; the MLP splits 44 per rank.
+"""
+
+import torch
+
+import tensorshard as tp
+
+VOCAB = 128
+
+
+def build(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM  # imported here: slow, and not every task needs it
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=128, attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def plan(head=None) -> tp.Plan:
+    """2 all-reduces per block each way; the head gathers its logits unless told otherwise."""
+    return tp.Plan({
+        "model.embed_tokens": tp.EmbeddingParallel(),
+        "model.layers.*.self_attn": tp.Heads(num_heads=4, num_kv_heads=2, attrs={"num_key_value_groups": "groups"}),
+        "model.layers.*.self_attn.q_proj": tp.ColwiseParallel(blocks=("q",)),
+        "model.layers.*.self_attn.[kv]_proj": tp.ColwiseParallel(blocks=("kv",)),
+        "model.layers.*.self_attn.o_proj": tp.RowwiseParallel(blocks=("q",)),
+        "model.layers.*.mlp.[gu]*_proj": tp.ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": tp.RowwiseParallel(),
+        "lm_head": head or tp.ColwiseParallel(gather_output=True),
+    })
+
+
+def sequence_parallel_plan() -> tp.Plan:
+    """Sequence parallelism between the blocks and a vocabulary-parallel head (loss parallelism)."""
+    return plan(head=tp.VocabParallelHead()) | {
+        "model.layers.0": tp.SequenceParallel(input="whole"),  # the residual stream is split from here on
+        "model.layers.*.input_layernorm": tp.SequenceParallel(output="gathered"),
+        "model.layers.*.post_attention_layernorm": tp.SequenceParallel(output="gathered"),
+        "model.layers.*.self_attn.o_proj": tp.RowwiseToSequence(blocks=("q",)),
+        "model.layers.*.mlp.down_proj": tp.RowwiseToSequence(),
+        "model.norm": tp.SequenceParallel(output="gathered"),
+    }
