@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.data import Dataset, DistributedSampler
 
+from .comm.dist_guard import broadcast_object, collective, gather_objects
+
 
 class InputMismatchError(ValueError):
     """Ranks of one tensor-parallel group received different inputs."""
@@ -45,16 +47,17 @@ def _fingerprint(value: Any) -> Any:
 def check_same_inputs(inputs: dict[str, Any], group=None, *, where: str = "the model") -> None:
     """Raise `InputMismatchError` on every rank when the ranks of `group` got different `inputs`.
 
-    `inputs` maps argument names to values (nested lists/dicts/tuples are walked). Costs one small
-    all_gather_object; tensors are reduced to fingerprints first.
+    `inputs` maps argument names to values (nested lists/dicts/tuples are walked). Costs two small
+    all-gathers (a pickled list of fingerprints: tensors are reduced to fingerprints first), bounded and
+    failure-aware like every collective of the group (comm/dist_guard.py).
     """
+    group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if world == 1:
         return
     leaves, _ = tree_flatten_with_path(inputs)
     prints = [(_name(path), _fingerprint(v)) for path, v in leaves]
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, prints, group=group)
+    everyone = gather_objects(prints, group, what=f"the input check of {where}")
     ranks = dist.get_process_group_ranks(group)
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
@@ -149,9 +152,7 @@ def broadcast_batch(batch: Any, device_mesh) -> Any:
     src = dist.get_global_rank(group, 0)
     leaves, spec = tree_flatten(batch)
     meta = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves]
-    header = [(spec, meta)]
-    dist.broadcast_object_list(header, src=src, group=group)
-    spec, meta = header[0]
+    spec, meta = broadcast_object((spec, meta), src, group, what=f"broadcast_batch from rank {src}")
     from .engines.torchrun import mesh_device
 
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None) or mesh_device(device_mesh)
@@ -162,6 +163,6 @@ def broadcast_batch(batch: Any, device_mesh) -> Any:
             out.append(second)
             continue
         tensor = leaves[i].to(device).contiguous() if mine else torch.empty(first, dtype=second, device=device)
-        dist.broadcast(tensor, src=src, group=group)
+        collective(dist.broadcast, tensor, tensor, src=src, group=group, what=f"broadcast_batch from rank {src} (tensor #{i})")
         out.append(tensor)
     return tree_unflatten(out, spec)
