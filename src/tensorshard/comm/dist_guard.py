@@ -156,8 +156,8 @@ class GroupGuard:
         self._record(done, f"raised {text} in {where}, after its collective #{done}")
         if hasattr(error, "add_note"):
             error.add_note(
-                f"raised on rank {self.rank} of {self.label} in {where}, after its collective #{done}; the "
-                "group's other ranks stop at their next collective"
+                f"raised on rank {self.rank} of {self.label} in {where}, after its collective #{done} (reported to "
+                "the group: a rank waiting for this one at a collective stops)"
             )
 
     def _record(self, done: int, what: str) -> None:
