@@ -70,7 +70,11 @@ def collective(fn: Callable, tensor: torch.Tensor, *args: Any, group, what: str,
 
 
 def mark_reported(error: BaseException) -> BaseException:
-    error._tensorshard_reported = True  # type: ignore[attr-defined]  (the guard raised it or reported it)
+    """Flag `error` as known to the other ranks (the guard raised it, or reported it)."""
+    try:
+        error._tensorshard_reported = True  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - an exception type that takes no attributes: reported twice at worst
+        pass
     return error
 
 
@@ -82,6 +86,7 @@ class GroupGuard:
         self.ranks: list[int] = dist.get_process_group_ranks(group)
         self.rank = dist.get_rank()
         self.entered = 0  # guarded collectives this rank has entered on the group
+        self.completed = 0  # ... and finished (one less while it waits in one)
         self.failed_after: set[int] = set()  # collective counts after which this rank failed
         self.reports: list[dict] = []  # every rank's reports read so far
         self.store = _group_store(group)
@@ -114,11 +119,13 @@ class GroupGuard:
         try:
             if device.type != "cpu":
                 start(False)  # NCCL: queued on the stream; its watchdog enforces the timeout
-                return
-            work = start(True)
-        except RuntimeError as e:  # gloo fails at once on a connection it already knows is closed
-            raise self._broken(e, n, what, began) from e
-        self._wait(work, n, what, began)
+            else:
+                self._wait(start(True), n, what, began)
+        except RuntimeError as e:
+            if getattr(e, "_tensorshard_reported", False):
+                raise
+            raise self._broken(e, n, what, began) from e  # gloo fails at once on a connection known closed
+        self.completed = n
 
     def _wait(self, work, n: int, what: str, began: float) -> None:
         interval, announced = POLL_FIRST, False
@@ -151,7 +158,7 @@ class GroupGuard:
         if getattr(error, "_tensorshard_reported", False):
             return
         mark_reported(error)
-        done = self.entered
+        done = self.completed  # an error while waiting at a collective (Ctrl-C) did not finish it
         text = _short(error)
         self._record(done, f"raised {text} in {where}, after its collective #{done}")
         if hasattr(error, "add_note"):
