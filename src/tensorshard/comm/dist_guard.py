@@ -13,7 +13,7 @@ Every collective tensorshard runs on a process group goes through that group's `
 - **Errors say who and what.** gloo's "Connection closed by peer" becomes "rank 1 is gone: its process
   4242 ended": each rank writes its host and process id to the store once, and after a lost connection
   the peers on this host are checked. A timeout names the ranks that did not arrive: a rank that waits
-  longer than one slice writes the number of the collective it waits at.
+  longer than a second writes the number of the collective it waits at.
 
 Reports and the collective count. Ranks run the same code, so they enter the guard's collectives in the
 same order and agree on their numbers (#1, #2, ... per group and process). A report says "rank r failed
@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import socket
 import time
 from datetime import timedelta
@@ -46,6 +45,7 @@ from .rendezvous import CollectiveAborted
 logger = logging.getLogger(__name__)
 
 POLL_FIRST, POLL_MAX = 0.05, 0.5  # seconds between looks at the store while a collective waits
+ANNOUNCE_AFTER = 1.0  # a rank waiting this long (or a quarter of the limit) writes where it waits
 GONE_WAIT = 1.0  # after a lost connection, how long to look for the peer's ended process
 SLACK = 2.0  # our own deadline, after the process group's (which normally fires first)
 PREFIX = "tensorshard/"
@@ -130,6 +130,7 @@ class GroupGuard:
     def _wait(self, work, n: int, what: str, began: float) -> None:
         interval, announced = POLL_FIRST, False
         deadline = began + self.timeout + SLACK
+        announce = began + min(ANNOUNCE_AFTER, self.timeout / 4)
         while True:
             try:
                 if work.wait(timedelta(seconds=interval)):
@@ -142,7 +143,7 @@ class GroupGuard:
                     return
                 except RuntimeError as failure:
                     raise self._broken(failure, n, what, began) from failure
-            if not announced:  # a slow collective: say where this rank waits, for a timeout's roll call
+            if not announced and time.monotonic() > announce:  # for a timeout's roll call of who is here
                 self._put(f"at/{self.rank}", str(n))
                 announced = True
             self._stop_if_another_failed(n, what)
@@ -174,8 +175,8 @@ class GroupGuard:
             self._put(f"failure/{index}", json.dumps({"rank": self.rank, "done": done, "what": what}))
 
     def _read_reports(self) -> None:
-        count = self._add("failures", 0)
-        while count is not None and len(self.reports) < count:
+        count = int(self._get("failures") or 0)  # get, not add(0): a FileStore appends on every add
+        while len(self.reports) < count:
             raw = self._get(f"failure/{len(self.reports) + 1}")
             if raw is None:
                 return  # being written: the next look finds it
@@ -317,42 +318,3 @@ def _alive(pid: int) -> bool:
         return state not in ("Z", "X")  # a zombie has exited; its parent has not collected it yet
     except (OSError, IndexError):
         return True
-
-
-# --- object collectives (pickled), guarded ------------------------------------------------------------
-
-
-def _object_device(group) -> torch.device:
-    getter = getattr(dist.distributed_c10d, "_get_object_coll_device", None)
-    return torch.device(getter(group) if getter is not None else "cpu")
-
-
-def gather_objects(obj: Any, group, *, what: str) -> list[Any]:
-    """Every rank's `obj`, in group rank order (a guarded all_gather_object)."""
-    from . import dist as dist_comm
-
-    device = _object_device(group)
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    world = dist.get_world_size(group)
-    sizes = torch.empty(world, dtype=torch.int64, device=device)
-    collective(dist_comm.all_gather_single, sizes, sizes, torch.tensor([data.numel()], device=device), group=group, what=what)
-    longest = int(sizes.max())
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    out = torch.empty(world * longest, dtype=torch.uint8, device=device)
-    collective(dist_comm.all_gather_single, out, out, padded, group=group, what=what)
-    out = out.cpu()
-    return [pickle.loads(out[r * longest : r * longest + int(n)].numpy().tobytes()) for r, n in enumerate(sizes.tolist())]
-
-
-def broadcast_object(obj: Any, src: int, group, *, what: str) -> Any:
-    """Global rank `src`'s `obj` on every rank of `group` (a guarded broadcast_object_list)."""
-    device = _object_device(group)
-    mine = dist.get_rank() == src
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device) if mine else None
-    size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=device)
-    collective(dist.broadcast, size, size, src=src, group=group, what=what)
-    if not mine:
-        data = torch.empty(int(size), dtype=torch.uint8, device=device)
-    collective(dist.broadcast, data, data, src=src, group=group, what=what)
-    return obj if mine else pickle.loads(data.cpu().numpy().tobytes())
