@@ -6,7 +6,11 @@ wrong shape or dtype, before anything is read. `fill` then asks the source for e
 
 - a tensor that is already real is overwritten in place (a resumed optimizer keeps its parameters);
 - a tensor on the meta device gets new storage on its rank's device, swapped into every module that holds
-  it (ties stay tied), allocated only when its turn comes.
+  it (ties stay tied) once every tensor is read, allocated only when its turn comes.
+
+Everything that can be checked without reading data is checked by `match_tensors` (sources.py checks
+file headers and sizes too), so a damaged checkpoint is refused before the model changes. A read that
+fails anyway (an I/O error, a file removed meanwhile) raises with a note that says what was loaded.
 
 Host memory beyond the destination tensors: what the source needs for one tensor (see sources.py).
 """
@@ -62,6 +66,9 @@ def match_tensors(
         pairs.append((entry, found))
     unexpected = sorted(names - used - set(aliases))
     lines = []
+    damaged = source.damage() if hasattr(source, "damage") else []
+    if damaged:
+        lines.append("the checkpoint is damaged: " + "; ".join(damaged[:8]))
     if wrong_shape:
         lines.append(f"{len(wrong_shape)} tensor(s) have another shape: " + "; ".join(wrong_shape[:8]))
     if wrong_dtype:
@@ -77,7 +84,7 @@ def match_tensors(
         lines.append(f"{len(unexpected)} tensor(s) of the checkpoint are not in the model: {describe_names(unexpected)}")
     if lines:
         raise ValueError(
-            f"{source.description} does not fit this {type(layout.shards[0]).__name__}:\n  " + "\n  ".join(lines)
+            f"{source.description} does not fit this {type(layout.root).__name__}:\n  " + "\n  ".join(lines)
             + (f"\n{fix}" if fix else "") + "\nNothing was loaded; the model is unchanged."
         )
     if missing:
@@ -95,35 +102,62 @@ def fill(
     progress: bool = True,
     desc: str = "loading",
 ) -> None:
-    """Copy every paired tensor's boxes into each rank (in place, or into new storage for meta tensors)."""
+    """Copy every paired tensor's boxes into each rank held here (in place, or into new storage for meta
+    tensors, installed once everything is read)."""
     created: list[tuple[TensorEntry, int, torch.Tensor]] = []
+    done: list[str] = []
+    current: list[str] = []
 
     def requests():
         for entry, name in pairs:
             targets = []
-            for rank in range(layout.world_size):
+            for rank in layout.ranks:
                 local = layout.local(entry, rank)
                 if local.is_meta:
-                    device = layout.devices[rank] if layout.devices[rank].type != "meta" else torch.device("cpu")
-                    dest = torch.empty(local_shape(entry.shape, entry.placement, rank), dtype=entry.dtype, device=device)
-                    created.append((entry, rank, dest))
+                    holder, dest = layout.new_local(entry, rank)
+                    created.append((entry, rank, holder))
                 else:
                     dest = local.detach()
                 pieces = rank_pieces(entry.shape, entry.placement, rank)
                 targets += [(box, local_view(dest, entry.placement, box, start)) for box, start in pieces]
+            current[:] = [name]
             yield name, targets
+
+    def finished(name: str) -> None:
+        done.append(name)
+        bar.update(nbytes[name])
 
     nbytes = {name: entry.nbytes for entry, name in pairs}
     bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, desc=desc, disable=not progress, leave=False)
     try:
         with torch.no_grad():
-            source.read_all(requests(), lambda name: bar.update(nbytes[name]))
+            source.read_all(requests(), finished)
+    except Exception as e:
+        e.add_note(_partial_load_note(layout, pairs, done, current, created, source))
+        raise
     finally:
         bar.close()
-    for entry, rank, dest in created:
-        layout.set_local(entry, rank, dest)
+    for entry, rank, holder in created:
+        layout.install(entry, rank, holder)
+
+
+def _partial_load_note(layout, pairs, done, current, created, source) -> str:
+    in_place = {e.name for e, _ in pairs} - {e.name for e, _, _ in created}
+    changed = [n for n in done if n in in_place]
+    where = f"while reading {current[0]!r} " if current else ""
+    if not changed and not (current and current[0] in in_place):
+        return (
+            f"the load failed {where}from {source.description}; nothing in the model was changed "
+            "(tensors on the meta device stay there)."
+        )
+    return (
+        f"the load failed {where}from {source.description} after {len(changed)} of {len(in_place)} tensors "
+        f"had been copied into the model ({describe_names(changed) or 'none'}); the tensor being read may be "
+        "partly written and the others keep their previous values. Load a complete checkpoint before using "
+        "the model."
+    )
 
 
 def still_meta(layout: ModelLayout) -> list[str]:
     """Names of tensors that no load has filled yet."""
-    return [e.name for e in layout if any(layout.local(e, r).is_meta for r in range(layout.world_size))]
+    return [e.name for e in layout if any(layout.local(e, r).is_meta for r in layout.ranks)]
