@@ -38,7 +38,10 @@ def read_index(folder: Path) -> dict:
     except FileNotFoundError:
         raise FileNotFoundError(f"{folder} is not a tensorshard sharded checkpoint: {INDEX_NAME} is missing") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint index is damaged") from None
+        raise ValueError(
+            f"{path} is not valid JSON ({e}); the checkpoint index is damaged: restore it from a copy, or save the "
+            "checkpoint again. Nothing was loaded."
+        ) from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         found = index.get("format") if isinstance(index, dict) else type(index).__name__
         raise ValueError(f"{path}: expected format {FORMAT!r}, found {found!r} (written by another tensorshard version?)")

@@ -45,6 +45,7 @@ def match_tensors(
     aliases = aliases or {}
     pairs, missing, used = [], [], set()
     wrong_shape, wrong_dtype, broken = [], [], []
+    padded, saved_dtype = False, None
     for entry in layout:
         found = next((n for n in entry.names if n in names), None)
         if found is None:
@@ -57,8 +58,10 @@ def match_tensors(
         shape, dtype = source.info(found)
         if tuple(shape) != tuple(entry.shape):
             wrong_shape.append(f"{entry.name}: checkpoint {list(shape)}, model {list(entry.shape)}")
+            padded |= _looks_padded(entry, shape)
         elif exact_dtype and dtype != entry.dtype:
             wrong_dtype.append(f"{entry.name}: checkpoint {dtype}, model {entry.dtype}")
+            saved_dtype = saved_dtype or dtype
         else:
             problems = source.problems(found)
             if problems:
@@ -68,13 +71,25 @@ def match_tensors(
     lines = []
     damaged = source.damage() if hasattr(source, "damage") else []
     if damaged:
-        lines.append("the checkpoint is damaged: " + "; ".join(damaged[:8]))
+        lines.append(
+            "the checkpoint is damaged: " + "; ".join(damaged[:8])
+            + ". Restore the damaged or missing files from a copy, or save the checkpoint again"
+        )
     if wrong_shape:
         lines.append(f"{len(wrong_shape)} tensor(s) have another shape: " + "; ".join(wrong_shape[:8]))
+        if padded:
+            lines.append(
+                "tensors larger than the model's only along the dimension the plan splits look like the padded "
+                "'stacked' layout in which the torchrun engine keeps uneven or fused splits as DTensors: a "
+                "torch.distributed.checkpoint of such a model (Lightning's save_checkpoint) loads back only through "
+                "DCP at the rank count and plan it was saved with. Load it there, then tp.save_sharded(model, folder) "
+                "writes a checkpoint of the real tensors that loads anywhere (docs/checkpoints.md)"
+            )
     if wrong_dtype:
         lines.append(
             f"{len(wrong_dtype)} tensor(s) have another dtype: " + "; ".join(wrong_dtype[:8])
-            + " (convert the model first, e.g. model.to(torch.bfloat16), to load these exactly)"
+            + f" (convert the model to the checkpoint's dtype first, e.g. model.to({saved_dtype}), to resume exactly; "
+            "tp.from_pretrained(..., dtype=...) casts while loading)"
         )
     if broken:
         lines.append(f"{len(broken)} tensor(s) cannot be read: " + "; ".join(broken[:8]))
@@ -92,6 +107,14 @@ def match_tensors(
     if unexpected:
         logger.info("in %s but not in the model, skipped: %s", source.description, describe_names(unexpected))
     return pairs
+
+
+def _looks_padded(entry: TensorEntry, shape) -> bool:
+    """The checkpoint's tensor is larger than the model's only along the split dimension."""
+    if entry.placement is None or len(shape) != len(entry.shape):
+        return False
+    dim = entry.placement[0]
+    return all(a == b for d, (a, b) in enumerate(zip(shape, entry.shape)) if d != dim) and shape[dim] > entry.shape[dim]
 
 
 def fill(

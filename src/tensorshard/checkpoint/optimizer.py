@@ -216,8 +216,8 @@ def check_optimizer_section(
     problems = source.damage() + problems
     if problems:
         raise ValueError(
-            f"the optimizer state in {source.description} does not fit this model: {describe_names(problems)}. "
-            "Nothing was loaded."
+            f"the {source.description} does not fit this model and optimizer: {describe_names(problems)}. "
+            "Restore or save the checkpoint again; nothing was loaded."
         )
 
 

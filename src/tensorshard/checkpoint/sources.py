@@ -120,7 +120,10 @@ class SafetensorsSource(Source):
         tensors: dict[str, TensorInfo] = {}
         damaged: list[str] = []
         for path in files:
-            header, problems = check_file(path)  # a header that cannot be read raises, naming the file
+            try:
+                header, problems = check_file(path)
+            except ValueError as e:  # a header that cannot be read: nothing else to go on
+                raise ValueError(f"{e}. Nothing was loaded.") from None
             damaged += problems
             meta = header.pop("__metadata__", None) or {}
             offsets = json.loads(meta[DCP_SHARDING_INFO]) if DCP_SHARDING_INFO in meta else {}
