@@ -53,7 +53,16 @@ def gathered_save_task(folder: str, expected: dict) -> dict:
     return result
 
 
-def streaming_task(hf_folder: str, sharded_folder: str, expected: dict) -> dict:
+def tied() -> Transformer:
+    model = build()
+    model.output.weight = model.tok_embeddings.weight  # (96, 64) both, split by vocabulary on both sides
+    return model
+
+
+TIED_PLAN = PLAN | {"output": tp.ColwiseParallel(gather_output=True)}
+
+
+def streaming_task(hf_folder: str, sharded_folder: str, tied_folder: str, expected: dict) -> dict:
     mesh = world_mesh()
     model = tp.from_pretrained(hf_folder, mesh=mesh, model=build, plan=PLAN, progress=False)
     w1 = model.layers[0].ffn.w1.weight
@@ -65,6 +74,9 @@ def streaming_task(hf_folder: str, sharded_folder: str, expected: dict) -> dict:
     again = tp.from_pretrained(sharded_folder, mesh=mesh, model=build, progress=False)
     result["stored_plan"] = again.tensorshard.plan == PLAN
     result["differ_sharded"] = differ(gathered(again), expected)
+    ties = tp.from_pretrained(tied_folder, mesh=mesh, model=tied, progress=False)  # filled once, still one tensor
+    result["tied"] = ties.output.weight is ties.tok_embeddings.weight and not ties.output.weight.is_meta
+    result["tied_out"] = probe(ties)
     return result
 
 
@@ -112,11 +124,15 @@ def test_from_pretrained_under_torchrun_streams_each_ranks_slices(pool3, tmp_pat
     ref = build()
     tp.save_gathered(tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, plan=PLAN), tmp_path / "hf", progress=False)
     tp.save_sharded(tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, plan=PLAN), tmp_path / "sharded")
-    results = pool3.run(streaming_task, str(tmp_path / "hf"), str(tmp_path / "sharded"), ref.state_dict())
+    ref_tied = tied()
+    tp.save_sharded(tp.tensor_parallel(copy.deepcopy(ref_tied), ["cpu"] * 2, plan=TIED_PLAN), tmp_path / "tied")
+    args = str(tmp_path / "hf"), str(tmp_path / "sharded"), str(tmp_path / "tied"), ref.state_dict()
+    results = pool3.run(streaming_task, *args)
     assert [r["rows"] for r in results] == [59, 59, 58]  # 176 MLP features over 3 ranks
     for r in results:
         assert r["dtensor"] == "DTensor" and r["differ"] == [] and r["differ_sharded"] == [] and r["stored_plan"]
         assert rel_err(r["out"], probe(ref)) < 1e-5
+        assert r["tied"] and rel_err(r["tied_out"], probe(ref_tied)) < 1e-5
 
 
 def test_transformers_save_pretrained_and_from_pretrained_under_torchrun(pool4, tmp_path):

@@ -157,3 +157,38 @@ def test_torchrun_two_to_torchrun_four_and_in_process_three(pool2, pool4, tmp_pa
     assert same_weights(gathered(three), saved["state"]) == []
     assert rel_err(probe(three), saved["out"]) < TOL
     assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(train(three, opt3, seed=8), saved["losses"]))
+
+
+def two_groups_task(folder: str) -> dict:
+    """A (data_parallel=2, tensor_parallel=2) mesh: the tensor-parallel group holding global rank 0 writes,
+    the other group (a replica with the same weights) only takes part; then FSDP2 on top is refused."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    model = tp.parallelize(build(seed=0), mesh["tensor_parallel"], plan=plans.transformer(8, 2))
+    tp.save_sharded(model, folder)
+    loaded = tp.parallelize(build(seed=1), mesh["tensor_parallel"], plan=plans.transformer(8, 2))
+    tp.load_sharded(loaded, folder, progress=False)  # every replica reads its rank's boxes
+    result = {"differ": same_weights(gathered(loaded), gathered(model)), "rank": dist.get_rank()}
+    fully_shard(loaded, mesh=mesh["data_parallel"])
+    try:
+        tp.save_sharded(loaded, folder + "-fsdp")
+        result["fsdp"] = None
+    except NotImplementedError as e:
+        result["fsdp"] = str(e)
+    return result
+
+
+def test_data_parallel_replicas_write_once_and_fsdp2_is_refused(pool4, tmp_path):
+    results = pool4.run(two_groups_task, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["differ"] == []
+        assert "also sharded by fully_shard (FSDP2)" in r["fsdp"] and "torch.distributed.checkpoint" in r["fsdp"]
+    index = tp.checkpoint.read_index(tmp_path / "ckpt")
+    assert index["world_size"] == 2 and index["devices"] == ["cpu (rank 0)", "cpu (rank 1)"]  # global ranks 0, 1
+    assert not (tmp_path / "ckpt-fsdp").exists()
+    model = tp.tensor_parallel(build(seed=2), ["cpu"] * 3, plan=plans.transformer(8, 2))
+    tp.load_sharded(model, tmp_path / "ckpt", progress=False)
+    assert same_weights(gathered(model), build(seed=0).state_dict()) == []
