@@ -33,6 +33,7 @@ def example_task(folder: str) -> list[float]:
     return ex.train(model, Path(folder))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_docs_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     blocks = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)

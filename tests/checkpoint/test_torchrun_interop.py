@@ -76,8 +76,8 @@ def test_dcp_checkpoints_of_three_ranks_load_in_process_and_back(pool3, tmp_path
         for key, value in ref.state_dict().items():
             assert torch.equal(state[key], value), (layout, key)
 
-    # The DTensors of a model split over 3 ranks keep 8 query heads (3 + 3 + 2 of them... in KV groups) padded
-    # to the longest slice: DCP stores that storage layout, which only DCP at 3 ranks can put back.
+    # A model split over 3 ranks keeps its query heads (8, in 2 KV groups: slices of unequal size) padded to
+    # the longest slice in its DTensors: DCP stores that storage layout, which only DCP at 3 ranks puts back.
     loaded = tp.tensor_parallel(Transformer(n_heads=8, n_kv_heads=2, bias=True), ["cpu"] * 2, plan=plans.transformer(8, 2))
     before = {k: v.clone() for k, v in gathered(loaded).items()}
     with pytest.raises(ValueError, match=r"(?s)layers.0.attn.wq.weight: checkpoint \[96, 64\], model \[64, 64\].*stacked"):

@@ -3,7 +3,7 @@
     {
       "format": "tensorshard.sharded/1",
       "generation": 3,                      # bumped by every save into the same folder
-      "engine": "inprocess", "world_size": 2, "devices": ["cpu[0]", "cpu[1]"],
+      "engine": "inprocess", "world_size": 2, "devices": ["cpu[0]", "cpu[1]"],   # or "torchrun", "plain"
       "plan": {...},                        # Plan.to_dict() of the saving model (null for a plain module)
       "zero": ["norm.weight", ...],         # parameters ZeRO-3 partitioned when saving
       "aliases": {"output.weight": "tok_embeddings.weight"},    # tied weights, stored once

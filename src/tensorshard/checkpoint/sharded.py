@@ -18,6 +18,12 @@ deleted. A save killed at any moment leaves the previous checkpoint loadable. Lo
 shapes, dtypes, and that the stored boxes cover every tensor, and names whatever does not fit before it
 changes anything.
 
+Under torchrun (a module split by `parallelize`) the same folder is written rank by rank: every process
+calls `save_sharded`; tensor-parallel rank r writes rank r's files, global rank 0 picks the generation and
+writes the index once every rank's files are in place; every process of `load_sharded` reads only its
+rank's boxes. Each step that can fail on some ranks only ends in an agreement (torchrun.py), so an error on
+one rank is raised on all of them.
+
 Memory: saving moves one slice at a time to the host; loading reads one tensor at a time (sources.py).
 """
 
