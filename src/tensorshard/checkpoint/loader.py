@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .layout import ModelLayout, TensorEntry, local_shape, local_view, rank_pieces
+from .layout import ModelLayout, TensorEntry, local_view, rank_pieces
 from .sources import Source, describe_names
 
 logger = logging.getLogger(__name__)
