@@ -274,15 +274,21 @@ def model_layout(model: nn.Module) -> ModelLayout:
         shards, where, zero, plan, engine = [model], None, [], None, "plain"
         devices = [next((t.device for t in list(model.parameters()) + list(model.buffers())), torch.device("cpu"))]
     entries = collect_entries(shards[0], lambda name, tensor: where.get(name) if where is not None else None)
-    state_names = list(nn.Module.state_dict(shards[0], keep_vars=True))
+    state_names = _state_dict_names(shards[0])
     return ModelLayout(len(shards), shards, entries, plan, zero, devices, state_names, engine)
+
+
+def _state_dict_names(root: nn.Module) -> list[str]:
+    """The keys of the module class's own ``state_dict`` (not an instance override such as the one
+    `save_tensor_parallel` installs under torchrun), in order."""
+    return list(type(root).state_dict(root, keep_vars=True))
 
 
 def collect_entries(root: nn.Module, placement_of, local_of=lambda tensor: tensor) -> dict[str, TensorEntry]:
     """Every parameter and buffer of `root` once (ties under their first name), with its global shape:
     the local shape with the split dim's full size. `placement_of(name, tensor)` gives its placement,
     `local_of(tensor)` the plain local tensor to read shapes and dtypes from."""
-    persistent = set(nn.Module.state_dict(root, keep_vars=True))
+    persistent = set(_state_dict_names(root))
     entries: dict[str, TensorEntry] = {}
     seen: dict[int, TensorEntry] = {}
     for module_name, module in root.named_modules(remove_duplicate=False):

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .layout import ModelLayout, TensorEntry, _find, _owner, collect_entries
+from .layout import ModelLayout, TensorEntry, _find, _owner, _state_dict_names, collect_entries
 
 
 def is_parallelized(model: object) -> bool:
@@ -150,7 +150,7 @@ def torchrun_layout(module: nn.Module) -> TorchrunLayout:
     device = mesh_device(state.mesh)
     return TorchrunLayout(
         world, [module], entries, state.plan, [], [device] * world,
-        list(nn.Module.state_dict(module, keep_vars=True)), "torchrun", writes,
+        _state_dict_names(module), "torchrun", writes,
         module=module, state=state, rank=rank,
     )
 
