@@ -155,3 +155,13 @@ class Pool:
                 p.join()
         self.procs = None
         self._dir.cleanup()
+
+
+_SHARED: dict[int, Pool] = {}
+
+
+def shared_pool(world: int) -> Pool:
+    """The session's pool of `world` ranks, one per size for every test folder (conftest fixtures stop it)."""
+    if world not in _SHARED:
+        _SHARED[world] = Pool(world)
+    return _SHARED[world]
