@@ -5,6 +5,9 @@
 - streaming loads straight into the devices: `from_pretrained` (streaming.py);
 - the `tensor_parallel` package's hand-loading helpers: `convert_state_dict`, `infer_sharded_device_map`
   (dispatch.py).
+
+Each works for the in-process engine (`TensorParallel`) and, collectively, for a module split by
+`parallelize` under torchrun (torchrun.py: the layout of one rank, and how the processes agree).
 """
 
 from .gather import gathered_state_dict, save_gathered, save_tensor_parallel

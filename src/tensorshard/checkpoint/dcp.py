@@ -31,7 +31,13 @@ class DCPSource(Source):
         self.folder = Path(folder)
         self.description = f"torch.distributed.checkpoint folder {self.folder}"
         self.reader_class = FileSystemReader
-        metadata = FileSystemReader(str(self.folder)).read_metadata()
+        try:
+            metadata = FileSystemReader(str(self.folder)).read_metadata()
+        except Exception as e:  # noqa: BLE001 - a pickle of DCP's classes: any error means a damaged file
+            raise ValueError(
+                f"{self.folder / '.metadata'} cannot be read ({type(e).__name__}: {e}); the checkpoint is damaged: "
+                "restore it, or save it again. Nothing was loaded."
+            ) from None
         self.metadata = metadata
         self.all = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self.prefix = ""
@@ -58,6 +64,22 @@ class DCPSource(Source):
         covered = sum(Box(tuple(c.offsets), tuple(c.sizes)).numel for c in md.chunks)
         total = Box.whole(tuple(md.size)).numel
         return [] if covered >= total else [f"its chunks hold {covered} of {total} elements"]
+
+    def damage(self) -> list[str]:
+        """Data files that are missing or shorter than the metadata says (a truncated copy)."""
+        needed: dict[str, int] = {}
+        for info in (self.metadata.storage_data or {}).values():
+            path = getattr(info, "relative_path", None)
+            if path is not None:
+                needed[path] = max(needed.get(path, 0), info.offset + info.length)
+        out = []
+        for path, size in sorted(needed.items()):
+            f = self.folder / path
+            if not f.exists():
+                out.append(f"{path} is missing (.metadata names it)")
+            elif f.stat().st_size < size:
+                out.append(f"{path} is truncated: .metadata places data up to byte {size}, the file has {f.stat().st_size}")
+        return out
 
     def read(self, name: str, targets: Sequence[Target]) -> None:
         self.read_all([(name, targets)], lambda _: None)

@@ -113,14 +113,54 @@ def _write_tensor(f, tensor: torch.Tensor) -> None:
 
 def read_header(path: str | os.PathLike) -> dict:
     """The JSON header of a safetensors file (tensor entries and ``__metadata__``)."""
+    return _read_header(path)[0]
+
+
+def _read_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """(header, offset of the data section)."""
+    fix = "the file is damaged or not a safetensors file: restore it, or save the checkpoint again"
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            raise ValueError(f"{path}: shorter than 8 bytes, so it has no safetensors header; {fix}")
         (size,) = struct.unpack("<Q", head)
         if size > 100_000_000:
-            raise ValueError(f"{path}: not a safetensors file (header length {size})")
+            raise ValueError(f"{path}: the header length field says {size} bytes; {fix}")
+        raw = f.read(size)
+    if len(raw) < size:
+        raise ValueError(f"{path}: the header is cut off ({len(raw)} of {size} bytes; the file is truncated); {fix}")
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: the header is not valid JSON ({e}); {fix}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is a JSON {type(header).__name__}, not an object; {fix}")
+    return header, 8 + size
+
+
+def check_file(path: str | os.PathLike) -> tuple[dict, list[str]]:
+    """The header of a safetensors file and what is wrong with the file: a data section shorter than the
+    header announces (a truncated file), entries without a valid dtype, shape or byte range. Reads the
+    header only. A header that cannot be read raises ValueError."""
+    header, start = _read_header(path)
+    size = os.path.getsize(path)
+    problems = []
+    end = 0
+    for key, spec in header.items():
+        if key == "__metadata__":
+            continue
         try:
-            return json.loads(f.read(size))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not a safetensors file ({e})") from None
+            a, b = (int(x) for x in spec["data_offsets"])
+            shape = [int(n) for n in spec["shape"]]
+            itemsize = torch.empty((), dtype=DTYPES_BY_CODE[spec["dtype"]]).element_size()
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"{Path(path).name}: the entry of {key} is malformed ({spec!r:.80})")
+            continue
+        if b - a != prod(shape) * itemsize:
+            problems.append(f"{Path(path).name}: {key} has {b - a} bytes for shape {shape} {spec['dtype']}")
+        end = max(end, b)
+    if start + end > size:
+        problems.append(
+            f"{Path(path).name} is truncated: its header announces {start + end} bytes, the file has {size}"
+        )
+    return header, problems

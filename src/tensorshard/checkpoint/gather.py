@@ -9,6 +9,12 @@ more than one gathered tensor besides the shards. Keys are the original module's
 
 `save_gathered(model, folder)` writes the same tensors straight to Hugging Face-style safetensors files,
 one tensor at a time, atomically.
+
+Under torchrun (a module split by `parallelize`) the same functions are collective: every process calls
+them and iterates in step; a split tensor is one all-gather over the tensor-parallel group, assembled from
+the engine's partitions, so the result is the real weight (DTensor's ``full_tensor()`` of a parameter in
+the padded "stacked" layout would return the padding too). `save_gathered` writes from global rank 0; a
+transformers model's own ``save_pretrained`` is routed here by `parallelize` (`gathering_save_pretrained`).
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -27,38 +35,43 @@ from tqdm.auto import tqdm
 
 from .atomic import atomic_write, fsync_dir, publish
 from .files import FileEntry, write_safetensors
-from .sources import HF_INDEX_NAME, HF_SINGLE_NAME
-
 from .layout import ModelLayout, TensorEntry, is_split_model, model_layout
+from .sources import HF_INDEX_NAME, HF_SINGLE_NAME
+from .torchrun import TorchrunJob, is_parallelized, job_of
 
 logger = logging.getLogger(__name__)
 
 
 def gather_entry(layout: ModelLayout, entry: TensorEntry, device: torch.device | str = "cpu") -> torch.Tensor:
-    """One tensor of the unsplit model, assembled from every rank's part on `device` (a new tensor)."""
-    pieces = [layout.local(entry, r).detach() for r in range(layout.world_size)]
-    if entry.placement is None:
-        return pieces[0].to(device, copy=True)
-    dim, partition = entry.placement
-    return partition.assemble([p.to(device) for p in pieces], dim)
+    """One tensor of the unsplit model, assembled from every rank's part on `device` (a new tensor;
+    collective under torchrun)."""
+    return layout.gather(entry, device)
+
+
+def _require_split(model: object, what: str) -> None:
+    if not (is_split_model(model) or is_parallelized(model)):
+        raise TypeError(
+            f"{what} needs a model split by tensorshard (a TensorParallel from tensor_parallel(), or a module split "
+            f"by parallelize() under torchrun); got {type(model).__name__}"
+        )
 
 
 def gathered_state_dict(model: nn.Module, *, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the unsplit model's state dict entries, one gathered tensor at a time (on `device`).
 
     Tied weights are gathered once and yielded under each of their names (the same tensor, as a plain
-    model's state dict has them).
+    model's state dict has them). Under torchrun every process must iterate to the end, in step (each
+    split tensor is an all-gather); every process receives every tensor.
     """
-    if not is_split_model(model):
-        raise TypeError(f"gathered_state_dict needs a TensorParallel model; got {type(model).__name__}")
+    _require_split(model, "gathered_state_dict")
     layout = model_layout(model)  # the plan's splits, and ZeRO-3's partitions of the rest
     by_name = layout.by_alias()
     tied: dict[str, torch.Tensor] = {}
-    for name in layout.shards[0].state_dict(keep_vars=True):  # persistent buffers only, as a plain model saves
+    for name in layout.state_names:  # persistent buffers only, as a plain model saves
         entry = by_name[name]
         tensor = tied.get(entry.name)
         if tensor is None:
-            tensor = gather_entry(layout, entry, device)
+            tensor = layout.gather(entry, device)
             if entry.aliases:
                 tied[entry.name] = tensor
         yield name, tensor
@@ -67,9 +80,31 @@ def gathered_state_dict(model: nn.Module, *, device: torch.device | str = "cpu")
 @contextmanager
 def save_tensor_parallel(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, ``model.state_dict()`` returns the unsplit model's state dict (as the
-    tensor_parallel package's context of the same name does)."""
+    tensor_parallel package's context of the same name does). Under torchrun every process gets it (a
+    collective: call ``state_dict()`` on every process)."""
+    if is_parallelized(model):
+        own = model.__dict__.get("state_dict")
+
+        def state_dict(*args, destination=None, prefix: str = "", keep_vars: bool = False):
+            out = destination if destination is not None else {}
+            for key, value in gathered_state_dict(model):
+                out[prefix + key] = value
+            return out
+
+        model.__dict__["state_dict"] = state_dict  # this instance only; DCP and Lightning see DTensors outside
+        try:
+            yield model
+        finally:
+            if own is None:
+                model.__dict__.pop("state_dict", None)
+            else:
+                model.__dict__["state_dict"] = own
+        return
     if getattr(model, "splits", None) is None:
-        raise TypeError(f"save_tensor_parallel needs a TensorParallel model; got {type(model).__name__}")
+        raise TypeError(
+            f"save_tensor_parallel needs a model split by tensorshard (a TensorParallel from tensor_parallel(), or a "
+            f"module split by parallelize() under torchrun); got {type(model).__name__}"
+        )
     model._gather_state_dict = True
     try:
         yield model
@@ -90,18 +125,26 @@ def save_gathered(
     plus ``model.safetensors.index.json``: what `transformers` (and `tp.from_pretrained`) load. Tied
     weights are stored once, under their first name. Tensors are gathered and written one at a time, so
     host memory holds one gathered tensor at most (a plain ``torch.save`` of the state dict holds them all).
+    Under torchrun every process calls it; global rank 0 writes.
 
     Safe against interruption: files are written under temporary names; new data files never take the
     name of a file the current index uses; the index (or the single file) is renamed into place last, and
     only then are the previous files removed.
     """
-    if not is_split_model(model):
-        raise TypeError(f"save_gathered needs a TensorParallel model; got {type(model).__name__}")
+    _require_split(model, "save_gathered")
     folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
     layout = model_layout(model)
-    entries = [e for e in layout if e.persistent]
+    job = job_of(layout)
     limit = _parse_size(max_shard_size)
+
+    def prepare() -> None:
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file; save_gathered writes a folder")
+        if job.coordinator:
+            folder.mkdir(parents=True, exist_ok=True)
+
+    job.agree("preparing the folder", prepare)
+    entries = [e for e in layout if e.persistent]
     groups: list[list[TensorEntry]] = [[]]
     size = 0
     for e in entries:
@@ -110,14 +153,58 @@ def save_gathered(
             size = 0
         groups[-1].append(e)
         size += e.nbytes
+    gathered = _InStep(layout, [e for group in groups for e in group])
+
+    def write() -> None:
+        if not job.coordinator:
+            gathered.rest()  # take part in every all-gather; rank 0 writes
+            return
+        try:
+            _write_gathered(layout, folder, groups, gathered, progress)
+        except Exception:
+            if job.distributed:
+                gathered.rest()  # the other ranks wait in these all-gathers
+            raise
+
+    job.agree("saving the gathered model", write)
+    if job.coordinator:
+        logger.info("saved the unsplit %s to %s (%d file(s))", type(model).__name__, folder, len(groups))
+    return folder
+
+
+class _InStep:
+    """Gathers `order`'s tensors one by one; `rest()` performs the ones not gathered yet (for the ranks
+    that do not write, and for rank 0 after a failed write, so that every rank makes the same calls)."""
+
+    def __init__(self, layout: ModelLayout, order: list[TensorEntry]) -> None:
+        self.layout, self.order, self.count, self.broken = layout, order, 0, False
+
+    def __call__(self, entry: TensorEntry) -> torch.Tensor:
+        try:
+            tensor = self.layout.gather(entry)
+        except Exception:
+            self.broken = True  # a failed collective: the group is gone, do not try the others
+            raise
+        self.count += 1
+        return tensor
+
+    def rest(self) -> None:
+        if self.broken:
+            return
+        for entry in self.order[self.count:]:
+            self(entry)
+
+
+def _write_gathered(layout, folder: Path, groups: list[list[TensorEntry]], gather: Callable, progress: bool) -> None:
     old = _hf_files(folder)
     names = _fresh_names(len(groups), old)
+    entries = [e for group in groups for e in group]
     total = sum(e.nbytes for e in entries)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"saving {folder.name}", disable=not progress, leave=False)
     renames = []
     try:
         for file_name, group in zip(names, groups):
-            items = [FileEntry(e.name, e.shape, e.dtype, _counted(bar, e, partial(gather_entry, layout, e))) for e in group]
+            items = [FileEntry(e.name, e.shape, e.dtype, _counted(bar, e, partial(gather, e))) for e in group]
             renames.append((write_safetensors(folder / file_name, items), folder / file_name))
         publish(renames)
     except BaseException:
@@ -128,14 +215,73 @@ def save_gathered(
         bar.close()
     if len(groups) > 1:
         weight_map = {e.name: file_name for file_name, group in zip(names, groups) for e in group}
-        total = sum(e.nbytes for e in entries)
         with atomic_write(folder / HF_INDEX_NAME, "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     for stale in old - set(names) - ({HF_INDEX_NAME} if len(groups) > 1 else set()):
         (folder / stale).unlink(missing_ok=True)
     fsync_dir(folder)
-    logger.info("saved the unsplit %s to %s (%d file(s))", type(model).__name__, folder, len(groups))
-    return folder
+
+
+# --- save_pretrained of a transformers model split by parallelize -----------------------------------------
+
+_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
+
+
+def gathering_save_pretrained(model: nn.Module) -> Callable:
+    """``model.save_pretrained`` for a transformers model split by `parallelize` (installed by it).
+
+    Every process calls it. The unsplit weights are gathered one tensor at a time (without the padding of
+    the stacked layout) and kept on global rank 0 only, which writes them with the class's own
+    ``save_pretrained`` (config, generation config, tied weights, the same files as an unsplit save) into
+    a temporary folder whose files then replace those of `save_directory`. Peak host memory on rank 0: one
+    full copy of the model; the other ranks: one tensor. `tp.save_gathered` writes the weights with one
+    tensor at a time on rank 0 too.
+    """
+    original = model.save_pretrained  # the class's method, bound
+
+    def save_pretrained(save_directory: str | os.PathLike, **kwargs) -> None:
+        if kwargs.get("state_dict") is not None:
+            raise ValueError("a split model gathers its own state dict for save_pretrained; do not pass state_dict=")
+        if kwargs.get("push_to_hub"):
+            raise NotImplementedError("push_to_hub from a split model: save_pretrained locally, then upload the folder")
+        target = Path(save_directory)
+        job = TorchrunJob()
+
+        def check() -> None:
+            if target.exists() and not target.is_dir():
+                raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
+
+        job.agree("checking the folder", check)
+        state = {}
+        for name, tensor in gathered_state_dict(model):
+            if job.coordinator:
+                state[name] = tensor
+
+        def write() -> None:
+            if not job.coordinator:
+                return
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+            try:
+                original(tmp, state_dict=state, **kwargs)
+                target.mkdir(exist_ok=True)
+                written = {p.name for p in tmp.iterdir()}
+                for pattern in _WEIGHT_FILES:  # weights of an earlier save that this one does not overwrite
+                    for stale in target.glob(pattern):
+                        if stale.name not in written:
+                            stale.unlink()
+                for path in tmp.iterdir():
+                    os.replace(path, target / path.name)
+                fsync_dir(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+        job.agree("writing the model", write)
+        if job.coordinator:
+            logger.info("saved the unsplit %s to %s", type(model).__name__, target)
+
+    save_pretrained.__doc__ = gathering_save_pretrained.__doc__
+    return save_pretrained
 
 
 def _counted(bar, entry, get):

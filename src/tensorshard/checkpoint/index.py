@@ -3,7 +3,7 @@
     {
       "format": "tensorshard.sharded/1",
       "generation": 3,                      # bumped by every save into the same folder
-      "engine": "inprocess", "world_size": 2, "devices": ["cpu[0]", "cpu[1]"],
+      "engine": "inprocess", "world_size": 2, "devices": ["cpu[0]", "cpu[1]"],   # or "torchrun", "plain"
       "plan": {...},                        # Plan.to_dict() of the saving model (null for a plain module)
       "zero": ["norm.weight", ...],         # parameters ZeRO-3 partitioned when saving
       "aliases": {"output.weight": "tok_embeddings.weight"},    # tied weights, stored once
@@ -38,7 +38,10 @@ def read_index(folder: Path) -> dict:
     except FileNotFoundError:
         raise FileNotFoundError(f"{folder} is not a tensorshard sharded checkpoint: {INDEX_NAME} is missing") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint index is damaged") from None
+        raise ValueError(
+            f"{path} is not valid JSON ({e}); the checkpoint index is damaged: restore it from a copy, or save the "
+            "checkpoint again. Nothing was loaded."
+        ) from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         found = index.get("format") if isinstance(index, dict) else type(index).__name__
         raise ValueError(f"{path}: expected format {FORMAT!r}, found {found!r} (written by another tensorshard version?)")

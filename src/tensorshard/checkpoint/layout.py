@@ -10,8 +10,9 @@ Checkpoint files store *chunks*: boxes of the global tensor (``offsets``, ``size
 boxes its placement names, and reads the part of every saved chunk that overlaps them. Nothing depends on
 the device count the checkpoint was saved at, so any count loads any other, bit for bit.
 
-`model_layout(model)` lists the tensors of a `TensorParallel` (or of a plain module, as one rank) once
-each, tied weights under one canonical name with their aliases, with each rank's local tensor.
+`model_layout(model)` lists the tensors of a `TensorParallel`, of a module split by `parallelize` under
+torchrun (torchrun.py), or of a plain module (one rank) once each, tied weights under one canonical name
+with their aliases, with each rank's local tensor.
 """
 
 from __future__ import annotations
@@ -148,7 +149,12 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 @dataclass
 class ModelLayout:
-    """The tensors of a (possibly split) model, each listed once, and how to reach every rank's copy."""
+    """The tensors of a (possibly split) model, each listed once, and how to reach every rank's copy.
+
+    In one process every rank is here (`ranks` is all of them); under torchrun a process holds one rank
+    (see torchrun.py, whose `TorchrunLayout` overrides the methods that touch tensors). Everything that
+    reads or writes a model goes through these methods, so save and load code is the same for both.
+    """
 
     world_size: int
     shards: list[nn.Module]  # one module tree per rank (the model itself for a plain module)
@@ -156,19 +162,62 @@ class ModelLayout:
     plan: object = None  # the Plan, for TensorParallel models
     zero: list[str] = field(default_factory=list)  # canonical names partitioned by ZeRO-3
     devices: list[torch.device] = field(default_factory=list)
+    state_names: list[str] = field(default_factory=list)  # persistent names, in state-dict order
+    engine: str = "inprocess"  # "inprocess", "plain" or "torchrun"
+    writes: bool = True  # this process writes checkpoint files (not a data-parallel replica under torchrun)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks whose tensors this process holds."""
+        return list(range(self.world_size))
+
+    @property
+    def root(self) -> nn.Module:
+        """A module tree with the original names (for messages)."""
+        return self.shards[0]
 
     def local(self, entry: TensorEntry, rank: int) -> torch.Tensor:
+        """Rank `rank`'s part of `entry`: a plain tensor of shape `local_shape(...)`; writing into it
+        writes into the model."""
         return _find(self.shards[rank], entry.name)
 
-    def set_local(self, entry: TensorEntry, rank: int, tensor: torch.Tensor) -> torch.Tensor:
-        """Put `tensor` in place of rank `rank`'s tensor under every name of `entry` (ties stay tied)."""
+    def param(self, entry: TensorEntry, rank: int) -> torch.Tensor:
+        """The object an optimizer keys this rank's state by (the parameter itself)."""
+        return _find(self.shards[rank], entry.name)
+
+    def state_local(self, entry: TensorEntry, rank: int, value: torch.Tensor) -> torch.Tensor:
+        """An optimizer state tensor of this rank's parameter, as a plain tensor shaped like `local`."""
+        return value
+
+    def new_local(self, entry: TensorEntry, rank: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh storage for rank `rank`'s part: (what `install`/`as_state` take, the tensor to fill)."""
+        device = self.devices[rank] if self.devices[rank].type != "meta" else torch.device("cpu")
+        t = torch.empty(local_shape(entry.shape, entry.placement, rank), dtype=dtype or entry.dtype, device=device)
+        return t, t
+
+    def as_state(self, entry: TensorEntry, rank: int, holder: torch.Tensor) -> torch.Tensor:
+        """Storage from `new_local`, as the value an optimizer keeps for this rank's parameter."""
+        return holder
+
+    def install(self, entry: TensorEntry, rank: int, holder: torch.Tensor) -> torch.Tensor:
+        """Put storage from `new_local` in place of rank `rank`'s tensor under every name of `entry`
+        (ties stay tied)."""
+        tensor = holder
         if entry.kind == "param":
             old = self.local(entry, rank)
-            tensor = nn.Parameter(tensor, requires_grad=old.requires_grad)
+            tensor = nn.Parameter(holder, requires_grad=old.requires_grad)
         for name in entry.names:
             owner, attr = _owner(self.shards[rank], name)
             (owner._parameters if entry.kind == "param" else owner._buffers)[attr] = tensor
         return tensor
+
+    def gather(self, entry: TensorEntry, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The whole tensor of `entry`, assembled from every rank's part on `device` (a new tensor)."""
+        pieces = [self.local(entry, r).detach() for r in range(self.world_size)]
+        if entry.placement is None:
+            return pieces[0].to(device, copy=True)
+        dim, partition = entry.placement
+        return partition.assemble([p.to(device) for p in pieces], dim)
 
     def by_alias(self) -> dict[str, TensorEntry]:
         return {n: e for e in self.entries.values() for n in e.names}
@@ -202,24 +251,44 @@ def is_split_model(model: object) -> bool:
 
 
 def model_layout(model: nn.Module) -> ModelLayout:
-    """The layout of a TensorParallel model, or of a plain module (one rank, every tensor whole)."""
+    """The layout of a TensorParallel model, of a model split by `parallelize` under torchrun (this
+    process's rank), or of a plain module (one rank, every tensor whole)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module; got {type(model).__name__}")
+    from .torchrun import is_parallelized, torchrun_layout
+
+    if is_parallelized(model):
+        return torchrun_layout(model)
     if any(hasattr(p, "to_local") for p in model.parameters()):
         raise NotImplementedError(
-            "this model holds DTensors (the torchrun engine); its checkpoints go through "
-            "torch.distributed.checkpoint, which the torchrun engine wires up. See docs/checkpoints.md."
+            f"this {type(model).__name__} holds DTensors that tensorshard.parallelize did not make (torch's "
+            "parallelize_module or fully_shard alone?); save and load it with torch.distributed.checkpoint, "
+            "whose folders tp.load_sharded reads. See docs/checkpoints.md."
         )
     if is_split_model(model):
         shards = list(model.module_shards)
         where = placements(model)
         zero = sorted(getattr(model, "zero_splits", {}))
-        plan, devices = model.plan, list(getattr(model, "_placement", model.devices))
+        plan, devices, engine = model.plan, list(getattr(model, "_placement", model.devices)), "inprocess"
     else:
-        shards, where, zero, plan, devices = [model], None, [], None, []
+        shards, where, zero, plan, engine = [model], None, [], None, "plain"
         devices = [next((t.device for t in list(model.parameters()) + list(model.buffers())), torch.device("cpu"))]
-    root = shards[0]
-    persistent = set(root.state_dict(keep_vars=True))
+    entries = collect_entries(shards[0], lambda name, tensor: where.get(name) if where is not None else None)
+    state_names = _state_dict_names(shards[0])
+    return ModelLayout(len(shards), shards, entries, plan, zero, devices, state_names, engine)
+
+
+def _state_dict_names(root: nn.Module) -> list[str]:
+    """The keys of the module class's own ``state_dict`` (not an instance override such as the one
+    `save_tensor_parallel` installs under torchrun), in order."""
+    return list(type(root).state_dict(root, keep_vars=True))
+
+
+def collect_entries(root: nn.Module, placement_of, local_of=lambda tensor: tensor) -> dict[str, TensorEntry]:
+    """Every parameter and buffer of `root` once (ties under their first name), with its global shape:
+    the local shape with the split dim's full size. `placement_of(name, tensor)` gives its placement,
+    `local_of(tensor)` the plain local tensor to read shapes and dtypes from."""
+    persistent = set(_state_dict_names(root))
     entries: dict[str, TensorEntry] = {}
     seen: dict[int, TensorEntry] = {}
     for module_name, module in root.named_modules(remove_duplicate=False):
@@ -234,14 +303,15 @@ def model_layout(model: nn.Module) -> ModelLayout:
                         entry.aliases += (name,)
                     entry.persistent |= name in persistent
                     continue
-                placement = where.get(name) if where is not None else None
-                shape = list(tensor.shape)
+                placement = placement_of(name, tensor)
+                local = local_of(tensor)
+                shape = list(local.shape)
                 if placement is not None:
                     shape[placement[0]] = placement[1].size
                 entry = TensorEntry(
-                    name, (), kind, tuple(shape), tensor.dtype, placement, name in persistent,
+                    name, (), kind, tuple(shape), local.dtype, placement, name in persistent,
                     requires_grad=bool(getattr(tensor, "requires_grad", False)),
                 )
                 seen[id(tensor)] = entry
                 entries[name] = entry
-    return ModelLayout(len(shards), shards, entries, plan, zero, devices)
+    return entries

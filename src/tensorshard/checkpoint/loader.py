@@ -6,7 +6,11 @@ wrong shape or dtype, before anything is read. `fill` then asks the source for e
 
 - a tensor that is already real is overwritten in place (a resumed optimizer keeps its parameters);
 - a tensor on the meta device gets new storage on its rank's device, swapped into every module that holds
-  it (ties stay tied), allocated only when its turn comes.
+  it (ties stay tied) once every tensor is read, allocated only when its turn comes.
+
+Everything that can be checked without reading data is checked by `match_tensors` (sources.py checks
+file headers and sizes too), so a damaged checkpoint is refused before the model changes. A read that
+fails anyway (an I/O error, a file removed meanwhile) raises with a note that says what was loaded.
 
 Host memory beyond the destination tensors: what the source needs for one tensor (see sources.py).
 """
@@ -19,7 +23,7 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .layout import ModelLayout, TensorEntry, local_shape, local_view, rank_pieces
+from .layout import ModelLayout, TensorEntry, local_view, rank_pieces
 from .sources import Source, describe_names
 
 logger = logging.getLogger(__name__)
@@ -41,6 +45,7 @@ def match_tensors(
     aliases = aliases or {}
     pairs, missing, used = [], [], set()
     wrong_shape, wrong_dtype, broken = [], [], []
+    padded, saved_dtype = False, None
     for entry in layout:
         found = next((n for n in entry.names if n in names), None)
         if found is None:
@@ -53,8 +58,10 @@ def match_tensors(
         shape, dtype = source.info(found)
         if tuple(shape) != tuple(entry.shape):
             wrong_shape.append(f"{entry.name}: checkpoint {list(shape)}, model {list(entry.shape)}")
+            padded |= _looks_padded(entry, shape)
         elif exact_dtype and dtype != entry.dtype:
             wrong_dtype.append(f"{entry.name}: checkpoint {dtype}, model {entry.dtype}")
+            saved_dtype = saved_dtype or dtype
         else:
             problems = source.problems(found)
             if problems:
@@ -62,12 +69,27 @@ def match_tensors(
         pairs.append((entry, found))
     unexpected = sorted(names - used - set(aliases))
     lines = []
+    damaged = source.damage() if hasattr(source, "damage") else []
+    if damaged:
+        lines.append(
+            "the checkpoint is damaged: " + "; ".join(damaged[:8])
+            + ". Restore the damaged or missing files from a copy, or save the checkpoint again"
+        )
     if wrong_shape:
         lines.append(f"{len(wrong_shape)} tensor(s) have another shape: " + "; ".join(wrong_shape[:8]))
+        if padded:
+            lines.append(
+                "tensors larger than the model's only along the dimension the plan splits look like the padded "
+                "'stacked' layout in which the torchrun engine keeps uneven or fused splits as DTensors: a "
+                "torch.distributed.checkpoint of such a model (Lightning's save_checkpoint) loads back only through "
+                "DCP at the rank count and plan it was saved with. Load it there, then tp.save_sharded(model, folder) "
+                "writes a checkpoint of the real tensors that loads anywhere (docs/checkpoints.md)"
+            )
     if wrong_dtype:
         lines.append(
             f"{len(wrong_dtype)} tensor(s) have another dtype: " + "; ".join(wrong_dtype[:8])
-            + " (convert the model first, e.g. model.to(torch.bfloat16), to load these exactly)"
+            + f" (convert the model to the checkpoint's dtype first, e.g. model.to({saved_dtype}), to resume exactly; "
+            "tp.from_pretrained(..., dtype=...) casts while loading)"
         )
     if broken:
         lines.append(f"{len(broken)} tensor(s) cannot be read: " + "; ".join(broken[:8]))
@@ -77,7 +99,7 @@ def match_tensors(
         lines.append(f"{len(unexpected)} tensor(s) of the checkpoint are not in the model: {describe_names(unexpected)}")
     if lines:
         raise ValueError(
-            f"{source.description} does not fit this {type(layout.shards[0]).__name__}:\n  " + "\n  ".join(lines)
+            f"{source.description} does not fit this {type(layout.root).__name__}:\n  " + "\n  ".join(lines)
             + (f"\n{fix}" if fix else "") + "\nNothing was loaded; the model is unchanged."
         )
     if missing:
@@ -85,6 +107,14 @@ def match_tensors(
     if unexpected:
         logger.info("in %s but not in the model, skipped: %s", source.description, describe_names(unexpected))
     return pairs
+
+
+def _looks_padded(entry: TensorEntry, shape) -> bool:
+    """The checkpoint's tensor is larger than the model's only along the split dimension."""
+    if entry.placement is None or len(shape) != len(entry.shape):
+        return False
+    dim = entry.placement[0]
+    return all(a == b for d, (a, b) in enumerate(zip(shape, entry.shape)) if d != dim) and shape[dim] > entry.shape[dim]
 
 
 def fill(
@@ -95,35 +125,62 @@ def fill(
     progress: bool = True,
     desc: str = "loading",
 ) -> None:
-    """Copy every paired tensor's boxes into each rank (in place, or into new storage for meta tensors)."""
+    """Copy every paired tensor's boxes into each rank held here (in place, or into new storage for meta
+    tensors, installed once everything is read)."""
     created: list[tuple[TensorEntry, int, torch.Tensor]] = []
+    done: list[str] = []
+    current: list[str] = []
 
     def requests():
         for entry, name in pairs:
             targets = []
-            for rank in range(layout.world_size):
+            for rank in layout.ranks:
                 local = layout.local(entry, rank)
                 if local.is_meta:
-                    device = layout.devices[rank] if layout.devices[rank].type != "meta" else torch.device("cpu")
-                    dest = torch.empty(local_shape(entry.shape, entry.placement, rank), dtype=entry.dtype, device=device)
-                    created.append((entry, rank, dest))
+                    holder, dest = layout.new_local(entry, rank)
+                    created.append((entry, rank, holder))
                 else:
                     dest = local.detach()
                 pieces = rank_pieces(entry.shape, entry.placement, rank)
                 targets += [(box, local_view(dest, entry.placement, box, start)) for box, start in pieces]
+            current[:] = [name]
             yield name, targets
+
+    def finished(name: str) -> None:
+        done.append(name)
+        bar.update(nbytes[name])
 
     nbytes = {name: entry.nbytes for entry, name in pairs}
     bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, desc=desc, disable=not progress, leave=False)
     try:
         with torch.no_grad():
-            source.read_all(requests(), lambda name: bar.update(nbytes[name]))
+            source.read_all(requests(), finished)
+    except Exception as e:
+        e.add_note(_partial_load_note(layout, pairs, done, current, created, source))
+        raise
     finally:
         bar.close()
-    for entry, rank, dest in created:
-        layout.set_local(entry, rank, dest)
+    for entry, rank, holder in created:
+        layout.install(entry, rank, holder)
+
+
+def _partial_load_note(layout, pairs, done, current, created, source) -> str:
+    in_place = {e.name for e, _ in pairs} - {e.name for e, _, _ in created}
+    changed = [n for n in done if n in in_place]
+    where = f"while reading {current[0]!r} " if current else ""
+    if not changed and not (current and current[0] in in_place):
+        return (
+            f"the load failed {where}from {source.description}; nothing in the model was changed "
+            "(tensors on the meta device stay there)."
+        )
+    return (
+        f"the load failed {where}from {source.description} after {len(changed)} of {len(in_place)} tensors "
+        f"had been copied into the model ({describe_names(changed) or 'none'}); the tensor being read may be "
+        "partly written and the others keep their previous values. Load a complete checkpoint before using "
+        "the model."
+    )
 
 
 def still_meta(layout: ModelLayout) -> list[str]:
     """Names of tensors that no load has filled yet."""
-    return [e.name for e in layout if any(layout.local(e, r).is_meta for r in range(layout.world_size))]
+    return [e.name for e in layout if any(layout.local(e, r).is_meta for r in layout.ranks)]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .files import FileEntry, dtype_name
-from .layout import Box, ModelLayout, TensorEntry, local_shape, local_view, rank_pieces, saved_pieces
+from .layout import Box, ModelLayout, TensorEntry, local_view, rank_pieces, saved_pieces
 from .sources import Source, describe_names
 
 SHARDED, SCALAR = "sharded", "scalar"
@@ -28,8 +28,8 @@ def _param_owners(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> dict
     owners = {}
     for entry in layout:
         if entry.kind == "param":
-            for rank in range(layout.world_size):
-                owners[id(layout.local(entry, rank))] = (entry, rank)
+            for rank in layout.ranks:
+                owners[id(layout.param(entry, rank))] = (entry, rank)
     for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in owners:
@@ -49,8 +49,8 @@ def _group_names(group: dict, owners) -> list[str]:
     return names
 
 
-def optimizer_files(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> tuple[list[list[list[FileEntry]]], dict]:
-    """Per rank, per part, the file entries to write; and the index section (without chunk lists)."""
+def optimizer_files(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> tuple[dict[int, list[list[FileEntry]]], dict]:
+    """Per rank held here, per part, the file entries to write; and the index section (without chunk lists)."""
     owners = _param_owners(layout, optimizer)
     groups = []
     for group in optimizer.param_groups:
@@ -60,16 +60,17 @@ def optimizer_files(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> tu
     kinds: dict[str, dict[str, str]] = {}
     values: dict[str, dict[str, Any]] = {}
     tensors: dict[str, dict] = {}
-    per_rank: list[list[list[FileEntry]]] = [[] for _ in range(layout.world_size)]
+    per_rank: dict[int, list[list[FileEntry]]] = {r: [] for r in layout.ranks}
+    first = layout.ranks[0]
     for entry in layout:
         if entry.kind != "param":
             continue
-        states = [optimizer.state.get(layout.local(entry, r)) for r in range(layout.world_size)]
+        states = [optimizer.state.get(layout.param(entry, r)) for r in layout.ranks]
         if not any(states):
             continue  # never stepped (no gradient yet, or not in this optimizer)
         if not all(states):
             raise RuntimeError(f"{entry.name} has optimizer state on some devices only; step every shard before saving")
-        local = layout.local(entry, 0)
+        local = layout.local(entry, first)
         kinds[entry.name] = {}
         for key, value in states[0].items():
             if not isinstance(value, torch.Tensor):
@@ -77,6 +78,7 @@ def optimizer_files(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> tu
                 values.setdefault(entry.name, {})[key] = _to_json(key, value, type(optimizer).__name__)
                 continue
             gname = f"state.{entry.name}.{key}"
+            value = layout.state_local(entry, first, value)
             if value.dim() > 0 and tuple(value.shape) == tuple(local.shape):
                 kind, shape, placement = SHARDED, entry.shape, entry.placement
             elif value.dim() == 0:
@@ -89,7 +91,7 @@ def optimizer_files(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> tu
                 )
             kinds[entry.name][key] = kind
             tensors[gname] = {"shape": list(shape), "dtype": dtype_name(value.dtype), "chunks": []}
-            for rank in range(layout.world_size):
+            for rank in layout.ranks:
                 pieces = saved_pieces(shape, placement, rank)
                 parts = per_rank[rank]
                 for k, (box, start) in enumerate(pieces):
@@ -104,7 +106,8 @@ def optimizer_files(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> tu
 
 def _state_getter(optimizer, layout, entry, rank, key, placement, box, start):
     def get():
-        return local_view(optimizer.state[layout.local(entry, rank)][key], placement, box, start)
+        value = layout.state_local(entry, rank, optimizer.state[layout.param(entry, rank)][key])
+        return local_view(value, placement, box, start)
 
     return get
 
@@ -177,14 +180,15 @@ def load_optimizer(
                 gname = f"state.{name}.{key}"
                 _, dtype = source.info(gname)
                 if kind == SHARDED:
-                    dest = torch.empty(local_shape(entry.shape, entry.placement, rank), dtype=dtype, device=p.device)
+                    holder, dest = layout.new_local(entry, rank, dtype)
                     pieces = rank_pieces(entry.shape, entry.placement, rank)
                     targets = [(box, local_view(dest, entry.placement, box, start)) for box, start in pieces]
+                    source.read(gname, targets)
+                    st[key] = layout.as_state(entry, rank, holder)
                 else:
                     dest = torch.empty((), dtype=dtype)
-                    targets = [(Box((), ()), dest)]
-                source.read(gname, targets)
-                st[key] = dest
+                    source.read(gname, [(Box((), ()), dest)])
+                    st[key] = dest
             state[index] = st
     optimizer.load_state_dict({"state": state, "param_groups": new_groups})
 
@@ -209,10 +213,11 @@ def check_optimizer_section(
                     problems.append(f"state.{name}.{key}: {list(shape)}, parameter {list(entry.shape)}")
             if kind != "value":
                 problems += [f"state.{name}.{key}: {p}" for p in source.problems(f"state.{name}.{key}")]
+    problems = source.damage() + problems
     if problems:
         raise ValueError(
-            f"the optimizer state in {source.description} does not fit this model: {describe_names(problems)}. "
-            "Nothing was loaded."
+            f"the {source.description} does not fit this model and optimizer: {describe_names(problems)}. "
+            "Restore or save the checkpoint again; nothing was loaded."
         )
 
 

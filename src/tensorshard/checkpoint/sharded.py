@@ -18,6 +18,12 @@ deleted. A save killed at any moment leaves the previous checkpoint loadable. Lo
 shapes, dtypes, and that the stored boxes cover every tensor, and names whatever does not fit before it
 changes anything.
 
+Under torchrun (a module split by `parallelize`) the same folder is written rank by rank: every process
+calls `save_sharded`; tensor-parallel rank r writes rank r's files, global rank 0 picks the generation and
+writes the index once every rank's files are in place; every process of `load_sharded` reads only its
+rank's boxes. Each step that can fail on some ranks only ends in an agreement (torchrun.py), so an error on
+one rank is raised on all of them.
+
 Memory: saving moves one slice at a time to the host; loading reads one tensor at a time (sources.py).
 """
 
@@ -39,6 +45,7 @@ from .layout import ModelLayout, local_view, model_layout, saved_pieces
 from .loader import fill, match_tensors
 from .optimizer import check_optimizer_section, load_optimizer, optimizer_files
 from .sources import INDEX_NAME, SafetensorsSource, open_folder
+from .torchrun import job_of
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +61,11 @@ def save_sharded(
 ) -> Path:
     """Write `model` (and `optimizer`'s state) to the folder `path`, each device its own slices.
 
-    Works for a `TensorParallel` model at any device count, and for a plain module (one rank). A
-    checkpoint already in `path` is replaced only once the new one is complete. Returns the folder.
+    Works for a `TensorParallel` model at any device count, for a plain module (one rank), and under
+    torchrun for a module split by `parallelize`: there every process calls it, each tensor-parallel rank
+    writes its own files and global rank 0 writes the index once all are written (the folder must be on a
+    file system every process sees). A checkpoint already in `path` is replaced only once the new one is
+    complete. Returns the folder.
 
     Args:
         optimizer: an optimizer over ``model.parameters()``; its state and hyperparameters are saved too.
@@ -63,53 +73,100 @@ def save_sharded(
     """
     folder = Path(path)
     layout = model_layout(model)
-    _refuse_meta(layout)
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"{folder} is a file; save_sharded writes a folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    generation = previous_generation(folder) + 1
-    world = layout.world_size
+    job = job_of(layout)
 
+    def prepare() -> int | None:
+        _refuse_meta(layout)
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file; save_sharded writes a folder")
+        if not job.coordinator:
+            return None
+        folder.mkdir(parents=True, exist_ok=True)
+        return previous_generation(folder) + 1
+
+    generation = job.agree("preparing the checkpoint folder", prepare)[0]
+    world = layout.world_size
     renames: list[tuple[Path, Path]] = []
-    try:
+
+    def write() -> dict | None:
+        if not layout.writes:
+            return None  # a data-parallel replica: the writing group holds the same tensors
         tensors = _write_model_files(layout, folder, generation, renames)
-        optimizer_section = None
+        section = None
         if optimizer is not None:
-            optimizer_section = _write_optimizer_files(layout, optimizer, folder, generation, renames)
-        files = sorted(str(final.relative_to(folder)) for _, final in renames)
-        index = {
-            "format": FORMAT,
-            "generation": generation,
-            "engine": "inprocess" if world > 1 or hasattr(model, "module_shards") else "plain",
-            "world_size": world,
-            "devices": [str(d) for d in getattr(model, "labels", layout.devices)],
-            "plan": _plan_data(layout.plan),
-            "zero": layout.zero,
-            "aliases": {a: e.name for e in layout if e.persistent for a in e.aliases},
-            "tensors": tensors,
-            "optimizer": optimizer_section,
-            "files": files,
-            "metadata": dict(metadata or {}),
-        }
-        publish(renames)  # new generation's files under their final names; the old index still rules
+            section = _write_optimizer_files(layout, optimizer, folder, generation, renames)
+        devices = [str(d) for d in getattr(model, "labels", layout.devices)]
+        if job.distributed:
+            devices = [f"{layout.devices[layout.rank]} (rank {job.rank})"]
+        return {"tensors": tensors, "optimizer": section, "devices": devices,
+                "files": [str(final.relative_to(folder)) for _, final in renames]}
+
+    try:
+        written = [w for w in job.agree("writing the checkpoint files", write) if w is not None]
+        tensors, optimizer_section, devices, files = _merge(written)
+        job.agree("renaming the files into place", lambda: publish(renames))
     except BaseException:
-        for tmp, _ in renames:
+        for tmp, _ in renames:  # this rank's staged files; the old index still rules
             tmp.unlink(missing_ok=True)
         raise
-    write_index(folder, index)  # the commit point
-    _remove_stale(folder, set(files))
-    logger.info(
-        "saved %s at %d device(s) to %s: %d tensors in %d files%s",
-        type(model).__name__, world, folder, len(tensors), len(files), ", with optimizer state" if optimizer else "",
-    )
+    index = {
+        "format": FORMAT,
+        "generation": generation,
+        "engine": layout.engine,
+        "world_size": world,
+        "devices": devices,
+        "plan": _plan_data(layout.plan),
+        "zero": layout.zero,
+        "aliases": {a: e.name for e in layout if e.persistent for a in e.aliases},
+        "tensors": tensors,
+        "optimizer": optimizer_section,
+        "files": files,
+        "metadata": dict(metadata or {}),
+    }
+
+    def commit() -> None:
+        if job.coordinator:
+            write_index(folder, index)  # the commit point
+            _remove_stale(folder, set(files))
+
+    job.agree("writing the index", commit)
+    if job.coordinator:
+        logger.info(
+            "saved %s at %d device(s) to %s: %d tensors in %d files%s", type(model).__name__, world, folder,
+            len(tensors), len(files), ", with optimizer state" if optimizer else "",
+        )
     return folder
 
 
+def _merge(written: list[dict]) -> tuple[dict, dict | None, list[str], list[str]]:
+    """One index from what each writing process wrote (in rank order): chunk lists joined."""
+    tensors: dict = {}
+    section = None
+    devices, files = [], []
+    for part in written:
+        for name, spec in part["tensors"].items():
+            tensors.setdefault(name, {**spec, "chunks": []})["chunks"] += spec["chunks"]
+        if part["optimizer"] is not None:
+            if section is None:
+                section = {**part["optimizer"], "tensors": {}}
+            elif part["optimizer"]["kinds"] != section["kinds"]:
+                raise RuntimeError(
+                    "the optimizer holds state for different parameters on different ranks; step every rank "
+                    "before saving"
+                )
+            for name, spec in part["optimizer"]["tensors"].items():
+                section["tensors"].setdefault(name, {**spec, "chunks": []})["chunks"] += spec["chunks"]
+        devices += part["devices"]
+        files += part["files"]
+    return tensors, section, devices, sorted(files)
+
+
 def _write_model_files(layout: ModelLayout, folder: Path, generation: int, renames: list) -> dict:
-    """Each rank's slices of every persistent tensor; returns the index's "tensors" section."""
+    """The slices of every persistent tensor held here, rank by rank; returns the index's "tensors"
+    section with the chunks written here."""
     entries = [e for e in layout if e.persistent]
     tensors = {e.name: {"shape": list(e.shape), "dtype": dtype_name(e.dtype), "chunks": []} for e in entries}
-    for rank in range(layout.world_size):
+    for rank in layout.ranks:
         parts: list[list[FileEntry]] = []
         for e in entries:
             for k, (box, start) in enumerate(saved_pieces(e.shape, e.placement, rank)):
@@ -128,7 +185,7 @@ def _local_piece(layout, entry, rank, box, start):
 def _write_optimizer_files(layout: ModelLayout, optimizer, folder: Path, generation: int, renames: list) -> dict:
     per_rank, section = optimizer_files(layout, optimizer)
     (folder / OPTIMIZER_DIR).mkdir(exist_ok=True)
-    for rank, parts in enumerate(per_rank):
+    for rank, parts in per_rank.items():
         _write_parts(
             "optim", folder / OPTIMIZER_DIR, parts, generation, rank, layout.world_size, section["tensors"], renames,
             rel=OPTIMIZER_DIR,
@@ -165,7 +222,7 @@ def _remove_stale(folder: Path, keep: set[str]) -> None:
 
 
 def _refuse_meta(layout: ModelLayout) -> None:
-    meta = [e.name for e in layout if e.persistent and any(layout.local(e, r).is_meta for r in range(layout.world_size))]
+    meta = [e.name for e in layout if e.persistent and any(layout.local(e, r).is_meta for r in layout.ranks)]
     if meta:
         raise RuntimeError(f"cannot save: {len(meta)} tensor(s) are on the meta device (not loaded), e.g. {meta[0]}")
 
@@ -183,35 +240,58 @@ def load_sharded(
     Reads a tensorshard sharded checkpoint, a folder written by torch.distributed.checkpoint (safetensors
     or its own ``.distcp`` format, e.g. Lightning's), or a Hugging Face safetensors folder. Tensors already
     on a device are overwritten in place (an optimizer built before loading keeps working); tensors on the
-    meta device are created on their device. Dtypes must match exactly (this is for resuming).
+    meta device are created on their device. Dtypes must match exactly (this is for resuming). Under
+    torchrun every process calls it and reads only its own rank's boxes; an error on any rank is raised on
+    every rank.
+
+    Everything is checked before the model changes: names, shapes, dtypes, that the stored boxes cover
+    every tensor, that every file exists and its header matches (a truncated or damaged file is named),
+    the optimizer's class, groups and state.
 
     Args:
         optimizer: restore its state and hyperparameters too (it must be built over ``model.parameters()``
             with the same param groups as when saving).
         strict: refuse checkpoints with tensors the model lacks, or lacking tensors the model has.
-        progress: show a tqdm progress bar.
+        progress: show a tqdm progress bar (on global rank 0 only, under torchrun).
     """
     folder = Path(path)
-    source, index = open_folder(folder)
     layout = model_layout(model)
-    aliases = (index or {}).get("aliases", {})
-    _report_plan(layout, index, folder)
-    pairs = match_tensors(layout, source, aliases=aliases, strict=strict, exact_dtype=True)
-    optimizer_source = None
-    if optimizer is not None:
-        section = (index or {}).get("optimizer")
-        if not section:
-            raise ValueError(f"{folder} holds no optimizer state (it was saved without optimizer=...)")
-        optimizer_source = SafetensorsSource.from_index(folder, section["tensors"], f"optimizer state in {folder}")
-        check_optimizer_section(section, layout, optimizer, optimizer_source, aliases)
-    fill(layout, pairs, source, progress=progress, desc=f"loading {folder.name}")
-    if optimizer is not None:
-        load_optimizer(layout, optimizer, optimizer_source, section, aliases)
-    source.close()
-    logger.info(
-        "loaded %s into %s at %d device(s)%s", folder, type(model).__name__, layout.world_size,
-        " with optimizer state" if optimizer is not None else "",
-    )
+    job = job_of(layout)
+    opened: dict = {}
+
+    def check() -> None:
+        source, index = open_folder(folder)
+        opened["source"] = source
+        aliases = (index or {}).get("aliases", {})
+        _report_plan(layout, index, folder, log=job.coordinator)
+        opened["pairs"] = match_tensors(layout, source, aliases=aliases, strict=strict, exact_dtype=True)
+        if optimizer is not None:
+            section = (index or {}).get("optimizer")
+            if not section:
+                raise ValueError(f"{folder} holds no optimizer state (it was saved without optimizer=...)")
+            files = [f for f in index["files"] if f.startswith(OPTIMIZER_DIR + "/")]
+            optimizer_source = SafetensorsSource.from_index(
+                folder, section["tensors"], f"optimizer state in {folder}", files
+            )
+            check_optimizer_section(section, layout, optimizer, optimizer_source, aliases)
+            opened["optimizer"] = (optimizer_source, section, aliases)
+
+    def read() -> None:
+        fill(layout, opened["pairs"], opened["source"], progress=progress and job.coordinator, desc=f"loading {folder.name}")
+        if optimizer is not None:
+            load_optimizer(layout, optimizer, *opened["optimizer"])
+
+    try:
+        job.agree("checking the checkpoint", check)  # nothing has changed yet on any rank
+        job.agree("reading the checkpoint", read)
+    finally:
+        if "source" in opened:
+            opened["source"].close()
+    if job.coordinator:
+        logger.info(
+            "loaded %s into %s at %d device(s)%s", folder, type(model).__name__, layout.world_size,
+            " with optimizer state" if optimizer is not None else "",
+        )
     return model
 
 
@@ -228,7 +308,7 @@ def _plan_data(plan) -> dict | None:
         return None
 
 
-def _report_plan(layout: ModelLayout, index: dict | None, folder: Path) -> None:
+def _report_plan(layout: ModelLayout, index: dict | None, folder: Path, log: bool = True) -> None:
     if index is None or layout.plan is None or index.get("plan") is None:
         return
     saved = index["plan"]
@@ -239,10 +319,11 @@ def _report_plan(layout: ModelLayout, index: dict | None, folder: Path) -> None:
             Plan.from_dict(saved)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{folder / INDEX_NAME}: the stored plan cannot be read ({e})") from None
-        logger.info(
-            "%s was saved with another plan (at %s device(s)); tensors are matched by their global index ranges, "
-            "so it loads into this plan exactly", folder, index.get("world_size"),
-        )
+        if log:
+            logger.info(
+                "%s was saved with another plan (at %s device(s)); tensors are matched by their global index "
+                "ranges, so it loads into this plan exactly", folder, index.get("world_size"),
+            )
 
 
 __all__ = ["load_sharded", "read_index", "save_sharded"]

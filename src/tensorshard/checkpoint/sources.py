@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .files import DCP_SHARDING_INFO, DTYPES_BY_CODE, DTYPES_BY_NAME, read_header
+from .files import DCP_SHARDING_INFO, DTYPE_CODES, DTYPES_BY_CODE, DTYPES_BY_NAME, check_file
 from .layout import Box
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,11 @@ class Source(ABC):
         """What makes tensor `name` unreadable (a missing file, chunks that leave a hole)."""
         return []
 
+    def damage(self) -> list[str]:
+        """What is wrong with the checkpoint's files as a whole (truncated files, broken headers, files an
+        index names that do not exist), found without reading tensor data."""
+        return []
+
     def close(self) -> None:
         pass
 
@@ -83,15 +88,21 @@ class Source(ABC):
 class SafetensorsSource(Source):
     """Global tensors stored whole or in chunks in safetensors files."""
 
-    def __init__(self, tensors: dict[str, TensorInfo], description: str) -> None:
+    def __init__(self, tensors: dict[str, TensorInfo], description: str, damaged: list[str] | None = None,
+                 listed: Sequence[Path] = (), headers_read: bool = False) -> None:
         self.tensors = tensors
         self.description = description
+        self.damaged = list(damaged or [])  # found while reading the headers
+        self.listed = list(listed)  # files an index names (checked to exist)
+        self.headers_read = headers_read  # from_files read (and checked) every header already
+        self._checked: list[str] | None = None
 
     # -- constructors for each layout ----------------------------------------------------------------------
 
     @classmethod
-    def from_index(cls, folder: Path, section: dict, description: str) -> "SafetensorsSource":
-        """Tensors as listed by a tensorshard index section: name -> {shape, dtype, chunks}."""
+    def from_index(cls, folder: Path, section: dict, description: str, files: Sequence[str] = ()) -> "SafetensorsSource":
+        """Tensors as listed by a tensorshard index section: name -> {shape, dtype, chunks}; `files`: every
+        file the index names (relative to `folder`). Headers are read later, by `damage`."""
         tensors = {}
         for name, spec in section.items():
             dtype = DTYPES_BY_NAME.get(spec["dtype"])
@@ -101,14 +112,19 @@ class SafetensorsSource(Source):
                 Chunk(folder / c["file"], c.get("key", name), Box(tuple(c["offsets"]), tuple(c["sizes"]))) for c in spec["chunks"]
             ]
             tensors[name] = TensorInfo(tuple(spec["shape"]), dtype, chunks)
-        return cls(tensors, description)
+        return cls(tensors, description, listed=[folder / f for f in files])
 
     @classmethod
     def from_files(cls, files: Sequence[Path], description: str) -> "SafetensorsSource":
         """Tensors found in the headers of `files` (whole, or chunks placed by DCP_SHARDING_INFO)."""
         tensors: dict[str, TensorInfo] = {}
+        damaged: list[str] = []
         for path in files:
-            header = read_header(path)
+            try:
+                header, problems = check_file(path)
+            except ValueError as e:  # a header that cannot be read: nothing else to go on
+                raise ValueError(f"{e}. Nothing was loaded.") from None
+            damaged += problems
             meta = header.pop("__metadata__", None) or {}
             offsets = json.loads(meta[DCP_SHARDING_INFO]) if DCP_SHARDING_INFO in meta else {}
             for key, spec in header.items():
@@ -120,17 +136,25 @@ class SafetensorsSource(Source):
                 info = tensors.setdefault(key, TensorInfo(shape, dtype))
                 info.chunks.append(Chunk(path, key, Box(start, shape)))
                 info.shape = tuple(max(a, o + n) for a, o, n in zip(info.shape, start, shape))
-        return cls(tensors, description)
+        return cls(tensors, description, damaged, headers_read=True)
 
     @classmethod
     def from_hf_folder(cls, folder: Path) -> "SafetensorsSource":
         index = folder / HF_INDEX_NAME
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({folder / f for f in weight_map.values()})
-            missing = [str(f) for f in files if not f.exists()]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted({folder / f for f in weight_map.values()})
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(
+                    f"{index} is damaged ({type(e).__name__}: {e}); restore it or save the checkpoint again"
+                ) from None
+            missing = [f.name for f in files if not f.exists()]
             if missing:
-                raise FileNotFoundError(f"{index} names files that do not exist: {', '.join(missing)}")
+                raise FileNotFoundError(
+                    f"{index} names {len(missing)} file(s) that do not exist: {describe_names(missing)}. Copy the "
+                    "missing file(s) into the folder, or save the checkpoint again. Nothing was loaded."
+                )
             return cls.from_files(files, f"safetensors checkpoint {folder}")
         files = sorted(folder.glob("*.safetensors"))
         if not files:
@@ -159,6 +183,41 @@ class SafetensorsSource(Source):
                 out.append(f"chunks overlap at {list(c.box.offsets)}")
         if volume < whole.numel:
             out.append(f"its chunks hold {volume} of {whole.numel} elements (a rank's file is missing from the index)")
+        return out
+
+    def damage(self) -> list[str]:
+        """Reads each file's header once: truncated files, broken headers, and chunks an index places in a
+        file that does not hold them as announced."""
+        if self._checked is not None:
+            return self._checked
+        out = list(self.damaged)
+        missing = [str(p.name) for p in self.listed if not p.exists()]
+        if missing:
+            out.append(f"the index names {len(missing)} file(s) that do not exist: {describe_names(missing)}")
+        by_file: dict[Path, list[tuple[str, Chunk]]] = {}
+        for name, info in self.tensors.items():
+            for c in info.chunks:
+                by_file.setdefault(c.file, []).append((name, c))
+        for path, chunks in by_file.items():
+            if not path.exists() or self.headers_read:  # missing: named per tensor (problems)
+                continue
+            try:
+                header, problems = check_file(path)
+            except ValueError as e:
+                out.append(str(e))
+                continue
+            out += problems
+            for name, c in chunks:
+                spec = header.get(c.key)
+                code = DTYPE_CODES.get(self.tensors[name].dtype)
+                if spec is None:
+                    out.append(f"{path.name} does not hold {c.key}, which the index places there")
+                elif list(spec.get("shape", ())) != list(c.box.sizes) or spec.get("dtype") != code:
+                    out.append(
+                        f"{path.name}: {c.key} is {spec.get('shape')} {spec.get('dtype')}, the index says "
+                        f"{list(c.box.sizes)} {code}"
+                    )
+        self._checked = out
         return out
 
     def read(self, name: str, targets: Sequence[Target]) -> None:
@@ -194,7 +253,8 @@ def open_folder(path: Path) -> tuple[Source, dict | None]:
         from .index import read_index
 
         index = read_index(path)
-        return SafetensorsSource.from_index(path, index["tensors"], f"tensorshard checkpoint {path}"), index
+        model_files = [f for f in index["files"] if not f.startswith("optimizer/")]
+        return SafetensorsSource.from_index(path, index["tensors"], f"tensorshard checkpoint {path}", model_files), index
     if path.is_dir() and (path / ".metadata").exists():
         from .dcp import DCPSource
 

@@ -6,11 +6,16 @@
 accelerate's `init_empty_weights`: buffers such as rotary frequencies stay real), splits it with the plan
 (which needs only shapes), then reads every tensor's slices from the checkpoint straight to their devices.
 
+Under torchrun, ``tp.from_pretrained(path, mesh=mesh)`` does the same in every process: the model is built
+empty, split in place by `parallelize` (``src_data_rank=None``: nothing is broadcast), and each process
+reads only its own rank's slices.
+
 **Memory contract.** Host memory beyond the loaded shards stays below one tensor of the checkpoint: a
 safetensors slice is read from the mapped file into its device tensor, each file unmapped after each
 tensor; a GGUF tensor is dequantized whole, once, then sliced. So peak host memory is at most one device's
 share of the model (when the devices are CPU slots the shards *are* host memory) plus the largest single
-tensor. A tqdm bar shows the bytes read.
+tensor; under torchrun, per process: its rank's share plus the largest tensor. A tqdm bar shows the bytes
+read.
 
 For those who load by hand (the `tensor_parallel` package's flow), see dispatch.py.
 """
@@ -41,6 +46,7 @@ def from_pretrained(
     path: str | os.PathLike,
     device_ids: Sequence | None = None,
     *,
+    mesh: Any = None,
     model: nn.Module | Callable[[], nn.Module] | None = None,
     plan: Plan | dict | None = None,
     dtype: torch.dtype | None = None,
@@ -56,7 +62,10 @@ def from_pretrained(
     Args:
         path: a folder of safetensors files (Hugging Face layout with ``config.json``, a tensorshard sharded
             checkpoint, or a torch.distributed.checkpoint folder), a ``.safetensors`` file, or a ``.gguf`` file.
-        device_ids: the devices, as for `tensor_parallel`.
+        device_ids: the devices, as for `tensor_parallel` (the in-process engine).
+        mesh: under torchrun, the 1-D tensor-parallel DeviceMesh (instead of `device_ids`): every process
+            calls ``from_pretrained(path, mesh=mesh, ...)``, the model is split in place by `parallelize` and
+            returned as the module itself; each process reads only its rank's slices.
         model: the model to fill: a module (ideally built on the meta device, e.g. under
             ``tp.checkpoint.empty_weights()``) or a function that builds one (called under it). Default: the
             transformers model that ``config.json`` (or the GGUF metadata) describes, in eval mode, as
@@ -66,14 +75,23 @@ def from_pretrained(
             the patterns that match nothing.
         dtype: dtype of the floating-point weights (default: the checkpoint's for transformers models; the
             model's own otherwise). Weights are cast on the way in.
-        sharded, sharded_param_names: ZeRO-3 for replicated parameters, as for `tensor_parallel`.
+        sharded, sharded_param_names: ZeRO-3 for replicated parameters, as for `tensor_parallel` (in-process
+            only; under torchrun use FSDP2 on a data-parallel mesh, docs/checkpoints.md).
         gguf_file: the GGUF file's name inside the folder `path` (or give the file as `path`).
-        progress: show a tqdm progress bar.
+        output_device, timeout: as for `tensor_parallel` (in-process only).
+        progress: show a tqdm progress bar (under torchrun: on global rank 0).
 
     Peak host memory: see the module docstring (one device's share plus the largest tensor).
     """
-    from ..api import tensor_parallel
-
+    if mesh is not None:
+        given = [k for k, v in (("device_ids", device_ids), ("sharded", sharded), ("sharded_param_names",
+                 sharded_param_names), ("output_device", output_device), ("timeout", timeout)) if v]
+        if given:
+            raise ValueError(
+                f"from_pretrained(mesh=...) loads under torchrun, one process per device; {', '.join(given)} "
+                "belong to the in-process engine. Drop them (ZeRO-3 under torchrun is FSDP2's fully_shard on a "
+                "data-parallel mesh, applied after loading)."
+            )
     path = Path(path)
     gguf_path = _gguf_path(path, gguf_file)
     if plan is None and gguf_path is None and (path / INDEX_NAME).exists():
@@ -84,6 +102,10 @@ def from_pretrained(
         from .gguf import GGUFSource
 
         source, index = GGUFSource(gguf_path, module), None  # maps names on the unsplit module
+    if mesh is not None:
+        return _load_torchrun(module, mesh, plan, path, source, progress)
+    from ..api import tensor_parallel
+
     training = module.training
     split = tensor_parallel(
         module, device_ids, output_device=output_device, plan=plan, sharded=sharded,
@@ -96,6 +118,44 @@ def from_pretrained(
     pairs = match_tensors(layout, source, aliases=(index or {}).get("aliases", {}), strict=False, exact_dtype=False)
     fill(layout, pairs, source, progress=progress, desc=f"loading {path.name}")
     source.close()
+    _refuse_empty(layout, source)
+    logger.info("loaded %s into %d device(s): %d tensors", path, layout.world_size, len(pairs))
+    return split
+
+
+def _load_torchrun(module: nn.Module, mesh, plan, path: Path, source, progress: bool) -> nn.Module:
+    """Split the empty `module` in place over `mesh` and fill this process's slices (every process)."""
+    from ..engines.torchrun import parallelize
+    from .torchrun import job_of
+
+    parallelize(module, mesh, plan, src_data_rank=None)  # meta stays meta: nothing to broadcast
+    layout = model_layout(module)
+    job = job_of(layout)
+    found: dict = {"source": source}
+
+    def check() -> None:
+        index = None
+        if found["source"] is None:
+            found["source"], index = open_folder(path)
+        aliases = (index or {}).get("aliases", {})
+        found["pairs"] = match_tensors(layout, found["source"], aliases=aliases, strict=False, exact_dtype=False)
+
+    def read() -> None:
+        fill(layout, found["pairs"], found["source"], progress=progress and job.coordinator, desc=f"loading {path.name}")
+        _refuse_empty(layout, found["source"])
+
+    try:
+        job.agree("checking the checkpoint", check)
+        job.agree("reading the checkpoint", read)
+    finally:
+        if found["source"] is not None:
+            found["source"].close()
+    if job.coordinator:
+        logger.info("loaded %s into %d rank(s): %d tensors", path, layout.world_size, len(found["pairs"]))
+    return module
+
+
+def _refuse_empty(layout, source) -> None:
     empty = still_meta(layout)
     if empty:
         raise RuntimeError(
@@ -104,8 +164,6 @@ def from_pretrained(
             "it is built (tp.checkpoint.empty_weights() and accelerate.init_empty_weights() keep them so; "
             "torch.device('meta') does not)."
         )
-    logger.info("loaded %s into %d device(s): %d tensors", path, layout.world_size, len(pairs))
-    return split
 
 
 def _stored_plan(folder: Path) -> Plan | None:

@@ -359,8 +359,8 @@ def _check_loaded(model: TensorParallel) -> None:
         more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
         raise RuntimeError(
             f"{meta[0]}{more} is on the meta device: this model was split without its weights. Load them into "
-            "the split model first (tensorshard's sharded checkpoint loader), or split a model that holds its "
-            "weights. Buffers computed in __init__ (rotary inv_freq, say) are not in checkpoints: build the "
+            "the split model first (tp.load_sharded(model, path), or build and load in one step with "
+            "tp.from_pretrained(path, devices, model=...)), or split a model that holds its weights. Buffers computed in __init__ (rotary inv_freq, say) are not in checkpoints: build the "
             "model with them on a real device."
         )
     model._loaded = True

@@ -92,12 +92,13 @@ class Layout:
         return cls(dim, sizes[rank], max(sizes), max(sizes) * part.world_size)
 
     def to_dtensor(self, local: torch.Tensor, mesh) -> "DTensor":
-        """This rank's slice as a DTensor (padding it when the layout says so)."""
+        """This rank's slice as a DTensor (padding it when the layout says so; a `local` that already has
+        the stored length, padding included, is used as it is)."""
         from torch.distributed.tensor import DTensor, Replicate  # lazy: a 0.5 s import
 
         if self.dim is None:
             return DTensor.from_local(local, mesh, (Replicate(),), run_check=False)
-        if self.padded:
+        if self.padded and local.shape[self.dim] == self.local:
             pad = list(local.shape)
             pad[self.dim] = self.stored - self.local
             local = torch.cat([local, local.new_zeros(pad)], self.dim)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -140,6 +141,10 @@ def parallelize(
         raise
     _wrap_root(module, state)
     module.tensorshard = state
+    if _is_transformers_model(module):  # save_pretrained writes the unsplit weights, not DTensor pieces
+        from ..checkpoint.gather import gathering_save_pretrained
+
+        module.save_pretrained = gathering_save_pretrained(module)
 
     if dist.get_rank() == 0:
         split = sum(1 for m in sharded.modules.values() if m.splits)
@@ -148,6 +153,11 @@ def parallelize(
             type(module).__name__, world, device_mesh.mesh.tolist(), split, len(plan),
         )
     return module
+
+
+def _is_transformers_model(module: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # never import it for a plain PyTorch model
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
 
 
 # --- building the local shards ------------------------------------------------------------------------
