@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import spawned
 import tensorshard as tp
+from harness import PG_TIMEOUT
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -177,13 +178,18 @@ def time_limits_task() -> list[float]:
         group = dist.new_group([0, 1])
         model = split(group, **kwargs)
         limits += [group_timeout(group), model.tensorshard.comm.guard.timeout]
+    # tensor_parallel(distributed=True): the job's default group is the tensor-parallel group.
+    world = dist.group.WORLD
+    model = tp.tensor_parallel(TwoBlocks(), plan=PLAN, distributed=True, timeout=20)
+    limits += [group_timeout(world), model.tensorshard.comm.guard.timeout]
+    model.tensorshard.comm.guard.set_timeout(PG_TIMEOUT)  # back to the pool's own limit for later tasks
     return limits
 
 
 def test_the_time_limit_goes_into_the_process_group(pool2):
     """Default 300 s, else TENSORSHARD_TIMEOUT, else timeout=: set as the group's own timeout, so it also
     bounds collectives that are not tensorshard's (a gloo operation past it fails by itself)."""
-    assert pool2.run(time_limits_task) == [[300.0, 300.0, 7.0, 7.0, 12.0, 12.0]] * 2
+    assert pool2.run(time_limits_task) == [[300.0, 300.0, 7.0, 7.0, 12.0, 12.0, 20.0, 20.0]] * 2
 
 
 # --- under torchrun itself ------------------------------------------------------------------------------------
