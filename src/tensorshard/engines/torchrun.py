@@ -149,8 +149,8 @@ def parallelize(
     if dist.get_rank() == 0:
         split = sum(1 for m in sharded.modules.values() if m.splits)
         logger.info(
-            "parallelized %s over %d rank(s) of mesh %s: %d module(s) split, %d plan entries",
-            type(module).__name__, world, device_mesh.mesh.tolist(), split, len(plan),
+            "parallelized %s over %d rank(s) of mesh %s: %d module(s) split, %d plan entries; collectives time out "
+            "after %g s", type(module).__name__, world, device_mesh.mesh.tolist(), split, len(plan), timeout,
         )
     return module
 
