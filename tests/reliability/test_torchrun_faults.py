@@ -200,7 +200,7 @@ def test_torchrun_kill_one_of_two_ranks_mid_step(tmp_path):
     """`torchrun --nproc_per_node=2`, rank 1 SIGKILLed inside a step: the job ends within 30 s, torchrun
     naming rank 1 and the signal; rank 0 never finishes its steps."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "..", "..", "src"), HERE])
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "..", "..", "src"), HERE, os.path.join(HERE, "..", "distributed")])
     env["OMP_NUM_THREADS"] = "1"
     start = time.monotonic()
     done = subprocess.run(
