@@ -15,11 +15,11 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.demos.boring_classes import RandomDataset
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
 import tensorshard as tp
+from tensorshard.integrations.lightning import TensorParallelStrategy
 
 
 class FeedForward(nn.Module):
@@ -54,13 +54,13 @@ class LitModel(L.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
 
     def train_dataloader(self):
-        # ModelParallelStrategy's sampler gives every tensor-parallel rank the same batches
+        # The strategy's sampler gives every tensor-parallel rank the same batches
         return DataLoader(RandomDataset(self.dim, 64), batch_size=8)
 
 
 def trainer(args, epochs):
     return L.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=ModelParallelStrategy(), max_epochs=epochs,
+        accelerator=args.accelerator, devices=args.devices, strategy=TensorParallelStrategy(), max_epochs=epochs,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
     )
 

@@ -43,6 +43,7 @@ def _worker(rank: int, world: int, init_file: str, port: int, tasks, results) ->
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
         "GROUP_RANK": "0", "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TENSORSHARD_TIMEOUT": str(PG_TIMEOUT),  # parallelize() sets the group's timeout: keep it short here
     })
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -23,6 +23,10 @@ else, its gradient is whole and the backward just keeps this rank's slice).
 Parameters whose gradients are partial sums (`partial_grads`: norms running on sequence shards) go
 through `PartialGradBucket`: one all-reduce per backward pass for all of them.
 
+Every wait is bounded and failure-aware: each collective goes through its group's guard (comm/dist_guard.py),
+labelled with the operation and the module ("all_reduce at layers.0.mlp.down_proj (backward)"), which is
+what an error names when a rank dies, raises or does not arrive.
+
 gloo's all-gather needs equal sizes: uneven pieces (59/59/58 features, 5/4 heads) are padded to the
 longest and trimmed after. Every collective is reported to `comm/counter.record` once.
 """
@@ -40,12 +44,13 @@ from torch.autograd import Function, Variable
 from ..partition import Partition
 from .base import Comm
 from .counter import record
+from .dist_guard import collective, guard_for
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 # torch 2.13 renamed the single-tensor collectives; 2.6 has only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -53,17 +58,22 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def label(op: str, where: str = "", backward: bool = False) -> str:
+    """How errors name a collective: 'all_reduce at w2 (backward)'."""
+    return (f"{op} at {where}" if where else op) + (" (backward)" if backward else "")
+
+
 # --- raw collectives (no autograd) --------------------------------------------------------------------
 
 
-def all_reduce_copy(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce_copy(x: torch.Tensor, group, op=dist.ReduceOp.SUM, *, what: str = "all_reduce") -> torch.Tensor:
     """A new tensor holding the reduction of `x` over `group` (x itself is left alone)."""
     out = x.detach().clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=op, group=group)
+    collective(dist.all_reduce, out, out, op=op, group=group, what=what)
     return out
 
 
-def gather_pieces(x: torch.Tensor, dim: int, sizes: list[int], group) -> list[torch.Tensor]:
+def gather_pieces(x: torch.Tensor, dim: int, sizes: list[int], group, *, what: str = "all_gather") -> list[torch.Tensor]:
     """Every rank's piece along `dim`; rank r's piece has sizes[r] entries (padded on the wire)."""
     longest = max(sizes)
     front = x.detach().movedim(dim, 0)
@@ -71,14 +81,14 @@ def gather_pieces(x: torch.Tensor, dim: int, sizes: list[int], group) -> list[to
         front = torch.cat([front, front.new_zeros((longest - front.shape[0], *front.shape[1:]))])
     front = front.contiguous()
     out = front.new_empty((len(sizes) * longest, *front.shape[1:]))  # (world * longest, ...)
-    _all_gather_single(out, front, group=group)
+    collective(all_gather_single, out, out, front, group=group, what=what)
     return [out[r * longest : r * longest + n].movedim(0, dim) for r, n in enumerate(sizes)]
 
 
-def gather_partition(x: torch.Tensor, dim: int, partition: Partition, group) -> torch.Tensor:
+def gather_partition(x: torch.Tensor, dim: int, partition: Partition, group, *, what: str = "all_gather") -> torch.Tensor:
     """All-gather of a tensor split by `partition`: the whole tensor, on every rank."""
     sizes = [partition.local_size(r) for r in range(partition.world_size)]
-    return partition.assemble(gather_pieces(x, dim, sizes, group), dim)
+    return partition.assemble(gather_pieces(x, dim, sizes, group, what=what), dim)
 
 
 def _even(x: torch.Tensor, dim: int, world: int, where: str) -> None:
@@ -90,19 +100,19 @@ def _even(x: torch.Tensor, dim: int, world: int, where: str) -> None:
         )
 
 
-def gather_even(x: torch.Tensor, dim: int, world: int, group) -> torch.Tensor:
+def gather_even(x: torch.Tensor, dim: int, world: int, group, *, what: str = "all_gather") -> torch.Tensor:
     """(.., T/N, ..) on each rank -> (.., T, ..), rank order."""
     front = x.detach().movedim(dim, 0).contiguous()
     out = front.new_empty((world * front.shape[0], *front.shape[1:]))
-    _all_gather_single(out, front, group=group)
+    collective(all_gather_single, out, out, front, group=group, what=what)
     return out.movedim(0, dim).contiguous()
 
 
-def reduce_scatter_even(x: torch.Tensor, dim: int, world: int, group) -> torch.Tensor:
+def reduce_scatter_even(x: torch.Tensor, dim: int, world: int, group, *, what: str = "reduce_scatter") -> torch.Tensor:
     """(.., T, ..) partial sums on each rank -> this rank's (.., T/N, ..) slice of the total."""
     front = x.detach().movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    _reduce_scatter_single(out, front, group=group)
+    collective(_reduce_scatter_single, out, out, front, group=group, what=what)
     return out.movedim(0, dim).contiguous()
 
 
@@ -113,7 +123,7 @@ class _AllReduce(Function):
     @staticmethod
     def forward(ctx, x, group, where):
         record("all_reduce", _nbytes(x), "forward", where)
-        return all_reduce_copy(x, group)
+        return all_reduce_copy(x, group, what=label("all_reduce", where))
 
     @staticmethod
     def backward(ctx, grad):
@@ -125,7 +135,7 @@ def all_reduce(x: torch.Tensor, group, *, where: str = "") -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _AllReduce.apply(x, group, where)
     record("all_reduce", _nbytes(x), "forward", where)
-    return all_reduce_copy(x, group)
+    return all_reduce_copy(x, group, what=label("all_reduce", where))
 
 
 class _CopyToParallel(Function):
@@ -137,14 +147,14 @@ class _CopyToParallel(Function):
     @staticmethod
     def backward(ctx, grad):
         record("all_reduce", _nbytes(grad), "backward", ctx.where)
-        return all_reduce_copy(grad, ctx.group), None, None
+        return all_reduce_copy(grad, ctx.group, what=label("all_reduce", ctx.where, backward=True)), None, None
 
 
 class _AllGather(Function):
     @staticmethod
     def forward(ctx, x, comm, where, dim, partition):
         ctx.rank, ctx.dim, ctx.partition = comm.rank, dim, partition
-        full = gather_partition(x, dim, partition, comm.group)
+        full = gather_partition(x, dim, partition, comm.group, what=label("all_gather", where))
         record("all_gather", _nbytes(full), "forward", where)
         return full
 
@@ -161,7 +171,7 @@ class _Split(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        full = gather_partition(grad, ctx.dim, ctx.partition, ctx.group)
+        full = gather_partition(grad, ctx.dim, ctx.partition, ctx.group, what=label("all_gather", ctx.where, backward=True))
         record("all_gather", _nbytes(full), "backward", ctx.where)
         return full, None, None, None, None
 
@@ -181,7 +191,7 @@ class _Tie(Function):
         buf = grad.new_zeros((ctx.n_slots, *grad.shape))
         if ctx.slot is not None:
             buf[ctx.slot] = grad
-        dist.all_reduce(buf, group=ctx.group)
+        collective(dist.all_reduce, buf, buf, group=ctx.group, what=label("all_reduce", ctx.where, backward=True))
         record("all_reduce", _nbytes(buf), "backward", ctx.where)
         return (grad if ctx.slot is None else buf[ctx.slot]), None, None, None, None
 
@@ -190,13 +200,13 @@ class _ReduceScatter(Function):
     @staticmethod
     def forward(ctx, x, comm, where, dim):
         ctx.comm, ctx.where, ctx.dim = comm, where, dim
-        out = reduce_scatter_even(x, dim, comm.world_size, comm.group)
+        out = reduce_scatter_even(x, dim, comm.world_size, comm.group, what=label("reduce_scatter", where))
         record("reduce_scatter", _nbytes(out), "forward", where)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        full = gather_even(grad, ctx.dim, ctx.comm.world_size, ctx.comm.group)
+        full = gather_even(grad, ctx.dim, ctx.comm.world_size, ctx.comm.group, what=label("all_gather", ctx.where, backward=True))
         record("all_gather", _nbytes(full), "backward", ctx.where)
         return full, None, None, None
 
@@ -212,7 +222,7 @@ class _GatherSequence(Function):
     @staticmethod
     def forward(ctx, x, comm, where, dim, state):
         ctx.comm, ctx.where, ctx.dim, ctx.state = comm, where, dim, state
-        full = gather_even(x, dim, comm.world_size, comm.group)
+        full = gather_even(x, dim, comm.world_size, comm.group, what=label("all_gather", where))
         record("all_gather", _nbytes(full), "forward", where)
         return full
 
@@ -221,7 +231,7 @@ class _GatherSequence(Function):
         comm = ctx.comm
         if ctx.state.partial:
             # Read by column-parallel layers: each rank holds part of dL/dy; sum it and keep our slice.
-            out = reduce_scatter_even(grad, ctx.dim, comm.world_size, comm.group)
+            out = reduce_scatter_even(grad, ctx.dim, comm.world_size, comm.group, what=label("reduce_scatter", ctx.where, backward=True))
             record("reduce_scatter", _nbytes(out), "backward", ctx.where)
             return out, None, None, None, None
         n = grad.shape[ctx.dim] // comm.world_size  # read as a replicated value: dL/dy is whole already
@@ -253,7 +263,7 @@ class _SumGrad(Function):
     @staticmethod
     def backward(ctx, grad):
         record("all_reduce", _nbytes(grad), "backward", ctx.where)
-        return all_reduce_copy(grad, ctx.group), None, None
+        return all_reduce_copy(grad, ctx.group, what=label("all_reduce", ctx.where, backward=True)), None, None
 
 
 class PartialGradBucket:
@@ -282,8 +292,9 @@ class PartialGradBucket:
         with torch.no_grad():
             for entries in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for _, g in entries])
-                dist.all_reduce(flat, group=self.group)
-                record("all_reduce", _nbytes(flat), "backward", f"partial gradients ({len(entries)} tensors)")
+                where = f"partial gradients ({len(entries)} tensors)"
+                collective(dist.all_reduce, flat, flat, group=self.group, what=label("all_reduce", where, backward=True))
+                record("all_reduce", _nbytes(flat), "backward", where)
                 offset = 0
                 for param, grad in entries:
                     _accumulate(param, flat[offset : offset + grad.numel()].view_as(grad))
@@ -312,13 +323,17 @@ def _alias_key(x: torch.Tensor) -> tuple:
 
 
 class DistComm(Comm):
-    """Collectives of this process's shard, over the process group of a 1-D tensor-parallel mesh."""
+    """Collectives of this process's shard, over the process group of a 1-D tensor-parallel mesh.
 
-    def __init__(self, mesh: "DeviceMesh") -> None:
+    `timeout` (seconds; None: TENSORSHARD_TIMEOUT, else 300) bounds every collective on the group."""
+
+    def __init__(self, mesh: "DeviceMesh", timeout: float | None = None) -> None:
         self.mesh = mesh
         self.group = mesh.get_group()
         self.rank = mesh.get_local_rank()
         self.world_size = mesh.size()
+        self.guard = guard_for(self.group)
+        self.guard.set_timeout(timeout)
         self.bucket = PartialGradBucket(self.group)
         self.partial: set[tuple[int, str]] = set()  # (id(module), name) of parameters with partial grads
         self._depth = 0
@@ -368,7 +383,7 @@ class DistComm(Comm):
             return x
         if torch.is_grad_enabled() and x.requires_grad:
             return _AllGather.apply(x, self, where, dim, partition)
-        full = gather_partition(x, dim, partition, self.group)
+        full = gather_partition(x, dim, partition, self.group, what=label("all_gather", where))
         record("all_gather", _nbytes(full), "forward", where)
         return full
 
@@ -394,7 +409,7 @@ class DistComm(Comm):
         _even(x, dim, self.world_size, where)
         if torch.is_grad_enabled() and x.requires_grad:
             return _ReduceScatter.apply(x, self, where, dim)
-        out = reduce_scatter_even(x, dim, self.world_size, self.group)
+        out = reduce_scatter_even(x, dim, self.world_size, self.group, what=label("reduce_scatter", where))
         record("reduce_scatter", _nbytes(out), "forward", where)
         return out
 
@@ -403,7 +418,7 @@ class DistComm(Comm):
             return x
         dim = dim % x.dim()
         if not (torch.is_grad_enabled() and x.requires_grad):
-            full = gather_even(x, dim, self.world_size, self.group)
+            full = gather_even(x, dim, self.world_size, self.group, what=label("all_gather", where))
             record("all_gather", _nbytes(full), "forward", where)
             return full
         state = _Gathered()

@@ -16,8 +16,10 @@ The same plans and styles as the in-process engine, applied in place to this pro
    duration of its own forward (inside FSDP2's hooks, so FSDP's unsharded parameters are swapped too),
    and the collectives are ours, not DTensor's: a transformer block costs 2 all-reduces each way.
 
-The root module's forward also resets the per-call collective cache and, for its first `check_inputs`
-calls, checks that every TP rank got the same inputs (see data.py).
+The root module's forward also resets the per-call collective cache, moves input tensors to this rank's
+device, for its first `check_inputs` calls checks that every TP rank got the same inputs (see data.py),
+and, when it raises, tells the other ranks to stop (comm/dist_guard.py: every collective is bounded by
+`timeout` and stops when another rank failed).
 
 Memory: each rank must be able to hold the whole model once (it starts from its own full copy); build the
 model on the meta device with `src_data_rank=None` and load weights afterwards to avoid that.
@@ -37,13 +39,16 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm.dist import DistComm
+from ..comm.dist_guard import collective
 from ..partition import Partition
 from ..plans.plan import Plan
 from ..styles.base import original_forward, wrap_forward
 from .layout import Layout
 from .sharding import ShardedModel, direct_tensors, shard_plan
+from .timeout import resolve_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +74,7 @@ def parallelize(
     *,
     src_data_rank: int | None = 0,
     check_inputs: int = DEFAULT_CHECKS,
+    timeout: float | None = None,
 ) -> nn.Module:
     """Split `module` over the processes of a 1-D tensor-parallel mesh, in place; returns the module.
 
@@ -80,6 +86,8 @@ def parallelize(
         src_data_rank: TP rank whose weights every rank takes (broadcast); None: each rank keeps its own
             (identical seeds, or meta-device models loaded later).
         check_inputs: number of first calls on which TP ranks compare their inputs (0: never).
+        timeout: seconds any collective of the tensor-parallel group may wait (default: TENSORSHARD_TIMEOUT,
+            else 300); set as the group's process-group timeout. docs/errors.md lists what each failure raises.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -108,6 +116,7 @@ def parallelize(
         raise ValueError(f"rank {dist.get_rank()} is not part of device_mesh {device_mesh}; every rank must pass its own TP mesh")
     if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
         raise ValueError(f"check_inputs must be a number of calls >= 0; got {check_inputs!r}")
+    timeout = resolve_timeout(timeout)
     world, rank = device_mesh.size(), device_mesh.get_local_rank()
     if src_data_rank is not None and not 0 <= src_data_rank < world:
         raise ValueError(f"src_data_rank={src_data_rank} is not a rank of the {world}-rank mesh; use 0..{world - 1} or None")
@@ -116,17 +125,20 @@ def parallelize(
 
     plan = resolve_plan(module, plan, world)
     sharded = shard_plan(module, plan, world)  # raises on any plan error; the model is untouched
-    comm = DistComm(device_mesh)
+    comm = DistComm(device_mesh, timeout)
     state = TorchrunState(plan, device_mesh, comm, {}, {}, check_inputs)
     source = None if src_data_rank is None else dist.get_global_rank(comm.group, src_data_rank)
-    held = _distribute(module, sharded, state, mesh_device(device_mesh), source)
-
-    by_name = dict(module.named_modules())
-    if world > 1:
-        for name, ms in sharded.modules.items():
-            ms.style.attach(by_name[name], ms.splits, ms.context(rank, world, comm))
-    for mod, tensors in held.items():
-        _swap_local_views(mod, tensors, state)  # after attach: outermost, and partial grads are known
+    try:
+        held = _distribute(module, sharded, state, mesh_device(device_mesh), source)
+        by_name = dict(module.named_modules())
+        if world > 1:
+            for name, ms in sharded.modules.items():
+                ms.style.attach(by_name[name], ms.splits, ms.context(rank, world, comm))
+        for mod, tensors in held.items():
+            _swap_local_views(mod, tensors, state)  # after attach: outermost, and partial grads are known
+    except BaseException as e:
+        comm.guard.report(e, f"parallelize({type(module).__name__})")  # the others stop waiting for this rank
+        raise
     _wrap_root(module, state)
     module.tensorshard = state
     if _is_transformers_model(module):  # save_pretrained writes the unsplit weights, not DTensor pieces
@@ -137,8 +149,8 @@ def parallelize(
     if dist.get_rank() == 0:
         split = sum(1 for m in sharded.modules.values() if m.splits)
         logger.info(
-            "parallelized %s over %d rank(s) of mesh %s: %d module(s) split, %d plan entries",
-            type(module).__name__, world, device_mesh.mesh.tolist(), split, len(plan),
+            "parallelized %s over %d rank(s) of mesh %s: %d module(s) split, %d plan entries; collectives time out "
+            "after %g s", type(module).__name__, world, device_mesh.mesh.tolist(), split, len(plan), timeout,
         )
     return module
 
@@ -172,20 +184,21 @@ def _distribute(module: nn.Module, sharded: ShardedModel, state: TorchrunState, 
             key = f"{mod_name}.{name}" if mod_name else name
             state.splits[key], state.layouts[key] = split, layout
             if id(t) not in made:
-                made[id(t)] = _local_tensor(t, kind, split, layout, state, device, source)
+                made[id(t)] = _local_tensor(t, kind, split, layout, state, device, source, key)
             (mod._parameters if kind == "param" else mod._buffers)[name] = made[id(t)]
             if kind == "param" or split is not None:
                 held.setdefault(mod, {})[(kind, name)] = layout
     return held
 
 
-def _local_tensor(t, kind: str, split, layout: Layout, state: TorchrunState, device, source: int | None):
+def _local_tensor(t, kind: str, split, layout: Layout, state: TorchrunState, device, source: int | None, key: str):
     full = t.detach()
     if not full.is_meta:
         full = full.to(device)
         if source is not None:
             full = full.contiguous()
-            dist.broadcast(full, src=source, group=state.comm.group)
+            what = f"broadcast of {key} from rank {source} (parallelize)"
+            collective(dist.broadcast, full, full, src=source, group=state.comm.group, what=what)
     if split is not None:
         dim, part = split
         local = part.take(full, dim, state.comm.rank).clone(memory_format=torch.contiguous_format)
@@ -231,7 +244,8 @@ def _swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state
 
 
 def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
-    """Per-call collective cache and the first calls' identical-input check, around the root forward."""
+    """Around the root forward: the per-call collective cache, inputs moved to this rank's device, the first
+    calls' identical-input check, and a failure report to the other ranks when the forward raises."""
     from ..data import check_same_inputs
 
     inner = root.forward
@@ -240,18 +254,47 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     except (TypeError, ValueError):
         signature = None
     comm = state.comm
+    device = mesh_device(state.mesh)
+    where = f"the forward of {type(root).__name__}"
 
     def forward(*args, **kwargs):
         comm.begin_call()
         try:
+            args, kwargs = _inputs_on(device, args, kwargs, signature)
             if state.checks_left > 0 and comm.world_size > 1:
                 state.checks_left -= 1
                 check_same_inputs(_named_inputs(signature, args, kwargs), comm.group, where=type(root).__name__)
             return inner(*args, **kwargs)
+        except BaseException as e:
+            comm.guard.report(e, where)
+            raise
         finally:
             comm.end_call()
 
     wrap_forward(root, forward)
+
+
+def _inputs_on(device: torch.device, args: tuple, kwargs: dict, signature) -> tuple[tuple, dict]:
+    """Input tensors on another device than this rank's are moved to it (as DDP and FSDP2 do); tensors on
+    the meta device have no values and are refused, naming the input."""
+    leaves, spec = tree_flatten((args, kwargs))
+    if not any(isinstance(x, torch.Tensor) and x.device != device for x in leaves):
+        return args, kwargs
+    for name, value in _named_inputs(signature, args, kwargs).items():
+        meta = next((x for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor) and x.is_meta), None)
+        if meta is not None:
+            raise ValueError(
+                f"input {name!r} (shape {list(meta.shape)}) is on the meta device: it has no values to compute "
+                f"with. Pass real tensors (inputs on another device than this rank's {device} are moved to it)."
+            )
+    moved = [x.to(device) if isinstance(x, torch.Tensor) and not _is_dtensor(x) else x for x in leaves]
+    return tree_unflatten(moved, spec)
+
+
+def _is_dtensor(x) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
 
 
 def _named_inputs(signature, args, kwargs) -> dict[str, Any]:
@@ -289,20 +332,10 @@ def tensor_parallel_distributed(
             "sharded=True with distributed=True: shard the replicated parameters with torch's fully_shard on a "
             "data-parallel mesh instead (2-D parallelism, see docs/torchrun.md)"
         )
-    use_cuda = torch.cuda.is_available()
-    if device_ids is not None:
-        devices = list(device_ids)
-        if len(devices) != 1:
-            raise ValueError(
-                f"with distributed=True each process drives one device; device_ids={device_ids!r} lists "
-                f"{len(devices)}. Pass None (cuda:LOCAL_RANK, else cpu) or this process's device, e.g. ['cuda:1']."
-            )
-        device = torch.device(f"cuda:{devices[0]}" if isinstance(devices[0], int) else devices[0])
-        use_cuda = device.type == "cuda"
-        if use_cuda:
-            torch.cuda.set_device(device)
-    elif use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    timeout = resolve_timeout(timeout)
+    device = _this_process_device(device_ids)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         if not _under_torchrun():
             raise RuntimeError(
@@ -311,12 +344,43 @@ def tensor_parallel_distributed(
                 "No process group is initialised and RANK/WORLD_SIZE/MASTER_ADDR are not set. For one process "
                 "and several devices, drop distributed=True."
             )
-        kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
-        dist.init_process_group("nccl" if use_cuda else "gloo", **kwargs)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cuda" if use_cuda else "cpu", (dist.get_world_size(),), mesh_dim_names=("tensor_parallel",))
-    return parallelize(module, mesh, plan)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tensor_parallel",))
+    return parallelize(module, mesh, plan, timeout=timeout)
+
+
+def _this_process_device(device_ids: Sequence | None) -> torch.device:
+    """The one device this process drives: `device_ids`' only entry, else cuda:LOCAL_RANK, else cpu."""
+    from ..devices import as_device
+
+    if device_ids is not None:
+        if isinstance(device_ids, (str, int, torch.device)):
+            device_ids = [device_ids]
+        devices = list(device_ids)
+        if len(devices) != 1:
+            raise ValueError(
+                f"with distributed=True each process drives one device; device_ids={device_ids!r} lists "
+                f"{len(devices)}. Pass None (cuda:LOCAL_RANK, else cpu) or this process's device, e.g. ['cuda:1']."
+            )
+        return as_device(devices[0], what="device_ids[0]")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    raw = os.environ.get("LOCAL_RANK", "0")
+    try:
+        local_rank = int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={raw!r} is not a number; torchrun sets it to this process's index on its node") from None
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        rank = os.environ.get("RANK", "?")
+        raise ValueError(
+            f"rank {rank} (LOCAL_RANK={local_rank}) has no GPU: {count} cuda device(s) are visible "
+            f"(cuda:0..cuda:{count - 1}). Start at most {count} process(es) per node (torchrun "
+            f"--nproc_per_node={count}), or make more GPUs visible (CUDA_VISIBLE_DEVICES)."
+        )
+    return torch.device("cuda", local_rank)
 
 
 def synchronize_rng(device_mesh, seed: int | None = None) -> int:
@@ -326,7 +390,8 @@ def synchronize_rng(device_mesh, seed: int | None = None) -> int:
     value = torch.tensor([seed if seed is not None else int(torch.randint(0, 2**62, ()))], dtype=torch.int64)
     if device_mesh.device_type != "cpu":
         value = value.to(mesh_device(device_mesh))
-    dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+    source = dist.get_global_rank(group, 0)
+    collective(dist.broadcast, value, value, src=source, group=group, what=f"broadcast of the seed from rank {source} (synchronize_rng)")
     seed = int(value.item())
     torch.manual_seed(seed)
     return seed

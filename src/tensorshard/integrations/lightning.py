@@ -1,12 +1,13 @@
 """Lightning: tensorshard under `ModelParallelStrategy`, for the Trainer and for Fabric.
 
-Trainer: parallelize in the LightningModule's `configure_model` hook, on the mesh Lightning built:
+Trainer: parallelize in the LightningModule's `configure_model` hook, on the mesh Lightning built, and use
+`TensorParallelStrategy` (Lightning's `ModelParallelStrategy` plus a check that the hook split the model):
 
     class LitModel(L.LightningModule):
         def configure_model(self):
             tp.parallelize(self.model, self.device_mesh["tensor_parallel"], plan=plan)
 
-    L.Trainer(accelerator="cuda", devices=4, strategy=ModelParallelStrategy()).fit(LitModel())
+    L.Trainer(accelerator="cuda", devices=4, strategy=TensorParallelStrategy()).fit(LitModel())
 
 Fabric: hand the strategy a `parallelize_fn`:
 
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
-from ..engines.torchrun import parallelize
+from ..engines.torchrun import TorchrunState, parallelize
 from ..plans.plan import Plan
 
 TP_DIM = "tensor_parallel"  # the name ModelParallelStrategy gives the tensor-parallel mesh dimension
@@ -55,3 +58,49 @@ def parallelize_fn(
         return data_parallel(module, device_mesh) if data_parallel is not None else module
 
     return apply
+
+
+class TensorParallelStrategy(ModelParallelStrategy):
+    """Lightning's `ModelParallelStrategy` (same arguments), refusing to train a model left whole.
+
+    Under `ModelParallelStrategy` the LightningModule splits its model in `configure_model`. If that hook
+    splits nothing (it returns early, or parallelizes another module than the one trained), every rank of a
+    tensor-parallel group trains the whole model on the same batches: N times the work, without an error.
+    This strategy checks after `configure_model`, before the first step, and raises instead.
+    """
+
+    def setup(self, trainer) -> None:
+        check_configure_model(self.lightning_module, self.device_mesh, type(self).__name__)
+        super().setup(trainer)
+
+
+def check_configure_model(module: nn.Module, device_mesh, strategy: str = "ModelParallelStrategy") -> None:
+    """Raise when `module` (a LightningModule whose `configure_model` has run) is not split over the
+    tensor-parallel dimension of `device_mesh` although that dimension has more than one rank."""
+    name = type(module).__name__
+    fix = (
+        f"def configure_model(self): tp.parallelize(self.model, self.device_mesh[{TP_DIM!r}], plan=plan), "
+        "with self.model the module training_step uses"
+    )
+    if not is_overridden("configure_model", module):
+        raise TypeError(f"{name} has no configure_model() hook: under {strategy} the model is split there. Add {fix}.")
+    tp_mesh = device_mesh[TP_DIM] if TP_DIM in (device_mesh.mesh_dim_names or ()) else device_mesh
+    if tp_mesh.size() > 1 and not _split_over(module, tp_mesh):
+        raise RuntimeError(
+            f"{name}.configure_model() left the model whole: no parameter is split over the {tp_mesh.size()} "
+            f"ranks of the tensor-parallel mesh, so each of them would train the whole model on the same batches. "
+            f"Split it there ({fix}), and check that the hook does not return before it does."
+        )
+
+
+def _split_over(module: nn.Module, tp_mesh) -> bool:
+    """True when tensorshard parallelized a submodule, or a parameter is a DTensor on the TP mesh (torch's
+    own tensor parallelism; FSDP2 on top makes it a 2-D DTensor with a tensor-parallel dimension)."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(getattr(m, "tensorshard", None), TorchrunState) for m in module.modules()):
+        return True
+    for p in module.parameters():
+        if isinstance(p, DTensor) and (p.device_mesh == tp_mesh or TP_DIM in (p.device_mesh.mesh_dim_names or ())):
+            return True
+    return False
