@@ -22,6 +22,7 @@ def tensor_parallel(
     sharded_param_names: Sequence[str] | None = None,
     timeout: float | None = None,
     debug: bool | None = None,
+    check: bool | None = None,
 ) -> nn.Module:
     """Split `module` over devices, tensor-parallel.
 
@@ -39,6 +40,8 @@ def tensor_parallel(
         sharded_param_names: which parameters `sharded` partitions (default: all replicated trainable ones).
         timeout: seconds a shard may wait at a collective before the call fails.
         debug: run all shards on one device, one at a time (also TENSORSHARD_DEBUG=1).
+        check: verify the plan numerically, region by region, before splitting (docs/automatic-plans.md);
+            regions that fail stay whole. Default: on for inferred plans, off for presets and given plans.
     """
     if plan is not None and tensor_parallel_config is not None:
         raise ValueError("pass either plan= or tensor_parallel_config= (its old name), not both")
@@ -49,4 +52,6 @@ def tensor_parallel(
         return tensor_parallel_distributed(module, device_ids, plan=plan, sharded=sharded, timeout=timeout)
     if sharded or sharded_param_names:
         raise NotImplementedError("sharded=True (ZeRO-3 for replicated parameters) is not available yet")
-    return TensorParallel(module, device_ids, output_device=output_device, plan=plan, timeout=timeout, debug=debug)
+    return TensorParallel(
+        module, device_ids, output_device=output_device, plan=plan, timeout=timeout, debug=debug, check=check
+    )

@@ -63,6 +63,7 @@ class TensorParallel(nn.Module):
             TENSORSHARD_TIMEOUT environment variable).
         debug: run every shard on the first device, one at a time, and check that replicated outputs agree
             (also TENSORSHARD_DEBUG=1): tells a plan bug from an engine bug.
+        check: self-check the plan before splitting (see `tensor_parallel`).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class TensorParallel(nn.Module):
         plan: Plan | dict | None = None,
         timeout: float | None = None,
         debug: bool | None = None,
+        check: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -93,7 +95,7 @@ class TensorParallel(nn.Module):
         from ..plans import resolve_plan  # late import: presets and inference import the engine's styles
 
         world = len(devices)
-        self.plan = resolve_plan(module, plan, world)
+        self.plan = resolve_plan(module, plan, world, check=check)
         sharded = shard_plan(module, self.plan, world)  # raises on any plan error; the model is untouched
 
         placement = [devices[0]] * world if self.debug else devices

@@ -1,0 +1,134 @@
+"""Union-find over the output features of candidate column layers, the bookkeeping of plan inference.
+
+Every output feature of a layer that might be split by output features (a *column* candidate) gets an
+integer id. While the model runs on a tiny input (see trace.py), every operation that combines features
+which must end up on the same device *unions* them: a reduction over head_dim unions the features of one
+head, ``gate * up`` unions gate feature i with up feature i. At the end each class of features is one
+indivisible *unit* (one MLP feature and its partner, one attention head), and a plan may split a layer only
+on unit boundaries.
+
+Grouped-query attention is not a union: query head h *needs* key/value head h // group, which may be
+replicated on several devices. Such relations are kept as `needs` edges (needer id -> needed id).
+
+Everything is vectorised with torch: ids are int64 tensors, and -1 marks an element that derives from no
+split feature (a replicated value), which every operation here ignores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Ids = torch.Tensor  # int64, any shape; -1 = not a split feature
+
+
+class FeatureSet:
+    """A growable union-find over feature ids, plus the `needs` edges between them."""
+
+    def __init__(self) -> None:
+        self.parent = torch.empty(1024, dtype=torch.long)
+        self.kv_side = torch.zeros(1024, dtype=torch.bool)  # read as keys/values (right of q @ k.T, p @ v)
+        self.size = 0
+        self._needs: list[tuple[Ids, Ids]] = []
+
+    def new(self, count: int) -> Ids:
+        """`count` fresh ids, each its own class."""
+        start, stop = self.size, self.size + count
+        if stop > self.parent.numel():
+            grown = torch.empty(max(stop, 2 * self.parent.numel()), dtype=torch.long)
+            grown[: self.size] = self.parent[: self.size]
+            self.parent = grown
+            flags = torch.zeros(grown.numel(), dtype=torch.bool)
+            flags[: self.size] = self.kv_side[: self.size]
+            self.kv_side = flags
+        self.parent[start:stop] = torch.arange(start, stop)
+        self.size = stop
+        return torch.arange(start, stop)
+
+    def find(self, ids: Ids) -> Ids:
+        """The class (root id) of every id; -1 stays -1. Compresses the paths it walks."""
+        flat = ids.reshape(-1)
+        keep = flat >= 0
+        if bool(keep.all()):
+            x = flat
+        else:
+            x = flat[keep]
+        roots = x
+        while True:
+            up = self.parent[roots]
+            if torch.equal(up, roots):
+                break
+            roots = up
+        if x.numel():
+            self.parent[x] = roots
+        if x is flat:
+            return roots.view(ids.shape)
+        out = flat.clone()
+        out[keep] = roots
+        return out.view(ids.shape)
+
+    def union(self, a: Ids, b: Ids) -> bool:
+        """Join the classes of a[i] and b[i] for every i (same shape; pairs with a -1 are skipped).
+
+        Returns True when some classes were actually merged."""
+        a, b = a.reshape(-1), b.reshape(-1)
+        both = (a >= 0) & (b >= 0)
+        if not bool(both.all()):
+            a, b = a[both], b[both]
+        merged = False
+        while a.numel():
+            ra, rb = self.find(a), self.find(b)
+            differ = ra != rb
+            if not bool(differ.any()):
+                break
+            merged = True
+            ra, rb = ra[differ], rb[differ]
+            # Link each larger root to the smallest root it meets; repeat until every pair agrees.
+            self.parent.scatter_reduce_(0, torch.maximum(ra, rb), torch.minimum(ra, rb), reduce="amin")
+            a, b = a[differ], b[differ]
+        return merged
+
+    def union_along(self, ids: Ids, dim: int) -> bool:
+        """Join every id with the others along `dim` (a reduction or a mix over that dimension)."""
+        if ids.dim() == 0 or ids.shape[dim] <= 1:
+            return False
+        first = ids.narrow(dim, 0, 1).expand_as(ids)
+        return self.union(first, ids)
+
+    def mark_kv(self, ids: Ids) -> None:
+        """Remember that these features are read on the key/value side of an attention product."""
+        ids = ids.reshape(-1)
+        self.kv_side[ids[ids >= 0]] = True
+
+    # -- needs ---------------------------------------------------------------------------------------
+
+    def add_needs(self, needer: Ids, needed: Ids) -> None:
+        """needer[i] must be on a device that holds needed[i] (which may be replicated)."""
+        needer, needed = needer.reshape(-1), needed.reshape(-1)
+        keep = (needer >= 0) & (needed >= 0)
+        if bool(keep.any()):
+            self._needs.append((needer[keep].clone(), needed[keep].clone()))
+
+    def needs(self) -> tuple[Ids, Ids]:
+        """All needs edges as (needer roots, needed roots), deduplicated, self-edges dropped."""
+        if not self._needs:
+            empty = torch.empty(0, dtype=torch.long)
+            return empty, empty
+        a = self.find(torch.cat([n for n, _ in self._needs]))
+        b = self.find(torch.cat([m for _, m in self._needs]))
+        pairs = torch.unique(torch.stack([a, b], 1), dim=0)
+        pairs = pairs[pairs[:, 0] != pairs[:, 1]]
+        return pairs[:, 0], pairs[:, 1]
+
+    def merge_co_needed(self) -> None:
+        """Everything one class needs must sit together: union the classes needed by the same needer."""
+        for _ in range(8):
+            needer, needed = self.needs()
+            if not needer.numel():
+                return
+            order = torch.argsort(needer, stable=True)
+            needer, needed = needer[order], needed[order]
+            first = torch.ones_like(needer, dtype=torch.bool)
+            first[1:] = needer[1:] != needer[:-1]
+            leader = needed[first][torch.cumsum(first.long(), 0) - 1]
+            if not self.union(leader, needed):
+                return
