@@ -14,7 +14,7 @@ from .engines.inprocess import TensorParallel
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
 from .plans.plan import Plan
-from .styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style
+from .styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style, SumGrads
 
 __version__ = "0.1.0"
 
@@ -30,6 +30,7 @@ __all__ = [
     "RowwiseParallel",
     "ShardParams",
     "Style",
+    "SumGrads",
     "TensorParallel",
     "count_collectives",
     "gathered_state_dict",

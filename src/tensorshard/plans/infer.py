@@ -30,7 +30,7 @@ from torch import nn
 
 from ..engines.sharding import shard_plan
 from ..layers import EMBEDDING
-from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style
+from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style, SumGrads
 from .plan import Plan, match_pattern
 from .structure import Layout, LayoutError, head_attrs, infer_layout
 from .trace import Poison, Trace, as_inputs, synthetic_inputs, trace_model
@@ -47,6 +47,7 @@ class Group:
     columns: list[str]
     rows: list[str]
     poisons: list[Poison] = field(default_factory=list)
+    syncs: set[tuple[str, str]] = field(default_factory=set)  # whole parameters read by its split features
     outcome: str = "whole"  # "split" | "gather" | "whole"
     reason: str = ""
     owner: str | None = None  # the module that gets the Heads entry
@@ -223,6 +224,10 @@ def find_groups(trace: Trace) -> list[Group]:
                 g = groups[root(owner_of[r])]
                 if p not in g.poisons:
                     g.poisons.append(p)
+    for s in trace.syncs:
+        for r in torch.unique(fs.find(s.ids)).tolist():
+            if r in owner_of:
+                groups[root(owner_of[r])].syncs.update(s.params)
     return list(groups.values())
 
 
@@ -283,6 +288,13 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
         entries[name] = ColwiseParallel(blocks=_blocks(layout.blocks[name], layers[name]))
     for name in g.rows:
         entries[name] = RowwiseParallel(blocks=_blocks(layout.blocks[name], layers[name], row=True))
+    for owner_name, pname in sorted(g.syncs):
+        if owner_name in entries and not isinstance(entries[owner_name], SumGrads) or owner_name in g.layers:
+            return g.fail(
+                f"{owner_name}.{pname} is read by the split features but {owner_name} is split itself; "
+                "its gradient cannot be summed (write a plan with ShardParams for it)"
+            )
+        entries[owner_name] = SumGrads()
     problem = _validate(module, entries, world_size)
     if problem:
         return g.fail(problem)
@@ -324,12 +336,35 @@ def _blocks(blocks: tuple, info, row: bool = False) -> tuple | None:
 
 
 def _validate(module: nn.Module, entries: dict[str, Style], world_size: int) -> str | None:
-    """Dry-run the entries (head grouping, block sizes against the device count); the error, if any."""
+    """Dry-run the entries (head grouping, block sizes against the device count); the error, if any.
+
+    Modules that share a weight with an entry (a tied embedding and head) get the style that splits it
+    alike for the dry run; whether they really do is settled for the whole plan (`_resolve_ties`)."""
+    trial = dict(entries)
+    for name in entries:
+        for partner in _tied_partners(module).get(name, ()):
+            if partner not in trial:
+                is_embedding = isinstance(module.get_submodule(partner), (nn.Embedding, nn.EmbeddingBag))
+                trial[partner] = EmbeddingParallel() if is_embedding else ColwiseParallel(gather_output=True)
     try:
-        shard_plan(module, Plan({_escape(k): v for k, v in entries.items()}), world_size)
+        shard_plan(module, Plan({_escape(k): v for k, v in trial.items()}), world_size)
     except (ValueError, NotImplementedError, TypeError) as e:
         return str(e).splitlines()[0]
     return None
+
+
+def _tied_partners(module: nn.Module) -> dict[str, set[str]]:
+    """Module name -> the other modules holding one of its own parameters."""
+    holders: dict[int, list[str]] = {}
+    for name, mod in module.named_modules(remove_duplicate=False):
+        for p in mod.parameters(recurse=False):
+            if name not in holders.setdefault(id(p), []):
+                holders[id(p)].append(name)
+    out: dict[str, set[str]] = {}
+    for names in holders.values():
+        for n in names:
+            out.setdefault(n, set()).update(m for m in names if m != n)
+    return out
 
 
 def decide_embeddings(trace: Trace, module: nn.Module, world_size: int, fixed: dict[str, str]) -> dict[str, Style]:

@@ -45,17 +45,52 @@ def check_entries(
         inputs = trace.inputs
         region, sub = "", module
     local = {_relative(name, region): style for name, style in entries.items()}
-    key = (type(sub).__qualname__, repr(sub), repr(sorted((k, v.to_dict()) for k, v in local.items())))
+    keep = _whole_outputs(trace, region, entries)
+    key = (type(sub).__qualname__, repr(sub), repr(sorted((k, v.to_dict()) for k, v in local.items())), tuple(keep))
     if cache is not None and key in cache:
         return cache[key]
     try:
-        verdict = _compare(sub, local, inputs, world_size)
+        verdict = _compare(_Outputs(sub, keep), {_inner(k): v for k, v in local.items()}, inputs, world_size, region)
     except Exception as e:  # never let the check itself break wrapping: a failed check is a fallback
         verdict = f"could not run the split copy ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     if cache is not None:
         cache[key] = verdict
     logger.debug("self-check of %s (%s): %s", region or "<model>", ", ".join(local), verdict or "ok")
     return verdict
+
+
+def _whole_outputs(trace: Trace, region: str, entries: dict[str, Style]) -> list[bool]:
+    """Which outputs of the region are whole under `entries` (not features of a column they split without
+    gathering, such as attention weights returned next to the attention's output): the ones to compare."""
+    from ..styles import ColwiseParallel
+
+    split = [trace.layers[n].out_ids for n, s in entries.items()
+             if isinstance(s, ColwiseParallel) and not s.gather_output and n in trace.layers and trace.layers[n].out_ids is not None]
+    classes = set(trace.fs.find(torch.cat(split)).tolist()) if split else set()
+    keep = []
+    for ids in trace.split_outputs.get(region, []):
+        keep.append(ids is None or not classes & set(torch.unique(trace.fs.find(ids[ids >= 0])).tolist()))
+    return keep
+
+
+class _Outputs(nn.Module):
+    """The region, returning only its outputs that are whole in the split model, as a tuple."""
+
+    def __init__(self, inner: nn.Module, keep: list[bool]) -> None:
+        super().__init__()
+        self.inner, self.keep = inner, keep
+
+    def forward(self, *args, **kwargs):
+        from .trace import _output_tensors
+
+        outs = _output_tensors(self.inner(*args, **kwargs))
+        if len(outs) != len(self.keep):
+            return tuple(outs)
+        return tuple(t for t, k in zip(outs, self.keep) if k)
+
+
+def _inner(name: str) -> str:
+    return f"inner.{name}" if name else "inner"
 
 
 def _region(trace: Trace, names: list[str]) -> str:
@@ -76,17 +111,18 @@ def _relative(name: str, region: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in rel)
 
 
-def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dict], world_size: int) -> str | None:
+def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dict], world_size: int, region: str) -> str | None:
     from ..engines.inprocess import TensorParallel  # late: the engine imports plans
 
     gen = torch.Generator().manual_seed(1234)
-    ref = scratch_copy(sub, gen)
+    ref = _Outputs(scratch_copy(sub.inner, gen), sub.keep)
     work = copy.deepcopy(ref)
     with _quiet():
         split = TensorParallel(work, ["cpu"] * world_size, plan=Plan(entries))
     ref.eval()
     split.eval()
-    args_ref, args_split = _inputs(inputs), _inputs(inputs)
+    # Inputs that carried gradients in the traced pass carry them here (at the top level: all of them).
+    args_ref, args_split = _inputs(inputs, everything=not region), _inputs(inputs, everything=not region)
     out_ref = ref(*args_ref[0], **args_ref[1])
     out_split = split(*args_split[0], **args_split[1])
     ys_ref, ys_split = _floats(out_ref), _floats(out_split)
@@ -159,13 +195,14 @@ def _random_like(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return base + 0.1 * torch.randn(p.shape, generator=gen)
 
 
-def _inputs(inputs: tuple[tuple, dict]) -> tuple[tuple, dict]:
+def _inputs(inputs: tuple[tuple, dict], everything: bool) -> tuple[tuple, dict]:
     def prep(t):
         if not isinstance(t, torch.Tensor):
             return t
+        grad = t.is_floating_point() and (everything or t.requires_grad)
         t = t.detach().to("cpu")
         if t.is_floating_point():
-            return t.float().clone().requires_grad_(True)
+            return t.float().clone().requires_grad_(grad)
         return t.clone()
 
     return tree_map(prep, inputs)

@@ -141,13 +141,14 @@ def infer_layout(
 
 _NOT_COUNTS = re.compile(r"(idx|index|layer|head_dim|head_size|dim_head|per_head|rotary|rope|window|position|max|"
                          r"seq|vocab|bucket|stride|chunk|expert|rank|lora|pad|token|id$|_id|seed|block_size)", re.I)
-_HINTS = {
-    "kv_heads": re.compile(r"(kv|key_value|key|value)", re.I),
-    "groups": re.compile(r"(group|rep|per_kv|queries_per)", re.I),
-    "heads": re.compile(r"head", re.I),
-    "features": re.compile(r"(size|dim|features|hidden|embed|inner|all_head|width)", re.I),
-    "kv_features": re.compile(r"(kv|key_value).*(size|dim|features)|(size|dim|features).*(kv|key_value)", re.I),
-}
+# Names decide between quantities with colliding values, most specific first.
+_HINTS = [
+    ("groups", re.compile(r"(group|rep|per_kv|queries_per|q_per)", re.I)),
+    ("kv_features", re.compile(r"(kv|key_value).*(size|dim|features)|(size|dim|features).*(kv|key_value)", re.I)),
+    ("kv_heads", re.compile(r"(kv|key_value|key|value)", re.I)),
+    ("heads", re.compile(r"head", re.I)),
+    ("features", re.compile(r"(size|dim|features|hidden|embed|inner|all_head|width)", re.I)),
+]
 
 
 def head_attrs(owner: nn.Module, layout: Layout, world_size: int) -> dict[str, str]:
@@ -176,17 +177,11 @@ def head_attrs(owner: nn.Module, layout: Layout, world_size: int) -> dict[str, s
         if not matches:
             continue
         if len(matches) > 1:
-            hinted = [q for q in matches if _HINTS[q].search(attr)]
-            if "kv_features" in hinted and "features" in hinted:
-                hinted.remove("features")
-            if "kv_heads" in hinted and "heads" in hinted:
-                hinted.remove("heads")
-            if len(hinted) == 1:
-                matches = hinted
-            elif local and all(len({c[q] for q in matches}) == 1 for c in local):
-                matches = matches[:1]  # same local value whichever it is (MHA: heads == kv_heads)
-            elif hinted:
+            hinted = [q for q, pattern in _HINTS if q in matches and pattern.search(attr)]
+            if hinted:
                 matches = hinted[:1]
+            elif not (local and all(len({c[q] for q in matches}) == 1 for c in local)):
+                continue  # ambiguous and it matters: leave it (the self-check tells if it was needed)
         attrs[attr] = matches[0]
     return attrs
 

@@ -89,6 +89,16 @@ class Trace:
     captures: dict[str, tuple[tuple, dict] | None]  # module -> (args, kwargs) of its first call
     call_order: list[str]  # modules in the order they were first called
     inputs: tuple[tuple, dict]
+    syncs: list["Sync"] = field(default_factory=list)
+    split_outputs: dict[str, list[Ids | None]] = field(default_factory=dict)  # module -> shadow per output
+
+
+@dataclass
+class Sync:
+    """Whole parameters read by split computations: each device would see part of their gradient."""
+
+    params: list[tuple[str, str]]  # (owning module, parameter name)
+    ids: Ids  # the split features they meet
 
 
 class Tracer(TorchFunctionMode):
@@ -108,6 +118,13 @@ class Tracer(TorchFunctionMode):
         self.call_order: list[str] = []
         self.layers: dict[str, LayerInfo] = {}
         self.param_owner: dict[int, list[str]] = {}
+        self.syncs: list[Sync] = []
+        self.split_outputs: dict[str, list[Ids | None]] = {}
+        self.param_names: dict[int, tuple[str, str]] = {}
+        for mname, mod in model.named_modules():
+            for pname, p in mod._parameters.items():
+                if p is not None:
+                    self.param_names.setdefault(id(p), (mname, pname))
         self._frames: list = []  # one per module call in progress (None: not traced)
         self._hooks = []
         for name, mod in model.named_modules():
@@ -173,16 +190,33 @@ class Tracer(TorchFunctionMode):
         if self.meta and name in ("to", "cuda", "type_as") and isinstance(out, torch.Tensor):
             if out.is_meta and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
                 out = args[0].to(dtype=out.dtype)  # keep values that do not depend on weights real
-        if any(self.shadow(t) is not None for t in leaves):
+        tracked = [self.shadow(t) for t in leaves if self.shadow(t) is not None]
+        if tracked:
             self.suspended += 1
             try:
                 self.rules.apply(Call(func, name, args, kwargs, out))
+                self._gradient_sources(name, leaves, tracked)
             finally:
                 self.suspended -= 1
         elif leaves and (name in STRUCTURAL or name in IDENTITY) and self.derived(leaves[0]):
             for t in tensors_of(out):
                 self._derived[id(t)] = t
         return out
+
+    def _gradient_sources(self, name: str, leaves: list[torch.Tensor], tracked: list[Ids]) -> None:
+        """A whole tensor with a gradient meeting split features gets only part of its gradient on each
+        device. Parameters a few steps away (a norm weight, ``1 + weight``) can be summed (SumGrads);
+        anything with a longer history (a hidden state) cannot: poison."""
+        ids = torch.cat([t.reshape(-1) for t in tracked])
+        for t in leaves:
+            if self.shadow(t) is not None or not t.requires_grad:
+                continue
+            sources = _grad_leaves(t)
+            params = [self.param_names.get(id(s)) for s in sources] if sources is not None else [None]
+            if None in params:
+                self.poison(ids, f"{name} combines split features with a whole tensor whose gradient would be partial")
+            elif params:
+                self.syncs.append(Sync(params, torch.unique(ids[ids >= 0])))
 
     def _meta_args(self, name: str, args: tuple, kwargs: dict):
         """On a meta model: factories build real CPU tensors; a real tensor meeting a meta one goes meta."""
@@ -238,6 +272,8 @@ class Tracer(TorchFunctionMode):
             if kind is not None:
                 self.suspended -= 1
                 self._layer_output(name, kind, role, x, out)
+            if name not in self.split_outputs:
+                self.split_outputs[name] = [self.shadow(t) for t in _output_tensors(out)]
             self.stack.pop()
             return None
 
@@ -257,7 +293,12 @@ class Tracer(TorchFunctionMode):
         fdim = kind.feature_dim % x.dim()
         classes = self.fs.find(s)
         if bool((classes == classes.narrow(fdim, 0, 1)).all()):
-            return "through"  # all its input features belong to one unit: runs whole, per unit
+            # All its input features belong to one unit: it runs whole on each unit, so its parameters see
+            # part of their gradient on each device.
+            params = [(name, p) for p, v in info.module._parameters.items() if v is not None and v.requires_grad]
+            if params:
+                self.syncs.append(Sync(params, torch.unique(s[s >= 0])))
+            return "through"
         if whole:
             self.poison(s, f"read by {name} ({type(info.module).__name__}), which is kept whole")
             return "whole"
@@ -285,7 +326,29 @@ class Tracer(TorchFunctionMode):
 
 
 def _copy(t: Any) -> Any:
-    return t.detach().clone() if isinstance(t, torch.Tensor) else t
+    if not isinstance(t, torch.Tensor):
+        return t
+    return t.detach().clone().requires_grad_(t.requires_grad and t.is_floating_point())
+
+
+def _grad_leaves(t: torch.Tensor, budget: int = 64) -> list[torch.Tensor] | None:
+    """The leaf tensors `t`'s gradient flows to, or None when its history is longer than `budget` nodes."""
+    if t.grad_fn is None:
+        return [t]
+    seen, stack, leaves = set(), [t.grad_fn], []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if len(seen) > budget:
+            return None
+        var = getattr(fn, "variable", None)
+        if var is not None:
+            leaves.append(var)
+            continue
+        stack.extend(f for f, _ in fn.next_functions)
+    return leaves
 
 
 def _name(func) -> str:
@@ -308,8 +371,9 @@ def trace_model(
     """Run `model` once on `inputs` (default: `synthetic_inputs(model)`) and record the evidence.
 
     `fixed` names layers already decided to stay whole (or gathered): they are not candidates. The model
-    runs in eval mode without gradients; its train/eval flags are restored afterwards and nothing else of
-    it changes.
+    runs in eval mode (with autograd recording, to see which whole tensors carry gradients into split
+    computations; nothing is backpropagated); its train/eval flags are restored afterwards and nothing
+    else of it changes.
     """
     meta = any(p.is_meta for p in model.parameters())
     args, kwargs = inputs if inputs is not None else synthetic_inputs(model)
@@ -318,7 +382,7 @@ def trace_model(
     tracer.mark_inputs((args, kwargs))
     try:
         model.eval()
-        with torch.no_grad(), tracer:
+        with torch.enable_grad(), tracer:
             out = model(*args, **kwargs)
     finally:
         tracer.remove_hooks()
@@ -328,7 +392,10 @@ def trace_model(
         s = tracer.shadow(t)
         if s is not None:
             tracer.poison(s, "reaches the model's output", kind="output")
-    return Trace(tracer.fs, tracer.layers, tracer.poisons, tracer.captures, tracer.call_order, (args, kwargs))
+    return Trace(
+        tracer.fs, tracer.layers, tracer.poisons, tracer.captures, tracer.call_order, (args, kwargs), tracer.syncs,
+        tracer.split_outputs,
+    )
 
 
 def _output_tensors(out: Any) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ from .heads import Heads
 from .replicate import Replicate
 from .row import RowwiseParallel
 from .shard_params import ShardParams
+from .sum_grads import SumGrads
 
 __all__ = [
     "STYLES",
@@ -18,4 +19,5 @@ __all__ = [
     "ShardContext",
     "ShardParams",
     "Style",
+    "SumGrads",
 ]

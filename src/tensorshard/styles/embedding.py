@@ -74,12 +74,13 @@ class EmbeddingParallel(Style):
         if module.padding_idx is not None:
             module.padding_idx = module.padding_idx - start if start <= module.padding_idx < stop else None
         bag = isinstance(module, nn.EmbeddingBag)
+        run = original_forward(module)  # a subclass may scale the rows (Gemma): keep its forward
 
         def forward_rows(ids: torch.Tensor, offsets=None, per_sample_weights=None) -> torch.Tensor:
             outside = (ids < start) | (ids >= stop)
             local = (ids - start).masked_fill(outside, 0)
             if not bag:
-                y = F.embedding(local, module.weight, module.padding_idx, None, 2.0, False, module.sparse)
+                y = run(local)
                 y = y.masked_fill(outside.unsqueeze(-1), 0.0)
             else:
                 # Bags mix ids from several devices: sum the rows this device holds (weight 0 elsewhere),
