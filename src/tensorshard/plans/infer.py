@@ -222,7 +222,7 @@ def find_groups(trace: Trace) -> list[Group]:
         for r in torch.unique(fs.find(p.ids)).tolist():
             if r in owner_of:
                 g = groups[root(owner_of[r])]
-                if p not in g.poisons:
+                if all(p is not q for q in g.poisons):
                     g.poisons.append(p)
     for s in trace.syncs:
         for r in torch.unique(fs.find(s.ids)).tolist():
@@ -288,6 +288,9 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
         entries[name] = ColwiseParallel(blocks=_blocks(layout.blocks[name], layers[name]))
     for name in g.rows:
         entries[name] = RowwiseParallel(blocks=_blocks(layout.blocks[name], layers[name], row=True))
+    problem = _validate(module, entries, world_size)
+    if problem:
+        return g.fail(problem)
     for owner_name, pname in sorted(g.syncs):
         if owner_name in entries and not isinstance(entries[owner_name], SumGrads) or owner_name in g.layers:
             return g.fail(
@@ -295,9 +298,6 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
                 "its gradient cannot be summed (write a plan with ShardParams for it)"
             )
         entries[owner_name] = SumGrads()
-    problem = _validate(module, entries, world_size)
-    if problem:
-        return g.fail(problem)
     g.outcome, g.entries = "split", entries
     return g
 
@@ -419,7 +419,7 @@ def _record_failures(groups, trace: Trace, fixed: dict[str, str], fallbacks: lis
         if g.outcome != "whole" or not g.reason:
             continue
         if all(c in fixed for c in g.columns):
-            continue
+            continue  # failed before; nothing new
         fallbacks.append(Fallback(g.layers, g.reason, stage))
         for name in g.columns:
             fixed[name] = g.reason
@@ -427,7 +427,8 @@ def _record_failures(groups, trace: Trace, fixed: dict[str, str], fallbacks: lis
             info = trace.layers[name]
             if info.foreign or len(info.roles) > 1:
                 fixed[name] = g.reason
-        retrace |= bool(g.rows)
+        # Its rows may pair with later layers, and layers its features reached may be columns: trace again.
+        retrace = True
     return retrace
 
 

@@ -85,7 +85,7 @@ class Rules:
             tracked = s >= 0
             if bool(tracked.any()) and not bool(tracked.all()):
                 self.tr.poison(s, f"{call.name} mixes split features with whole values")
-            self.tr.set_shadow(t, s if bool(tracked.any()) else None)
+            self.tr.set_shadow(t, s if bool(tracked.any()) or s.numel() == 0 else None)
 
     def _poison_inputs(self, call: Call, reason: str) -> None:
         for ids in self._input_shadows(call):
@@ -161,8 +161,7 @@ class Rules:
         out = torch.where(a >= 0, a, b)
         if not bool(both.any()):
             return out
-        ca, cb = self.fs.find(a[both]), self.fs.find(b[both])
-        kind = relation(ca, cb)
+        kind = relation(a[both], b[both])  # on raw ids: sharing means the same element meets several
         if kind == "a_shared":
             self.fs.add_needs(b[both], a[both])
             return torch.where(b >= 0, b, a)
@@ -225,7 +224,7 @@ class Rules:
             self.fs.union_along(sa, -1)
             self.fs.union_along(sb, -1)
             ra, rb = sa[..., 0], sb[..., 0]  # one class per batch position on each side
-            kind = relation(self.fs.find(ra).reshape(-1), self.fs.find(rb).reshape(-1))
+            kind = relation(ra.reshape(-1), rb.reshape(-1))
             if kind == "a_shared":
                 self.fs.add_needs(rb, ra)
                 out = sb.unsqueeze(-2).expand(*batch, n, m)
@@ -280,8 +279,8 @@ def varying_dims(shape: tuple, strides: tuple, out_shape: tuple) -> list[int]:
 
 
 def relation(ca: Ids, cb: Ids) -> str:
-    """How the classes of paired elements relate: 'bijection' (union them), 'a_shared' (each a is paired
-    with several b's, each b with one a: b needs a), 'b_shared', or 'many' (union them)."""
+    """How paired feature ids relate: 'bijection' (union them), 'a_shared' (each a is paired with several
+    b's, each b with one a: b needs a; a repeated key/value head), 'b_shared', or 'many' (union them)."""
     pairs = torch.unique(torch.stack([ca.reshape(-1), cb.reshape(-1)], 1), dim=0)
     a_once = torch.unique(pairs[:, 0]).numel() == pairs.shape[0]
     b_once = torch.unique(pairs[:, 1]).numel() == pairs.shape[0]
@@ -584,8 +583,9 @@ def _rule_pad(self: Rules, call: Call):
 def _rule_matmul(self: Rules, call: Call):
     name = call.name
     bias = None
-    if name in ("addmm", "baddbmm", "addbmm", "addmv"):
-        bias, a, b = call.args[0], call.args[1], call.args[2]
+    if name in _FUSED_ADD:
+        bound = dict(zip(_FUSED_ADD[name], call.args)) | call.kwargs
+        bias, a, b = (bound[k] for k in _FUSED_ADD[name])
     elif name == "linear":
         a, w = call.args[0], _arg(call, 1, "weight")
         bias = _arg(call, 2, "bias")
@@ -605,6 +605,12 @@ def _rule_matmul(self: Rules, call: Call):
     if out is not None and name == "addbmm":
         out = self.reduce(out, [0], [call.out])[0]
     return _with_bias(self, call, out, bias)
+
+
+_FUSED_ADD = {
+    "addmm": ("input", "mat1", "mat2"), "baddbmm": ("input", "batch1", "batch2"),
+    "addbmm": ("input", "batch1", "batch2"), "addmv": ("input", "mat", "vec"),
+}
 
 
 def _with_bias(self: Rules, call: Call, out: Ids | None, bias) -> Ids:

@@ -130,6 +130,11 @@ def infer_layout(
     # Features per head: the smallest unit seen (q_proj and o_proj: head_dim; a fused q|k|v per head: 3x).
     head_dim = min((n for p in passes.values() for kind, n in p if kind == "q"), default=None)
     kv_head_dim = min((n for p in passes.values() for kind, n in p if kind == "kv"), default=None)
+    if order_kv and kv_head_dim != head_dim:
+        raise LayoutError(
+            f"the shared units hold {kv_head_dim} features but the others {head_dim}: not key/value heads "
+            "of grouped-query attention"
+        )
     uses_kv = any(kind == "kv" for p in passes.values() for kind, _ in p)
     return Layout(
         blocks, num_heads=nh, num_kv_heads=nkv, head_dim=head_dim, kv_head_dim=kv_head_dim or head_dim, units=nh,
@@ -183,7 +188,24 @@ def head_attrs(owner: nn.Module, layout: Layout, world_size: int) -> dict[str, s
             elif not (local and all(len({c[q] for q in matches}) == 1 for c in local)):
                 continue  # ambiguous and it matters: leave it (the self-check tells if it was needed)
         attrs[attr] = matches[0]
+    # Head counts read from a config object at forward time (Phi-3 slices its fused q|k|v with
+    # config.num_attention_heads). Only names that are head counts; the Heads style copies the config.
+    config = getattr(owner, "config", None)
+    if config is not None and not isinstance(config, nn.Module) and hasattr(config, "__dict__"):
+        for attr, value in vars(config).items():
+            if isinstance(value, bool) or not isinstance(value, int) or not _CONFIG_COUNTS.fullmatch(attr):
+                continue
+            for quantity, pattern in _HINTS:
+                if quantity in ("heads", "kv_heads", "groups") and values[quantity] == value and pattern.search(attr):
+                    attrs[f"config.{attr}"] = quantity
+                    break
     return attrs
+
+
+_CONFIG_COUNTS = re.compile(
+    r"num_attention_heads|num_key_value_heads|n_head|n_heads|num_heads|n_kv_heads|num_kv_heads|"
+    r"multi_query_group_num|n_head_kv|num_key_value_groups|kv_n_heads|num_query_groups"
+)
 
 
 @dataclass

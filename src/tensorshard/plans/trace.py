@@ -71,7 +71,7 @@ class LayerInfo:
         return {c.role for c in self.calls}
 
 
-@dataclass
+@dataclass(eq=False)
 class Poison:
     ids: Ids
     reason: str
@@ -93,7 +93,7 @@ class Trace:
     split_outputs: dict[str, list[Ids | None]] = field(default_factory=dict)  # module -> shadow per output
 
 
-@dataclass
+@dataclass(eq=False)
 class Sync:
     """Whole parameters read by split computations: each device would see part of their gradient."""
 
@@ -196,6 +196,7 @@ class Tracer(TorchFunctionMode):
             try:
                 self.rules.apply(Call(func, name, args, kwargs, out))
                 self._gradient_sources(name, leaves, tracked)
+                self._collapsed(name, out)
             finally:
                 self.suspended -= 1
         elif leaves and (name in STRUCTURAL or name in IDENTITY) and self.derived(leaves[0]):
@@ -203,13 +204,30 @@ class Tracer(TorchFunctionMode):
                 self._derived[id(t)] = t
         return out
 
+    def _collapsed(self, name: str, out: Any) -> None:
+        """Once one class holds every feature of a column, its group has a single unit and cannot split:
+        stop following those features, so they do not make the layers after them look like rows."""
+        for t in tensors_of(out):
+            s = self.shadow(t)
+            if s is None:
+                continue
+            roots = torch.unique(self.fs.find(s))
+            if roots.numel() != 1:
+                continue
+            for info in self.layers.values():
+                ids = info.out_ids
+                if ids is not None and ids.numel() > 1 and bool((self.fs.find(ids) == roots[0]).all()):
+                    self.poison(s, f"{name} mixes all output features of {info.name}; nothing is left to split")
+                    self.set_shadow(t, None)
+                    break
+
     def _gradient_sources(self, name: str, leaves: list[torch.Tensor], tracked: list[Ids]) -> None:
         """A whole tensor with a gradient meeting split features gets only part of its gradient on each
         device. Parameters a few steps away (a norm weight, ``1 + weight``) can be summed (SumGrads);
         anything with a longer history (a hidden state) cannot: poison."""
         ids = torch.cat([t.reshape(-1) for t in tracked])
         for t in leaves:
-            if self.shadow(t) is not None or not t.requires_grad:
+            if self.shadow(t) is not None or not t.requires_grad or t.numel() == 0:
                 continue
             sources = _grad_leaves(t)
             params = [self.param_names.get(id(s)) for s in sources] if sources is not None else [None]
