@@ -46,6 +46,9 @@ class FeatureSet:
 
     def find(self, ids: Ids) -> Ids:
         """The class (root id) of every id; -1 stays -1. Compresses the paths it walks."""
+        small = compact(ids)
+        if small.numel() < ids.numel():
+            return self.find(small).expand(ids.shape)
         flat = ids.reshape(-1)
         keep = flat >= 0
         if bool(keep.all()):
@@ -91,8 +94,39 @@ class FeatureSet:
         """Join every id with the others along `dim` (a reduction or a mix over that dimension)."""
         if ids.dim() == 0 or ids.shape[dim] <= 1:
             return False
+        dim = dim % ids.dim()
+        ids = compact(ids, keep=dim)
         first = ids.narrow(dim, 0, 1).expand_as(ids)
         return self.union(first, ids)
+
+    def distinct(self, ids: Ids) -> Ids:
+        """The distinct ids (>= 0), sorted; linear time, no sort."""
+        flat = compact(ids).reshape(-1)
+        mask = torch.zeros(self.size, dtype=torch.bool)
+        mask[flat[flat >= 0]] = True
+        return mask.nonzero().squeeze(1)
+
+    def classes(self, ids: Ids) -> Ids:
+        """The distinct classes (roots) of `ids`."""
+        return self.distinct(self.find(compact(ids)))
+
+    def relation(self, a: Ids, b: Ids) -> str:
+        """How paired ids a[i], b[i] (all >= 0) relate: 'bijection' (union them), 'a_shared' (each a meets
+        several b's, each b one a: b needs a; a repeated key/value head), 'b_shared', or 'many'."""
+        a, b = a.reshape(-1), b.reshape(-1)
+        partner = torch.full((self.size,), -1, dtype=torch.long)
+        partner[a] = b
+        a_once = torch.equal(partner[a], b)  # every a meets a single b
+        partner.fill_(-1)
+        partner[b] = a
+        b_once = torch.equal(partner[b], a)
+        if a_once and b_once:
+            return "bijection"
+        if b_once:
+            return "a_shared"
+        if a_once:
+            return "b_shared"
+        return "many"
 
     def mark_kv(self, ids: Ids) -> None:
         """Remember that these features are read on the key/value side of an attention product."""
@@ -103,6 +137,7 @@ class FeatureSet:
 
     def add_needs(self, needer: Ids, needed: Ids) -> None:
         """needer[i] must be on a device that holds needed[i] (which may be replicated)."""
+        needer, needed = compact_pair(needer, needed)
         needer, needed = needer.reshape(-1), needed.reshape(-1)
         keep = (needer >= 0) & (needed >= 0)
         if bool(keep.any()):
@@ -132,3 +167,21 @@ class FeatureSet:
             leader = needed[first][torch.cumsum(first.long(), 0) - 1]
             if not self.union(leader, needed):
                 return
+
+
+def compact(x: Ids, keep: int | None = None) -> Ids:
+    """`x` without redundancy: every dim along which it is constant (batch, sequence) narrowed to size 1."""
+    for d in range(x.dim()):
+        if d != keep and x.shape[d] > 1 and (x.stride(d) == 0 or bool((x == x.narrow(d, 0, 1)).all())):
+            x = x.narrow(d, 0, 1)
+    return x
+
+
+def compact_pair(a: Ids, b: Ids) -> tuple[Ids, Ids]:
+    """`compact` for two shadows of one shape, narrowing only dims along which both are constant."""
+    for d in range(a.dim()):
+        if a.shape[d] > 1:
+            same_a = a.stride(d) == 0 or bool((a == a.narrow(d, 0, 1)).all())
+            if same_a and (b.stride(d) == 0 or bool((b == b.narrow(d, 0, 1)).all())):
+                a, b = a.narrow(d, 0, 1), b.narrow(d, 0, 1)
+    return a, b

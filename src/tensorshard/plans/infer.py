@@ -198,7 +198,7 @@ def find_groups(trace: Trace) -> list[Group]:
         if not ids:
             continue
         parent[name] = name
-        for r in torch.unique(fs.find(torch.cat(ids))).tolist():
+        for r in fs.classes(torch.cat([i.reshape(-1) for i in ids])).tolist():
             if r < 0:
                 continue
             if r in owner_of:
@@ -219,13 +219,13 @@ def find_groups(trace: Trace) -> list[Group]:
         rows = [n for n in names if n not in cols]
         groups[r] = Group(cols, rows)
     for p in trace.poisons:
-        for r in torch.unique(fs.find(p.ids)).tolist():
+        for r in fs.classes(p.ids).tolist():
             if r in owner_of:
                 g = groups[root(owner_of[r])]
                 if all(p is not q for q in g.poisons):
                     g.poisons.append(p)
     for s in trace.syncs:
-        for r in torch.unique(fs.find(s.ids)).tolist():
+        for r in fs.classes(s.ids).tolist():
             if r in owner_of:
                 groups[root(owner_of[r])].syncs.update(s.params)
     return list(groups.values())
@@ -260,7 +260,7 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
                 return g.fail(f"{name} is called on different features in different calls")
             seen = lab
         labels[name] = seen
-    units = set(torch.unique(torch.cat(list(labels.values()))).tolist())
+    units = set(fs.distinct(torch.cat(list(labels.values()))).tolist())
     needer, needed = fs.needs()
     needs: dict[int, set[int]] = {}
     for a, b in zip(needer.tolist(), needed.tolist()):

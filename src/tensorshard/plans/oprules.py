@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .features import FeatureSet, Ids
+from .features import FeatureSet, Ids, compact, compact_pair
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Rules:
             if tuple(s.shape) != tuple(t.shape):
                 self._poison_inputs(call, f"{call.name}: shadow shape {tuple(s.shape)} != {tuple(t.shape)}")
                 return
-            tracked = s >= 0
+            tracked = compact(s) >= 0
             if bool(tracked.any()) and not bool(tracked.all()):
                 self.tr.poison(s, f"{call.name} mixes split features with whole values")
             self.tr.set_shadow(t, s if bool(tracked.any()) or s.numel() == 0 else None)
@@ -156,20 +156,20 @@ class Rules:
         return result
 
     def combine(self, a: Ids, b: Ids) -> Ids:
-        """Pair two tracked shadows of one shape element by element (see `relation`)."""
-        both = (a >= 0) & (b >= 0)
-        out = torch.where(a >= 0, a, b)
-        if not bool(both.any()):
-            return out
-        kind = relation(a[both], b[both])  # on raw ids: sharing means the same element meets several
-        if kind == "a_shared":
-            self.fs.add_needs(b[both], a[both])
-            return torch.where(b >= 0, b, a)
-        if kind == "b_shared":
-            self.fs.add_needs(a[both], b[both])
-            return out
-        self.fs.union(a[both], b[both])
-        return out
+        """Pair two tracked shadows of one shape element by element (see `FeatureSet.relation`): on raw ids,
+        so sharing means the very same element meets several others (a repeated key/value head)."""
+        ca, cb = compact_pair(a, b)
+        both = (ca >= 0) & (cb >= 0)
+        if bool(both.any()):
+            kind = self.fs.relation(ca[both], cb[both])
+            if kind == "a_shared":
+                self.fs.add_needs(cb[both], ca[both])
+                return torch.where(b >= 0, b, a)
+            if kind == "b_shared":
+                self.fs.add_needs(ca[both], cb[both])
+            else:
+                self.fs.union(ca[both], cb[both])
+        return torch.where(a >= 0, a, b)
 
     def reduce(self, ids: Ids, dims: list[int], outs: list[torch.Tensor]) -> list[Ids]:
         """Union over `dims`; every output gets the reduced shadow, broadcast to its shape."""
@@ -224,7 +224,7 @@ class Rules:
             self.fs.union_along(sa, -1)
             self.fs.union_along(sb, -1)
             ra, rb = sa[..., 0], sb[..., 0]  # one class per batch position on each side
-            kind = relation(ra.reshape(-1), rb.reshape(-1))
+            kind = self.fs.relation(*(x.reshape(-1) for x in compact_pair(ra, rb)))
             if kind == "a_shared":
                 self.fs.add_needs(rb, ra)
                 out = sb.unsqueeze(-2).expand(*batch, n, m)
@@ -276,21 +276,6 @@ def varying_dims(shape: tuple, strides: tuple, out_shape: tuple) -> list[int]:
     offset = len(out_shape) - len(shape)
     strides = tuple(strides) if len(strides) == len(shape) else (1,) * len(shape)
     return [i + offset for i, (size, stride) in enumerate(zip(shape, strides)) if size > 1 and stride != 0 and i + offset >= 0]
-
-
-def relation(ca: Ids, cb: Ids) -> str:
-    """How paired feature ids relate: 'bijection' (union them), 'a_shared' (each a is paired with several
-    b's, each b with one a: b needs a; a repeated key/value head), 'b_shared', or 'many' (union them)."""
-    pairs = torch.unique(torch.stack([ca.reshape(-1), cb.reshape(-1)], 1), dim=0)
-    a_once = torch.unique(pairs[:, 0]).numel() == pairs.shape[0]
-    b_once = torch.unique(pairs[:, 1]).numel() == pairs.shape[0]
-    if a_once and b_once:
-        return "bijection"
-    if b_once:
-        return "a_shared"
-    if a_once:
-        return "b_shared"
-    return "many"
 
 
 def _arg(call: Call, pos: int, key: str, default: Any = None) -> Any:

@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..layers import CONV, EMBEDDING, LayerKind, layer_kind
-from .features import FeatureSet, Ids
+from .features import FeatureSet, Ids, compact
 from .oprules import IDENTITY, NO_TRACK, STRUCTURAL, Call, Rules, tensors_of
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,7 @@ class Tracer(TorchFunctionMode):
                 if p is not None:
                     self.param_names.setdefault(id(p), (mname, pname))
         self._frames: list = []  # one per module call in progress (None: not traced)
+        self._inputs: list = []
         self._hooks = []
         for name, mod in model.named_modules():
             kind = layer_kind(mod)
@@ -154,7 +155,7 @@ class Tracer(TorchFunctionMode):
             self._shadows[id(t)] = (t, ids)
 
     def poison(self, ids: Ids, reason: str, kind: str = "op") -> None:
-        ids = torch.unique(ids[ids >= 0])
+        ids = self.fs.distinct(ids)
         if ids.numel():
             self.poisons.append(Poison(ids, reason, self.where(), kind))
 
@@ -211,8 +212,8 @@ class Tracer(TorchFunctionMode):
             s = self.shadow(t)
             if s is None:
                 continue
-            roots = torch.unique(self.fs.find(s))
-            if roots.numel() != 1:
+            roots = self.fs.find(compact(s)).reshape(-1)
+            if roots.numel() == 0 or not bool((roots == roots[0]).all()):
                 continue
             for info in self.layers.values():
                 ids = info.out_ids
@@ -225,7 +226,7 @@ class Tracer(TorchFunctionMode):
         """A whole tensor with a gradient meeting split features gets only part of its gradient on each
         device. Parameters a few steps away (a norm weight, ``1 + weight``) can be summed (SumGrads);
         anything with a longer history (a hidden state) cannot: poison."""
-        ids = torch.cat([t.reshape(-1) for t in tracked])
+        ids = torch.cat([compact(t).reshape(-1) for t in tracked])
         for t in leaves:
             if self.shadow(t) is not None or not t.requires_grad or t.numel() == 0:
                 continue
@@ -234,7 +235,7 @@ class Tracer(TorchFunctionMode):
             if None in params:
                 self.poison(ids, f"{name} combines split features with a whole tensor whose gradient would be partial")
             elif params:
-                self.syncs.append(Sync(params, torch.unique(ids[ids >= 0])))
+                self.syncs.append(Sync(params, self.fs.distinct(ids)))
 
     def _meta_args(self, name: str, args: tuple, kwargs: dict):
         """On a meta model: factories build real CPU tensors; a real tensor meeting a meta one goes meta."""
@@ -274,6 +275,7 @@ class Tracer(TorchFunctionMode):
             frame = (name, None, None)
             if kind is not None:
                 x = args[0] if args else next(iter(kwargs.values()), None)
+                self._inputs.append(x)  # alive until the end, so id(x) names one tensor (shared inputs)
                 frame = (name, self._layer_role(name, kind, x), x)
                 self.suspended += 1  # the layer's own ops are not traced
             self._frames.append(frame)
@@ -315,7 +317,7 @@ class Tracer(TorchFunctionMode):
             # part of their gradient on each device.
             params = [(name, p) for p, v in info.module._parameters.items() if v is not None and v.requires_grad]
             if params:
-                self.syncs.append(Sync(params, torch.unique(s[s >= 0])))
+                self.syncs.append(Sync(params, self.fs.distinct(s)))
             return "through"
         if whole:
             self.poison(s, f"read by {name} ({type(info.module).__name__}), which is kept whole")
@@ -398,11 +400,14 @@ def trace_model(
     modes = {m: m.training for m in model.modules()}
     tracer = Tracer(model, set(fixed), capture=capture and not meta, meta=meta)
     tracer.mark_inputs((args, kwargs))
+    threads = torch.get_num_threads()
     try:
         model.eval()
+        torch.set_num_threads(1)  # the bookkeeping is many tiny ops: threads only add overhead
         with torch.enable_grad(), tracer:
             out = model(*args, **kwargs)
     finally:
+        torch.set_num_threads(threads)
         tracer.remove_hooks()
         for m, flag in modes.items():
             m.training = flag
