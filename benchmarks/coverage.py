@@ -45,13 +45,15 @@ NEW_TOKENS = 6
 TIMEOUT = 300  # seconds per architecture
 
 # Tiny sizes, by config attribute name. Heads 4 with 2 KV heads keeps grouped-query attention in play.
-HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "embedding_size", "word_embed_proj_dim")
+HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "embedding_size", "word_embed_proj_dim",
+          "attention_hidden_size", "embedding_dim")
 FFN = ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim", "encoder_ffn_dim",
        "inner_hidden_size", "mlp_dim", "ff_dim", "dense_intermediate_size", "hidden_dim")
 MOE_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
-           "moe_ffn_hidden_size", "moe_hidden_size", "shared_intermediate_size", "expert_hidden_size")
+           "moe_ffn_hidden_size", "moe_hidden_size", "shared_intermediate_size", "expert_hidden_size",
+           "expert_ffn_hidden_size", "shared_experts_intermediate_size")
 LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
-          "num_decoder_layers", "num_encoder_layers")
+          "num_decoder_layers", "num_encoder_layers", "num_blocks")
 HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads", "encoder_attention_heads")
 KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv", "num_kv")
 HEAD_DIM = ("head_dim", "attention_head_dim", "kv_channels", "head_size", "attention_head_size")
@@ -60,18 +62,22 @@ EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_expe
 TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k")
 SMALL = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
          "n_shared_experts": 1, "num_shared_experts": 1, "first_k_dense_replace": 1, "sliding_window": 64,
-         "vocab_size": 512, "n_group": 1, "topk_group": 1, "num_codebooks": 2}
+         "vocab_size": 512, "n_group": 1, "n_groups": 1, "topk_group": 1, "num_codebooks": 2, "rotary_dim": 8,
+         "state_size": 16, "time_step_rank": 8, "num_kv_shared_layers": 0, "zero_expert_num": 2,
+         "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8, "num_layers_per_stack": 1}
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, keep_layers: bool = False):
+    """The default config of `model_type`, shrunk; `keep_layers` keeps the layer count and per-layer lists
+    (some hybrids need layers of every kind in a fixed pattern)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(model_type)
-    _shrink(cfg)
+    _shrink(cfg, keep_layers=keep_layers)
     return cfg
 
 
-def _shrink(cfg, depth: int = 0) -> None:
+def _shrink(cfg, depth: int = 0, keep_layers: bool = False) -> None:
     from transformers import PretrainedConfig
 
     values = cfg.to_dict()
@@ -84,9 +90,21 @@ def _shrink(cfg, depth: int = 0) -> None:
         except Exception:
             pass
 
+    # Layers to keep: two, or the first layer of each kind when a per-layer list names kinds (hybrids).
+    pick = None
+    if layers0 and layers0 > 2 and not keep_layers:
+        kinds = next((v for v in values.values() if isinstance(v, list) and len(v) == layers0
+                      and all(isinstance(x, str) for x in v)), None)
+        pick = sorted({kinds.index(k) for k in kinds}) if kinds else []
+        for i in range(layers0):
+            if len(pick) >= 2:
+                break
+            if i not in pick:
+                pick.append(i)
+        pick = sorted(pick)
     for key, value in values.items():
         if isinstance(getattr(cfg, key, None), PretrainedConfig) and depth < 2:
-            _shrink(getattr(cfg, key), depth + 1)
+            _shrink(getattr(cfg, key), depth + 1, keep_layers)
             continue
         if isinstance(value, bool) or not isinstance(value, (int, list)):
             continue
@@ -97,7 +115,8 @@ def _shrink(cfg, depth: int = 0) -> None:
         elif key in MOE_FFN and isinstance(value, int):
             put(key, 64)
         elif key in LAYERS and isinstance(value, int):
-            put(key, 2)
+            if pick is not None:
+                put(key, len(pick))
         elif key in HEADS and isinstance(value, int):
             put(key, 4)
         elif key in KV_HEADS and isinstance(value, int):
@@ -112,8 +131,17 @@ def _shrink(cfg, depth: int = 0) -> None:
             put(key, min(value, 2))
         elif key in SMALL and isinstance(value, int):
             put(key, SMALL[key])
-        elif isinstance(value, list) and layers0 and len(value) == layers0 and layers0 > 2:
-            put(key, value[:2])  # per-layer lists (layer_types, ...)
+        elif isinstance(value, list) and pick is not None and len(value) == layers0:
+            put(key, [value[i] for i in pick])  # per-layer lists (layer_types, ...)
+    # Sizes that must agree with others.
+    if "qk_rope_head_dim" in values and "head_dim" in values:
+        put("head_dim", SMALL["qk_rope_head_dim"])  # multi-head latent attention: rotary part of the head
+    if "qk_head_dim" in values:
+        put("qk_head_dim", SMALL["qk_rope_head_dim"] + SMALL["qk_nope_head_dim"])
+    if "expand" in values and "num_heads" in values and "head_dim" in values:  # Mamba-2: heads x head_dim = expand x hidden
+        put("num_heads", values["expand"] * 64 // 16)
+    if "is_decoder" in values and not getattr(cfg, "is_encoder_decoder", False):
+        put("is_decoder", True)  # BERT-like models as causal LMs
     vocab = getattr(cfg, "vocab_size", None)
     if isinstance(vocab, int):
         for key, value in cfg.to_dict().items():
@@ -122,12 +150,33 @@ def _shrink(cfg, depth: int = 0) -> None:
 
 
 def build(model_type: str):
-    from transformers import AutoModelForCausalLM
+    """A tiny random model of this type: fully shrunk, else with its layer pattern kept (hybrids)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = tiny_config(model_type)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    return model, cfg
+    errors = []
+    for keep_layers in (False, True):
+        try:
+            cfg = tiny_config(model_type, keep_layers)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg).float().eval()
+            if hasattr(model, "set_default_language"):  # X-MOD: adapters per language
+                model.set_default_language(next(iter(getattr(cfg, "languages", ["en_XX"]))))
+            _smoke(model, cfg)
+            return model, cfg
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {_first(e)}")
+    try:  # is it our shrinking, or does the default config not build either?
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
+    except Exception as e:
+        raise RuntimeError(f"its default config does not build either ({type(e).__name__}: {_first(e)})") from e
+    raise RuntimeError(errors[0])
+
+
+def _smoke(model, cfg) -> None:
+    vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 512)
+    with torch.no_grad():
+        model(input_ids=torch.randint(4, max(5, min(int(vocab), 512)), (1, 4)))
 
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
@@ -158,7 +207,7 @@ def run_one(model_type: str) -> dict:
     try:
         model, cfg = build(model_type)
     except Exception as e:
-        return rec | {"buildable": False, "reason": f"build: {type(e).__name__}: {_first(e)}"}
+        return rec | {"buildable": False, "reason": _first(e)}
     rec["class"] = type(model).__name__
     vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 512)
     gen = torch.Generator().manual_seed(0)

@@ -13,6 +13,8 @@ from .comm.counter import CollectiveCounter, count_collectives
 from .engines.inprocess import TensorParallel
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
+from .plans.explain import explain
+from .plans.infer import infer_plan
 from .plans.plan import Plan
 from .styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style, SumGrads
 
@@ -33,7 +35,9 @@ __all__ = [
     "SumGrads",
     "TensorParallel",
     "count_collectives",
+    "explain",
     "gathered_state_dict",
+    "infer_plan",
     "memory_per_device",
     "save_tensor_parallel",
     "split_evenly",

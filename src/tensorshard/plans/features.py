@@ -28,7 +28,9 @@ class FeatureSet:
         self.parent = torch.empty(1024, dtype=torch.long)
         self.kv_side = torch.zeros(1024, dtype=torch.bool)  # read as keys/values (right of q @ k.T, p @ v)
         self.size = 0
-        self._needs: list[tuple[Ids, Ids]] = []
+        self._version = 0  # bumped by every union that merges classes
+        self._needs: list[Ids] = []
+        self._needs_cache = None
 
     def new(self, count: int) -> Ids:
         """`count` fresh ids, each its own class."""
@@ -84,6 +86,7 @@ class FeatureSet:
             if not bool(differ.any()):
                 break
             merged = True
+            self._version += 1
             ra, rb = ra[differ], rb[differ]
             # Link each larger root to the smallest root it meets; repeat until every pair agrees.
             self.parent.scatter_reduce_(0, torch.maximum(ra, rb), torch.minimum(ra, rb), reduce="amin")
@@ -141,18 +144,27 @@ class FeatureSet:
         needer, needed = needer.reshape(-1), needed.reshape(-1)
         keep = (needer >= 0) & (needed >= 0)
         if bool(keep.any()):
-            self._needs.append((needer[keep].clone(), needed[keep].clone()))
+            pairs = torch.unique(needer[keep] * self._stride + needed[keep])  # 1-d: fast, and deduplicated
+            self._needs.append(pairs)
+            self._needs_cache = None
+
+    _stride = 1 << 31  # pairs are encoded as needer * 2**31 + needed (ids stay far below 2**31)
 
     def needs(self) -> tuple[Ids, Ids]:
         """All needs edges as (needer roots, needed roots), deduplicated, self-edges dropped."""
+        if self._needs_cache is not None and self._needs_cache[0] == self._version:
+            return self._needs_cache[1]
         if not self._needs:
             empty = torch.empty(0, dtype=torch.long)
             return empty, empty
-        a = self.find(torch.cat([n for n, _ in self._needs]))
-        b = self.find(torch.cat([m for _, m in self._needs]))
-        pairs = torch.unique(torch.stack([a, b], 1), dim=0)
-        pairs = pairs[pairs[:, 0] != pairs[:, 1]]
-        return pairs[:, 0], pairs[:, 1]
+        pairs = torch.unique(torch.cat(self._needs))
+        self._needs = [pairs]
+        a, b = self.find(pairs // self._stride), self.find(pairs % self._stride)
+        pairs = torch.unique(a * self._stride + b)
+        a, b = pairs // self._stride, pairs % self._stride
+        keep = a != b
+        self._needs_cache = (self._version, (a[keep], b[keep]))
+        return a[keep], b[keep]
 
     def merge_co_needed(self) -> None:
         """Everything one class needs must sit together: union the classes needed by the same needer."""

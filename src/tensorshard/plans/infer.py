@@ -33,7 +33,7 @@ from ..layers import EMBEDDING
 from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style, SumGrads
 from .plan import Plan, match_pattern
 from .structure import Layout, LayoutError, head_attrs, infer_layout
-from .trace import Poison, Trace, as_inputs, synthetic_inputs, trace_model
+from .trace import Poison, Trace, as_inputs, input_candidates, trace_model
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def infer(module: nn.Module, world_size: int, *, example_inputs: Any = None, che
         raise TypeError(f"plan inference reads an nn.Module; got {type(module).__name__}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
-    inputs = as_inputs(example_inputs) if example_inputs is not None else synthetic_inputs(module)
+    inputs = as_inputs(example_inputs) if example_inputs is not None else _first_input_that_runs(module)
     fixed: dict[str, str] = {}
     fallbacks: list[Fallback] = []
     verdicts: dict = {}  # self-check results by region structure and entries
@@ -151,6 +151,19 @@ def infer(module: nn.Module, world_size: int, *, example_inputs: Any = None, che
     result = Inference(plan, groups, embeddings, fallbacks, trace, rounds, checked)
     _log_summary(module, world_size, result)
     return result
+
+
+def _first_input_that_runs(module: nn.Module):
+    """The first synthetic input the model runs on (see `input_candidates`), or the error of the first."""
+    first_error = None
+    for inputs in input_candidates(module):
+        try:
+            trace_model(module, inputs, capture=False)
+            return inputs
+        except Exception as e:
+            first_error = first_error or e
+    _run(module, next(iter(input_candidates(module))), {}, False)  # raises, with the first guess's error
+    raise first_error  # pragma: no cover
 
 
 def _run(module: nn.Module, inputs, fixed: dict[str, str], capture: bool) -> Trace:
@@ -242,7 +255,7 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
             return g.fail(f"the weights of {name} are also used outside its forward ({info.foreign[0]})")
     if g.poisons:
         if not g.rows and len(g.columns) == 1 and all(p.kind == "output" for p in g.poisons):
-            return _gather(g, layers[g.columns[0]], world_size, module)
+            return _gather(g, layers[g.columns[0]], world_size, module, trace)
         p = next((p for p in g.poisons if p.kind != "output"), g.poisons[0])
         return g.fail(f"{p.reason} (in {p.where})")
     if not g.rows:
@@ -302,11 +315,16 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
     return g
 
 
-def _gather(g: Group, info, world_size: int, module: nn.Module) -> Group:
+def _gather(g: Group, info, world_size: int, module: nn.Module, trace: Trace) -> Group:
+    """The output head: a lone column whose features reach the model's output, as wide as the vocabulary
+    of the embedding the input ids go to. Split by output features, its logits gathered."""
     w = info.module.weight
-    out_f, in_f = w.shape[info.kind.weight_out_dim], w.shape[info.kind.weight_in_dim]
-    if out_f < in_f:
-        return g.fail(f"its output reaches the model's output and it is narrower ({out_f}) than its input ({in_f}): not worth a gather")
+    out_f = w.shape[info.kind.weight_out_dim]
+    vocabularies = {
+        other.module.num_embeddings for other in trace.layers.values() if other.kind is EMBEDDING and other.reads_model_input
+    }
+    if out_f not in vocabularies:
+        return g.fail(f"its output reaches the model's output and is not a vocabulary ({out_f} features): not worth a gather")
     entries = {info.name: ColwiseParallel(gather_output=True)}
     problem = _validate(module, entries, world_size)
     if problem:

@@ -123,13 +123,18 @@ def infer_layout(
                     f"query head {h} reads key/value heads {sorted(index_kv[k] for k in needs.get(unit, ()))}, "
                     f"not {h // group}: not the grouping of grouped-query attention"
                 )
-    blocks: dict[str, tuple[int | str, ...]] = {}
-    for name, p in passes.items():
-        unit = math.gcd(*(n for _, n in p))
-        blocks[name] = tuple(kind if n == unit else f"{kind}*{n // unit}" for kind, n in p)
     # Features per head: the smallest unit seen (q_proj and o_proj: head_dim; a fused q|k|v per head: 3x).
     head_dim = min((n for p in passes.values() for kind, n in p if kind == "q"), default=None)
     kv_head_dim = min((n for p in passes.values() for kind, n in p if kind == "kv"), default=None)
+    blocks: dict[str, tuple[int | str, ...]] = {}
+    for name, p in passes.items():
+        # In head_dims where they divide ("q*3": q, k and v of each head side by side), else in this layer's
+        # own unit (block_partition derives a layer's head size from its width and its blocks).
+        base = {"q": head_dim, "kv": kv_head_dim or head_dim}
+        if not all(n % base[kind] == 0 for kind, n in p):
+            unit = math.gcd(*(n for _, n in p))
+            base = {"q": unit, "kv": unit}
+        blocks[name] = tuple(kind if n == base[kind] else f"{kind}*{n // base[kind]}" for kind, n in p)
     if order_kv and kv_head_dim != head_dim:
         raise LayoutError(
             f"the shared units hold {kv_head_dim} features but the others {head_dim}: not key/value heads "
