@@ -129,3 +129,8 @@ class TemperatureAttention(nn.Module):
         att = (q @ k.transpose(-2, -1)) * (self.n_heads / 2.0)  # temperature from the head count
         y = att.softmax(-1) @ v  # (B, nh, T, hd)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def build_mixer() -> MLPMixer:
+    """For `tensorshard plan custom_models:build_mixer`."""
+    return MLPMixer()

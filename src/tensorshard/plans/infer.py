@@ -114,6 +114,14 @@ def infer(module: nn.Module, world_size: int, *, example_inputs: Any = None, che
         raise TypeError(f"plan inference reads an nn.Module; got {type(module).__name__}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    _PARTNERS.clear()
+    try:
+        return _infer(module, world_size, example_inputs, check)
+    finally:
+        _PARTNERS.clear()  # holds the model
+
+
+def _infer(module: nn.Module, world_size: int, example_inputs: Any, check: bool) -> Inference:
     inputs = as_inputs(example_inputs) if example_inputs is not None else _first_input_that_runs(module)
     fixed: dict[str, str] = {}
     fallbacks: list[Fallback] = []
@@ -155,8 +163,11 @@ def infer(module: nn.Module, world_size: int, *, example_inputs: Any = None, che
 
 def _first_input_that_runs(module: nn.Module):
     """The first synthetic input the model runs on (see `input_candidates`), or the error of the first."""
+    candidates = list(input_candidates(module))
+    if len(candidates) == 1:
+        return candidates[0]  # nothing to choose: the traced pass itself reports a failure
     first_error = None
-    for inputs in input_candidates(module):
+    for inputs in candidates:
         try:
             trace_model(module, inputs, capture=False)
             return inputs
@@ -184,63 +195,63 @@ def find_groups(trace: Trace) -> list[Group]:
     """Columns and rows that share feature classes (or grouped-KV needs), in call order."""
     fs = trace.fs
     fs.merge_co_needed()
-    parent: dict[str, str] = {}
-
-    def root(x: str) -> str:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def join(a: str, b: str) -> None:
-        ra, rb = root(a), root(b)
-        if ra != rb:
-            parent[rb] = ra
-
-    owner_of: dict[int, str] = {}
-    roles: dict[str, str] = {}
+    names: list[str] = []
+    ids_of: list[torch.Tensor] = []
     for name, info in trace.layers.items():
-        ids = []
-        if info.out_ids is not None:
-            ids.append(info.out_ids)
-            roles[name] = "column"
-        for call in info.calls:
-            if call.role == "row" and call.row_ids is not None:
-                ids.append(call.row_ids.reshape(-1))
-                roles.setdefault(name, "row")
-        if not ids:
-            continue
-        parent[name] = name
-        for r in fs.classes(torch.cat([i.reshape(-1) for i in ids])).tolist():
-            if r < 0:
-                continue
-            if r in owner_of:
-                join(owner_of[r], name)
-            else:
-                owner_of[r] = name
+        ids = [info.out_ids] if info.out_ids is not None else []
+        ids += [c.row_ids.reshape(-1) for c in info.calls if c.role == "row" and c.row_ids is not None]
+        if ids:
+            names.append(name)
+            ids_of.append(fs.classes(torch.cat([i.reshape(-1) for i in ids])))
+    # Vectorised: every class points at the first layer holding it; layers meeting that way are joined.
+    roots = torch.cat(ids_of) if ids_of else torch.empty(0, dtype=torch.long)
+    layer = torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(ids_of)]) if ids_of else roots
+    owner = torch.full((fs.size,), len(names), dtype=torch.long)
+    owner.scatter_reduce_(0, roots, layer, reduce="amin")
+    parent = list(range(len(names)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def join(a: int, b: int) -> None:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+
+    first = owner[roots]
+    meets = first != layer  # a class also held by an earlier layer
+    for a, b in [
+        divmod(x, len(names) + 1) for x in torch.unique(layer[meets] * (len(names) + 1) + first[meets]).tolist()
+    ]:
+        join(a, b)
     needer, needed = fs.needs()
-    for a, b in zip(needer.tolist(), needed.tolist()):
-        if a in owner_of and b in owner_of:
-            join(owner_of[a], owner_of[b])
+    if needer.numel():
+        for a, b in torch.unique(torch.stack([owner[needer], owner[needed]], 1), dim=0).tolist():
+            if a < len(names) and b < len(names):
+                join(a, b)
     order = {n: i for i, n in enumerate(trace.call_order)}
-    members: dict[str, list[str]] = {}
-    for name in sorted(parent, key=lambda n: order.get(n, len(order))):
-        members.setdefault(root(name), []).append(name)
-    groups = {}
-    for r, names in members.items():
-        cols = [n for n in names if trace.layers[n].out_ids is not None]
-        rows = [n for n in names if n not in cols]
-        groups[r] = Group(cols, rows)
+    members: dict[int, list[str]] = {}
+    for i in sorted(range(len(names)), key=lambda i: order.get(names[i], len(order))):
+        members.setdefault(find(i), []).append(names[i])
+    groups: dict[int, Group] = {}
+    for r, group_names in members.items():
+        cols = [n for n in group_names if trace.layers[n].out_ids is not None]
+        groups[r] = Group(cols, [n for n in group_names if n not in cols])
+
+    def groups_of(ids: torch.Tensor) -> set[int]:
+        held = owner[fs.classes(ids)]
+        return {find(i) for i in torch.unique(held[held < len(names)]).tolist()}
+
     for p in trace.poisons:
-        for r in fs.classes(p.ids).tolist():
-            if r in owner_of:
-                g = groups[root(owner_of[r])]
-                if all(p is not q for q in g.poisons):
-                    g.poisons.append(p)
+        for r in groups_of(p.ids):
+            if all(p is not q for q in groups[r].poisons):
+                groups[r].poisons.append(p)
     for s in trace.syncs:
-        for r in fs.classes(s.ids).tolist():
-            if r in owner_of:
-                groups[root(owner_of[r])].syncs.update(s.params)
+        for r in groups_of(s.ids):
+            groups[r].syncs.update(s.params)
     return list(groups.values())
 
 
@@ -359,20 +370,37 @@ def _validate(module: nn.Module, entries: dict[str, Style], world_size: int) -> 
     Modules that share a weight with an entry (a tied embedding and head) get the style that splits it
     alike for the dry run; whether they really do is settled for the whole plan (`_resolve_ties`)."""
     trial = dict(entries)
+    partners = _tied_partners(module)
     for name in entries:
-        for partner in _tied_partners(module).get(name, ()):
+        for partner in partners.get(name, ()):
             if partner not in trial:
                 is_embedding = isinstance(module.get_submodule(partner), (nn.Embedding, nn.EmbeddingBag))
                 trial[partner] = EmbeddingParallel() if is_embedding else ColwiseParallel(gather_output=True)
+    root = _common_parent(list(trial)) if len(trial) > 1 else ""
+    scope = module.get_submodule(root)  # only the subtree that holds the entries: fast on deep models
+    local = {(k[len(root) + 1 :] if root else k) if k != root else "": v for k, v in trial.items()}
     try:
-        shard_plan(module, Plan({_escape(k): v for k, v in trial.items()}), world_size)
+        shard_plan(scope, Plan({_escape(k): v for k, v in local.items()}), world_size)
     except (ValueError, NotImplementedError, TypeError) as e:
         return str(e).splitlines()[0]
     return None
 
 
 def _tied_partners(module: nn.Module) -> dict[str, set[str]]:
-    """Module name -> the other modules holding one of its own parameters."""
+    """Module name -> the other modules holding one of its own parameters (cached per model)."""
+    cached = _PARTNERS.get(id(module))
+    if cached is not None and cached[0] is module:
+        return cached[1]
+    result = _find_tied_partners(module)
+    _PARTNERS.clear()
+    _PARTNERS[id(module)] = (module, result)
+    return result
+
+
+_PARTNERS: dict[int, tuple[nn.Module, dict[str, set[str]]]] = {}
+
+
+def _find_tied_partners(module: nn.Module) -> dict[str, set[str]]:
     holders: dict[int, list[str]] = {}
     for name, mod in module.named_modules(remove_duplicate=False):
         for p in mod.parameters(recurse=False):
@@ -460,6 +488,9 @@ def assemble(module: nn.Module, groups: list[Group], embeddings: dict[str, Style
     for g in groups:
         decided.update(g.entries)
     names = [n for n, _ in module.named_modules()]
+    by_depth: dict[int, list[str]] = {}
+    for n in names:
+        by_depth.setdefault(n.count("."), []).append(n)
     entries: list[tuple[str, Style]] = []
     emitted: set[str] = set()
     for name in names:
@@ -468,7 +499,7 @@ def assemble(module: nn.Module, groups: list[Group], embeddings: dict[str, Style
         style = decided[name]
         pattern = ".".join("*" if seg.isdigit() else seg for seg in name.split(".")) if name else name
         if pattern != name:
-            matched = [n for n in names if match_pattern(pattern, n)]
+            matched = [n for n in by_depth[name.count(".")] if match_pattern(pattern, n)]
             if not all(decided.get(n) == style for n in matched):
                 pattern = _escape(name)
         else:

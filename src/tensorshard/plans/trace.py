@@ -273,13 +273,17 @@ class Tracer(TorchFunctionMode):
                 else:
                     self.captures[name] = None
             frame = (name, None, None)
+            changed = None
             if kind is not None:
                 x = args[0] if args else next(iter(kwargs.values()), None)
                 self._inputs.append(x)  # alive until the end, so id(x) names one tensor (shared inputs)
                 frame = (name, self._layer_role(name, kind, x), x)
                 self.suspended += 1  # the layer's own ops are not traced
+                if self.meta and isinstance(x, torch.Tensor) and not x.is_meta and module.weight.is_meta:
+                    # its own forward is not traced, so the mode cannot move a real input to meta there
+                    changed = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
             self._frames.append(frame)
-            return None
+            return changed
 
         return hook
 
