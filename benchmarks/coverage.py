@@ -27,7 +27,6 @@ import datetime
 import json
 import logging
 import platform
-import signal
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ TABLE = ROOT / "docs" / "coverage.md"
 WORLDS = (2, 3)
 TOL = 1e-4
 NEW_TOKENS = 6
-TIMEOUT = 300  # seconds per architecture
+TIMEOUT = 600  # seconds per architecture
 
 # Tiny sizes, by config attribute name. Heads 4 with 2 KV heads keeps grouped-query attention in play.
 HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "embedding_size", "word_embed_proj_dim",
@@ -230,7 +229,7 @@ def run_one(model_type: str) -> dict:
                 r["plan"] = "preset"
             else:
                 report = infer(work, n, check=True)
-                r["fallbacks"] = [f.line() for f in report.fallbacks]
+                r["fallbacks"] = _distinct_fallbacks(report.fallbacks)
                 r["groups"] = {k: sum(1 for g in report.groups if g.outcome != "whole" and g.describe() == k)
                                for k in {g.describe() for g in report.groups if g.outcome != "whole"}}
                 r["embeddings"] = len(report.embeddings)
@@ -256,44 +255,62 @@ def run_one(model_type: str) -> dict:
     return rec
 
 
+def _distinct_fallbacks(fallbacks) -> list[str]:
+    """One line per kind of fallback: layer numbers generalised (layers.*.mlp), with a count."""
+    import re
+
+    seen: dict[str, int] = {}
+    for f in fallbacks:
+        line = re.sub(r"\.\d+\.", ".*.", f.line())
+        seen[line] = seen.get(line, 0) + 1
+    return [f"{line} (x{n})" if n > 1 else line for line, n in seen.items()]
+
+
 def _first(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0][:300] if text else ""
 
 
-class _Timeout(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise _Timeout()
+MEMORY_LIMIT = 6 << 30  # bytes of address space per architecture: a runaway model fails alone
 
 
 def sweep(types: list[str], redo: bool) -> None:
+    """Each architecture in its own process, under a time and memory limit; results appended as it goes."""
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["arch"] for r in load()} if not redo else set()
     if redo:
-        keep = [r for r in load() if r["arch"] not in types]
-        _rewrite(keep)
-    signal.signal(signal.SIGALRM, _alarm)
+        _rewrite([r for r in load() if r["arch"] not in types])
+    done = {r["arch"] for r in load()}
     for i, t in enumerate(types):
         if t in done:
             continue
-        signal.alarm(TIMEOUT)
-        try:
-            rec = run_one(t)
-        except _Timeout:
-            rec = {"arch": t, "buildable": True, "2": {"ok": False, "error": f"timed out after {TIMEOUT} s"},
-                   "3": {"ok": False, "error": f"timed out after {TIMEOUT} s"}}
-        except Exception as e:  # a crash in the harness itself: record it, go on
-            rec = {"arch": t, "buildable": False, "reason": f"harness: {type(e).__name__}: {_first(e)}"}
-        finally:
-            signal.alarm(0)
+        rec = _isolated(t)
         with RESULTS.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         status = "not buildable" if not rec.get("buildable") else " ".join(
             f"{n}:{'ok' if rec.get(str(n), {}).get('ok') else 'FAIL'}" for n in WORLDS)
         print(f"[{i + 1}/{len(types)}] {t}: {status} ({rec.get('seconds', '?')} s)", flush=True)
+
+
+def _isolated(model_type: str) -> dict:
+    def limit():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+    failed = {"ok": False}
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", model_type], capture_output=True, text=True,
+            timeout=TIMEOUT, preexec_fn=limit, cwd=ROOT,
+        )
+    except subprocess.TimeoutExpired:
+        why = f"timed out after {TIMEOUT} s"
+        return {"arch": model_type, "buildable": True, "2": failed | {"error": why}, "3": failed | {"error": why}}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        why = f"crashed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"[:300]
+        return {"arch": model_type, "buildable": True, "2": failed | {"error": why}, "3": failed | {"error": why}}
+    return json.loads(lines[-1])
 
 
 def load() -> list[dict]:
@@ -409,9 +426,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", help="model types to run (default: all)")
     parser.add_argument("--redo", action="store_true", help="run again even if results exist")
     parser.add_argument("--table", action="store_true", help="only rewrite docs/coverage.md from stored results")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # run one architecture, print its record
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
+    if args.worker:
+        print(json.dumps(run_one(args.worker)), flush=True)
+        return
     if not args.table:
         types = args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
         sweep(types, args.redo)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ from .oprules import IDENTITY, NO_TRACK, STRUCTURAL, Call, Rules, tensors_of
 logger = logging.getLogger(__name__)
 
 BATCH, SEQ = 2, 5  # the tiny synthetic input: 2 sequences of 5 tokens (or 2 x 5 x in_features)
+
+LONG = "long"  # a tensor computed from activations (see Tracer.sources)
 
 _FACTORIES = set(
     "arange zeros ones full empty tensor as_tensor rand randn randint randperm eye linspace logspace "
@@ -119,6 +122,7 @@ class Tracer(TorchFunctionMode):
         self.layers: dict[str, LayerInfo] = {}
         self.param_owner: dict[int, list[str]] = {}
         self.syncs: list[Sync] = []
+        self._sources: dict[int, tuple[weakref.ref, Any]] = {}
         self.split_outputs: dict[str, list[Ids | None]] = {}
         self.param_names: dict[int, tuple[str, str]] = {}
         for mname, mod in model.named_modules():
@@ -159,6 +163,13 @@ class Tracer(TorchFunctionMode):
         if ids.numel():
             self.poisons.append(Poison(ids, reason, self.where(), kind))
 
+    def _copy(self, t: Any) -> Any:
+        """A captured input, marked as needing a gradient when it would in training."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        grad = t.is_floating_point() and (t.requires_grad or self.sources(t) is not None)
+        return t.detach().clone().requires_grad_(grad)
+
     def where(self) -> str:
         return self.stack[-1] if self.stack else "<model>"
 
@@ -192,6 +203,7 @@ class Tracer(TorchFunctionMode):
             if out.is_meta and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
                 out = args[0].to(dtype=out.dtype)  # keep values that do not depend on weights real
         tracked = [self.shadow(t) for t in leaves if self.shadow(t) is not None]
+        self._record_sources(leaves, out, bool(tracked))
         if tracked:
             self.suspended += 1
             try:
@@ -222,20 +234,54 @@ class Tracer(TorchFunctionMode):
                     self.set_shadow(t, None)
                     break
 
+    # -- which whole tensors would carry gradients --------------------------------------------------------
+    #
+    # The pass runs without autograd (memory); instead each tensor it makes records where its gradient
+    # would go: the parameters it is computed from, when it is computed from parameters alone (a norm
+    # weight, ``1 + weight``), or LONG when it derives from activations (a hidden state, a layer's output).
+
+    def sources(self, t: torch.Tensor):
+        if id(t) in self.param_names:
+            return frozenset([id(t)]) if t.requires_grad else None
+        entry = self._sources.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else (LONG if t.requires_grad else None)
+
+    def set_sources(self, t: torch.Tensor, value) -> None:
+        if value is None:
+            self._sources.pop(id(t), None)
+        else:
+            self._sources[id(t)] = (weakref.ref(t), value)
+
+    def _record_sources(self, leaves: list[torch.Tensor], out: Any, tracked: bool) -> None:
+        found: set[int] = set()
+        value = LONG if tracked else None
+        if value is None:
+            for t in leaves:
+                s = self.sources(t)
+                if s is LONG:
+                    value = LONG
+                    break
+                if s:
+                    found |= s
+            else:
+                value = frozenset(found) if found else None
+        for t in tensors_of(out):
+            if t.is_floating_point() or t.is_complex():
+                self.set_sources(t, value)
+
     def _gradient_sources(self, name: str, leaves: list[torch.Tensor], tracked: list[Ids]) -> None:
         """A whole tensor with a gradient meeting split features gets only part of its gradient on each
-        device. Parameters a few steps away (a norm weight, ``1 + weight``) can be summed (SumGrads);
-        anything with a longer history (a hidden state) cannot: poison."""
+        device. Parameters computed into it directly can have their gradients summed (SumGrads); a tensor
+        computed from activations cannot: poison."""
         ids = torch.cat([compact(t).reshape(-1) for t in tracked])
         for t in leaves:
-            if self.shadow(t) is not None or not t.requires_grad or t.numel() == 0:
+            if self.shadow(t) is not None or t.numel() == 0:
                 continue
-            sources = _grad_leaves(t)
-            params = [self.param_names.get(id(s)) for s in sources] if sources is not None else [None]
-            if None in params:
+            s = self.sources(t)
+            if s is LONG:
                 self.poison(ids, f"{name} combines split features with a whole tensor whose gradient would be partial")
-            elif params:
-                self.syncs.append(Sync(params, self.fs.distinct(ids)))
+            elif s:
+                self.syncs.append(Sync([self.param_names[p] for p in s], self.fs.distinct(ids)))
 
     def _meta_args(self, name: str, args: tuple, kwargs: dict):
         """On a meta model: factories build real CPU tensors; a real tensor meeting a meta one goes meta."""
@@ -267,7 +313,7 @@ class Tracer(TorchFunctionMode):
                 if self.capture:
                     self.suspended += 1
                     try:
-                        self.captures[name] = tree_map(_copy, (args, kwargs))
+                        self.captures[name] = tree_map(self._copy, (args, kwargs))
                     finally:
                         self.suspended -= 1
                 else:
@@ -331,6 +377,8 @@ class Tracer(TorchFunctionMode):
     def _layer_output(self, name: str, kind: LayerKind, role: str, x: Any, out: Any) -> None:
         info = self.layers[name]
         s = self.shadow(x) if isinstance(x, torch.Tensor) else None
+        for t in tensors_of(out):
+            self.set_sources(t, LONG)  # an activation: its gradient reaches the layer's weights and input
         call = LayerCall(role, id(x))
         info.calls.append(call)
         if not isinstance(out, torch.Tensor):
@@ -347,32 +395,6 @@ class Tracer(TorchFunctionMode):
             self.set_shadow(out, rep.expand(out.shape) if rep.dim() == out.dim() else None)
         elif role == "row":
             call.row_ids = s
-
-
-def _copy(t: Any) -> Any:
-    if not isinstance(t, torch.Tensor):
-        return t
-    return t.detach().clone().requires_grad_(t.requires_grad and t.is_floating_point())
-
-
-def _grad_leaves(t: torch.Tensor, budget: int = 64) -> list[torch.Tensor] | None:
-    """The leaf tensors `t`'s gradient flows to, or None when its history is longer than `budget` nodes."""
-    if t.grad_fn is None:
-        return [t]
-    seen, stack, leaves = set(), [t.grad_fn], []
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if len(seen) > budget:
-            return None
-        var = getattr(fn, "variable", None)
-        if var is not None:
-            leaves.append(var)
-            continue
-        stack.extend(f for f, _ in fn.next_functions)
-    return leaves
 
 
 def _name(func) -> str:
@@ -395,9 +417,8 @@ def trace_model(
     """Run `model` once on `inputs` (default: `synthetic_inputs(model)`) and record the evidence.
 
     `fixed` names layers already decided to stay whole (or gathered): they are not candidates. The model
-    runs in eval mode (with autograd recording, to see which whole tensors carry gradients into split
-    computations; nothing is backpropagated); its train/eval flags are restored afterwards and nothing
-    else of it changes.
+    runs in eval mode without gradients; its train/eval flags are restored afterwards and nothing else of
+    it changes.
     """
     meta = any(p.is_meta for p in model.parameters())
     args, kwargs = inputs if inputs is not None else synthetic_inputs(model)
@@ -408,7 +429,7 @@ def trace_model(
     try:
         model.eval()
         torch.set_num_threads(1)  # the bookkeeping is many tiny ops: threads only add overhead
-        with torch.enable_grad(), tracer:
+        with torch.no_grad(), tracer:
             out = model(*args, **kwargs)
     finally:
         torch.set_num_threads(threads)
