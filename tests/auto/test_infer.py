@@ -156,3 +156,25 @@ def test_original_model_is_untouched_by_inference(gen):
     tp.infer_plan(ref, 2, check=True)
     assert ref.training and all(m.training for m in ref.modules())
     assert all(torch.equal(before[k], v) for k, v in ref.state_dict().items())
+
+
+def test_no_plan_costs_what_the_hand_written_plan_costs(gen):
+    ffn = split_copy(FeedForward(64, 176), 3)
+    assert counts(ffn, torch.randn(4, 64, generator=gen, requires_grad=True)) == ({"all_reduce": 1}, {"all_reduce": 1})
+    model = split_copy(Transformer(n_layers=3, n_heads=8, n_kv_heads=4), 2)
+    fwd, bwd = counts(model, torch.randint(0, 96, (2, 9), generator=gen))
+    assert fwd == {"all_reduce": 1 + 2 * 3, "all_gather": 1} and bwd == {"all_reduce": 2 * 3 + 1}
+
+
+def test_check_true_verifies_a_given_plan(gen, caplog):
+    ref = TemperatureAttention()
+    plan = tp.Plan({
+        "": tp.Heads(num_heads=4, attrs={"n_heads": "heads"}),
+        "w[qkv]": tp.ColwiseParallel(blocks=("q",)),
+        "wo": tp.RowwiseParallel(blocks=("q",)),
+    })
+    with caplog.at_level(logging.INFO, logger="tensorshard.plans.selfcheck"):
+        model = split_copy(ref, 2, plan=plan, check=True)
+    assert "kept whole (self-check)" in caplog.text
+    x = torch.randn(2, 5, 32, generator=gen)
+    assert rel_err(model(x), ref(x)) < 1e-6
