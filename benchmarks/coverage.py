@@ -63,7 +63,12 @@ SMALL = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_
          "n_shared_experts": 1, "num_shared_experts": 1, "first_k_dense_replace": 1, "sliding_window": 64,
          "vocab_size": 512, "n_group": 1, "n_groups": 1, "topk_group": 1, "num_codebooks": 2, "rotary_dim": 8,
          "state_size": 16, "time_step_rank": 8, "num_kv_shared_layers": 0, "zero_expert_num": 2,
-         "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8, "num_layers_per_stack": 1}
+         "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8, "num_layers_per_stack": 1,
+         # state-space and linear-attention mixers of hybrid models
+         "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_dt_rank": 8, "n_mamba_heads": 2,
+         "linear_head_dim": 16, "linear_num_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+         "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1}
 
 
 def tiny_config(model_type: str, keep_layers: bool = False):
@@ -139,6 +144,8 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False) -> None:
         put("qk_head_dim", SMALL["qk_rope_head_dim"] + SMALL["qk_nope_head_dim"])
     if "expand" in values and "num_heads" in values and "head_dim" in values:  # Mamba-2: heads x head_dim = expand x hidden
         put("num_heads", values["expand"] * 64 // 16)
+    if "attn_layer_indices" in values and values["attn_layer_indices"] is None and "mamba_n_heads" in values:
+        put("attn_layer_indices", [1])  # Bamba's default has no attention layer, which its cache cannot handle
     if "is_decoder" in values and not getattr(cfg, "is_encoder_decoder", False):
         put("is_decoder", True)  # BERT-like models as causal LMs
     vocab = getattr(cfg, "vocab_size", None)
