@@ -1,51 +1,27 @@
 """How each torch operation moves split features around: the transfer rules of plan inference.
 
-While the model runs on a tiny input (trace.py), every tensor that derives from the output features of a
-column candidate carries a *shadow*: an int64 tensor of the same shape holding, per element, the id of
-the feature it belongs to (-1: derives from no split feature). A rule computes the shadow of an
-operation's output from the shadows of its inputs, and records in the `FeatureSet` what the operation
-demands of a split:
+Every torch function and tensor method the traced model calls on a tensor with a shadow (shadows.py)
+goes through `Rules.apply`, which looks its name up here:
 
-- shape and indexing ops (view, transpose, chunk, cat, repeat_interleave, getitem, ...) move ids with the
-  data: the rule runs the very same op on the shadows;
-- element-wise ops pair elements: paired features must share a device (union), unless one side is the
-  same feature repeated for several others (grouped KV heads: a `needs` edge, the shared side may be
-  replicated); a whole tensor that varies along a dimension forces the features along it together;
-- reductions, contractions and normalisations union what they mix (over head_dim: one head; over the
-  split features themselves: everything, which leaves nothing to split);
-- reading values on the host (``.item()``, ``bool``) or an op without a rule *poisons* the features: the
-  layers they come from stay whole.
+- shape and indexing ops move ids with the data; element-wise ops pair them; reductions, softmax,
+  norms, matmuls, einsum and scaled_dot_product_attention union what they mix;
+- metadata reads (``.shape``, ``.dtype``) are ignored; values read on the host (``.item()``, ``bool``)
+  and any op without a rule *poison* the features: the layers they come from stay whole.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .features import FeatureSet, Ids, compact, compact_pair
+from .features import Ids
+from .shadows import Call, Shadows, Unfollowable, _arg, _as_dims, _broadcast, _strides, tensors_of, varying_dims
 
 
-@dataclass
-class Call:
-    func: Callable
-    name: str
-    args: tuple
-    kwargs: dict
-    out: Any
-    inplace: bool = False  # a trailing-underscore op: the result is written into args[0]
-
-
-class Rules:
-    """The rules, bound to a tracer that owns the shadows (`shadow`, `set_shadow`, `poison`, `fs`)."""
-
-    def __init__(self, tracer) -> None:
-        self.tr = tracer
-        self.fs: FeatureSet = tracer.fs
-
-    # -- entry -------------------------------------------------------------------------------------------
+class Rules(Shadows):
+    """Dispatch: the rule for each op name, applied to one call."""
 
     def apply(self, call: Call) -> None:
         name = call.name
@@ -58,7 +34,7 @@ class Rules:
             return
         try:
             result = rule(self, call)
-        except _Poison as p:
+        except Unfollowable as p:
             self._poison_inputs(call, str(p))
             return
         except Exception as e:  # a rule that cannot follow this call: keep the features whole, never guess
@@ -69,230 +45,6 @@ class Rules:
         target = call.args[0] if call.inplace and call.args and isinstance(call.args[0], torch.Tensor) else call.out
         self._assign(call, target, result)
 
-    def _assign(self, call: Call, out: Any, shadows: Any) -> None:
-        tensors = tensors_of(out)
-        ids = [shadows] if isinstance(shadows, torch.Tensor) else list(shadows)
-        if len(tensors) != len(ids):
-            self._poison_inputs(call, f"{call.name}: outputs could not be matched")
-            return
-        for t, s in zip(tensors, ids):
-            if s is None:
-                self.tr.set_shadow(t, None)
-                continue
-            if tuple(s.shape) != tuple(t.shape):
-                self._poison_inputs(call, f"{call.name}: shadow shape {tuple(s.shape)} != {tuple(t.shape)}")
-                return
-            tracked = compact(s) >= 0
-            if bool(tracked.any()) and not bool(tracked.all()):
-                self.tr.poison(s, f"{call.name} mixes split features with whole values")
-            self.tr.set_shadow(t, s if bool(tracked.any()) or s.numel() == 0 else None)
-
-    def _poison_inputs(self, call: Call, reason: str) -> None:
-        for ids in self._input_shadows(call):
-            self.tr.poison(ids, reason)
-        self._clear_outputs(call)
-
-    def _clear_outputs(self, call: Call) -> None:
-        for t in tensors_of(call.out):
-            self.tr.set_shadow(t, None)
-
-    def _input_shadows(self, call: Call) -> list[Ids]:
-        out = []
-        for t in tree_flatten((call.args, call.kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                s = self.tr.shadow(t)
-                if s is not None:
-                    out.append(s)
-        return out
-
-    def sh(self, t: Any) -> Ids | None:
-        return self.tr.shadow(t) if isinstance(t, torch.Tensor) else None
-
-    # -- building blocks --------------------------------------------------------------------------------
-
-    def structural(self, call: Call, data: tuple[int, ...] = (0,)) -> Any:
-        """Run the same op on the shadows. Positional args in `data` are the data being moved (an untracked
-        one becomes a -1 shadow; a list there is a list of data, as in cat); every other tensor is an index
-        or a shape and must not be split."""
-
-        def as_data(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            s = self.tr.shadow(t)
-            return s if s is not None else torch.full(tuple(t.shape), -1, dtype=torch.long)
-
-        def as_index(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            if self.tr.shadow(t) is not None:
-                raise _Poison(f"{call.name} uses split values as an index or a shape")
-            if t.is_meta:
-                raise _Poison(f"{call.name} indexes with a tensor whose values are unknown (meta)")
-            return t.detach().to("cpu")
-
-        args = []
-        for i, a in enumerate(call.args):
-            if i in data:
-                a = [as_data(t) for t in a] if isinstance(a, (list, tuple)) else as_data(a)
-                args.append(a.clone() if call.inplace and isinstance(a, torch.Tensor) else a)
-            else:
-                args.append(tree_map(as_index, a))
-        kwargs = {k: (as_data(v) if k in ("src", "source", "values", "value") else tree_map(as_index, v)) for k, v in call.kwargs.items()}
-        return call.func(*args, **kwargs)
-
-    def elementwise(self, out_shape, operands: list, extra: list[Ids] = ()) -> Ids:
-        """Shadow of an element-wise op's output from its tensor operands (tracked or not) and `extra`
-        shadows of operands that are not tensors of their own (a fused bias add)."""
-        shape = tuple(out_shape)
-        tracked = [_broadcast(self.sh(t), shape) for t in operands if self.sh(t) is not None]
-        tracked += [_broadcast(s, shape) for s in extra]
-        result = tracked[0]
-        for other in tracked[1:]:
-            result = self.combine(result, other)
-        for t in operands:
-            if isinstance(t, torch.Tensor) and self.sh(t) is None:
-                for d in varying_dims(tuple(t.shape), _strides(t), shape):
-                    self.fs.union_along(result, d)
-        return result
-
-    def combine(self, a: Ids, b: Ids) -> Ids:
-        """Pair two tracked shadows of one shape element by element (see `FeatureSet.relation`): on raw ids,
-        so sharing means the very same element meets several others (a repeated key/value head)."""
-        ca, cb = compact_pair(a, b)
-        both = (ca >= 0) & (cb >= 0)
-        if bool(both.any()):
-            kind = self.fs.relation(ca[both], cb[both])
-            if kind == "a_shared":
-                self.fs.add_needs(cb[both], ca[both])
-                return torch.where(b >= 0, b, a)
-            if kind == "b_shared":
-                self.fs.add_needs(ca[both], cb[both])
-            else:
-                self.fs.union(ca[both], cb[both])
-        return torch.where(a >= 0, a, b)
-
-    def reduce(self, ids: Ids, dims: list[int], outs: list[torch.Tensor]) -> list[Ids]:
-        """Union over `dims`; every output gets the reduced shadow, broadcast to its shape."""
-        nd = ids.dim()
-        dims = sorted({d % nd for d in dims}) if nd else []
-        for d in dims:
-            self.fs.union_along(ids, d)
-        rep = ids
-        for d in dims:
-            rep = rep.narrow(d, 0, 1)
-        shadows = []
-        for o in outs:
-            r = rep
-            if o.dim() < nd:
-                for d in reversed(dims):
-                    r = r.squeeze(d)
-            if r.dim() != o.dim():
-                raise _Poison("reduction to an unexpected shape")
-            shadows.append(r.expand(o.shape))
-        return shadows
-
-    def matmul_ids(self, a: torch.Tensor, sa: Ids | None, b: torch.Tensor, sb: Ids | None) -> Ids:
-        """Shadow of a @ b, (..., n, k) @ (..., k, m), with torch.matmul's handling of 1-d operands.
-
-        The contraction unions k on each side. With one side split, the other side must not vary along the
-        batch dimensions (else those features mix); with both split, each batch position pairs one class of
-        a with one of b: union them, or, when one side repeats (grouped KV heads), record `needs`."""
-        a_vec, b_vec = a.dim() == 1, b.dim() == 1
-        ashape = (1, *a.shape) if a_vec else tuple(a.shape)
-        bshape = (*b.shape, 1) if b_vec else tuple(b.shape)
-        batch = tuple(torch.broadcast_shapes(ashape[:-2], bshape[:-2]))
-        n, m = ashape[-2], bshape[-1]
-        if sa is not None:
-            sa = sa.reshape(ashape)
-            self.fs.union_along(sa, -1)
-            sa = _broadcast(sa[..., 0], (*batch, n)).clone()
-        if sb is not None:
-            sb = sb.reshape(bshape)
-            if sa is not None:
-                self.fs.mark_kv(sb)  # the right operand of a product of two split tensors: keys, values
-            self.fs.union_along(sb, -2)
-            sb = _broadcast(sb[..., 0, :], (*batch, m)).clone()
-        if sa is not None and sb is None:
-            for d in varying_dims(bshape[:-2], _strides(b)[:-2] if not b_vec else (), batch):
-                self.fs.union_along(sa, d)
-            out = sa.unsqueeze(-1).expand(*batch, n, m)
-        elif sb is not None and sa is None:
-            for d in varying_dims(ashape[:-2], _strides(a)[:-2] if not a_vec else (), batch):
-                self.fs.union_along(sb, d)
-            out = sb.unsqueeze(-2).expand(*batch, n, m)
-        elif sa is not None and sb is not None:
-            self.fs.union_along(sa, -1)
-            self.fs.union_along(sb, -1)
-            ra, rb = sa[..., 0], sb[..., 0]  # one class per batch position on each side
-            kind = self.fs.relation(*(x.reshape(-1) for x in compact_pair(ra, rb)))
-            if kind == "a_shared":
-                self.fs.add_needs(rb, ra)
-                out = sb.unsqueeze(-2).expand(*batch, n, m)
-            else:
-                if kind == "b_shared":
-                    self.fs.add_needs(ra, rb)
-                else:
-                    self.fs.union(ra, rb)
-                out = sa.unsqueeze(-1).expand(*batch, n, m)
-        else:
-            raise _Poison("matmul without split operands")
-        if a_vec:
-            out = out.squeeze(-2)
-        if b_vec:
-            out = out.squeeze(-1)
-        return out
-
-
-class _Poison(Exception):
-    pass
-
-
-def tensors_of(out: Any) -> list[torch.Tensor]:
-    """The tensors in an op's output, in order (tuples, lists, dicts, named tuples)."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in tensors_of(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in tensors_of(o)]
-    return []
-
-
-def _broadcast(ids: Ids, shape: tuple) -> Ids:
-    if ids.dim() < len(shape):
-        ids = ids.reshape((1,) * (len(shape) - ids.dim()) + tuple(ids.shape))
-    return ids.expand(shape)
-
-
-def _strides(t: torch.Tensor) -> tuple:
-    try:
-        return tuple(t.stride())
-    except RuntimeError:  # sparse or nested tensors: assume nothing is broadcast
-        return (1,) * t.dim()
-
-
-def varying_dims(shape: tuple, strides: tuple, out_shape: tuple) -> list[int]:
-    """Dims of `out_shape` along which a right-aligned tensor of `shape` takes more than one value."""
-    offset = len(out_shape) - len(shape)
-    strides = tuple(strides) if len(strides) == len(shape) else (1,) * len(shape)
-    return [i + offset for i, (size, stride) in enumerate(zip(shape, strides)) if size > 1 and stride != 0 and i + offset >= 0]
-
-
-def _arg(call: Call, pos: int, key: str, default: Any = None) -> Any:
-    if len(call.args) > pos:
-        return call.args[pos]
-    return call.kwargs.get(key, default)
-
-
-def _as_dims(dim, nd: int) -> list[int]:
-    if dim is None or (isinstance(dim, (list, tuple)) and not dim):
-        return list(range(nd))
-    if isinstance(dim, (list, tuple, torch.Size)):
-        return [int(d) for d in dim]
-    return [int(dim)]
-
-
-# --- the rules ------------------------------------------------------------------------------------------
 
 _DUNDER = {
     "__add__": "add", "__radd__": "add", "__iadd__": "add", "__sub__": "sub", "__rsub__": "sub", "__isub__": "sub",
@@ -390,32 +142,32 @@ pairwise_distance cdist tril triu trace det logdet inverse
 """.split()
 
 
-def _rule_elementwise(self: Rules, call: Call):
+def _rule_elementwise(self: Shadows, call: Call):
     operands = [t for t in tree_flatten((call.args, call.kwargs))[0] if isinstance(t, torch.Tensor)]
     out = call.args[0] if call.inplace else call.out
     if not isinstance(out, torch.Tensor):
-        raise _Poison(f"{call.name} returned no tensor")
+        raise Unfollowable(f"{call.name} returned no tensor")
     return self.elementwise(out.shape, operands)
 
 
-def _rule_identity(self: Rules, call: Call):
+def _rule_identity(self: Shadows, call: Call):
     s = self.sh(call.args[0]) if call.args else None
     if s is None:
         if self._input_shadows(call):
-            raise _Poison(f"{call.name} with a split argument")
+            raise Unfollowable(f"{call.name} with a split argument")
         return None
     if not isinstance(call.out, torch.Tensor) or s.numel() != call.out.numel():
-        raise _Poison(f"{call.name} changed the shape")
+        raise Unfollowable(f"{call.name} changed the shape")
     return s.reshape(call.out.shape)
 
 
-def _rule_structural(self: Rules, call: Call):
+def _rule_structural(self: Shadows, call: Call):
     if self.sh(call.args[0]) is None:
-        raise _Poison(f"{call.name} uses split values as an index or a shape")
+        raise Unfollowable(f"{call.name} uses split values as an index or a shape")
     return self.structural(call)
 
 
-def _rule_like(self: Rules, call: Call):
+def _rule_like(self: Shadows, call: Call):
     """view_as / reshape_as / expand_as (other): only other's shape matters."""
     s = self.sh(call.args[0])
     if s is None:
@@ -425,15 +177,15 @@ def _rule_like(self: Rules, call: Call):
     return s.reshape(call.out.shape)
 
 
-def _rule_scatter(self: Rules, call: Call):
+def _rule_scatter(self: Shadows, call: Call):
     return self.structural(call, data=SCATTERS[call.name])
 
 
-def _rule_setitem(self: Rules, call: Call):
+def _rule_setitem(self: Shadows, call: Call):
     target, index, value = call.args[0], call.args[1], call.args[2]
     st, sv = self.sh(target), self.sh(value)
     if st is None and sv is None:
-        raise _Poison("__setitem__ with split values as an index")
+        raise Unfollowable("__setitem__ with split values as an index")
     st = st.clone() if st is not None else torch.full(tuple(target.shape), -1, dtype=torch.long)
     if isinstance(value, torch.Tensor):
         sv = sv if sv is not None else torch.full(tuple(value.shape), -1, dtype=torch.long)
@@ -443,7 +195,7 @@ def _rule_setitem(self: Rules, call: Call):
     def as_index(t):
         if isinstance(t, torch.Tensor):
             if self.sh(t) is not None or t.is_meta:
-                raise _Poison("__setitem__ with split or unknown indices")
+                raise Unfollowable("__setitem__ with split or unknown indices")
             return t.detach().to("cpu")
         return t
 
@@ -455,31 +207,31 @@ def _rule_setitem(self: Rules, call: Call):
     return None
 
 
-def _rule_copy(self: Rules, call: Call):
+def _rule_copy(self: Shadows, call: Call):
     dst, src = call.args[0], call.args[1]
     s = self.sh(src)
     self.tr.set_shadow(dst, _broadcast(s, tuple(dst.shape)).clone() if s is not None else None)
     return None
 
 
-def _rule_lists(self: Rules, call: Call):
+def _rule_lists(self: Shadows, call: Call):
     return self.structural(call)
 
 
-def _rule_no_track(self: Rules, call: Call):
+def _rule_no_track(self: Shadows, call: Call):
     return None
 
 
-def _rule_factory(self: Rules, call: Call):
+def _rule_factory(self: Shadows, call: Call):
     self._clear_outputs(call)
     return None
 
 
-def _rule_host(self: Rules, call: Call):
-    raise _Poison(f"{call.name} reads split values on the host")
+def _rule_host(self: Shadows, call: Call):
+    raise Unfollowable(f"{call.name} reads split values on the host")
 
 
-def _rule_reduction(self: Rules, call: Call):
+def _rule_reduction(self: Shadows, call: Call):
     base = call.name
     pos, default, keep = REDUCTIONS[base]
     if base in ("max", "min") and len(call.args) > 1 and isinstance(call.args[1], torch.Tensor):
@@ -487,7 +239,7 @@ def _rule_reduction(self: Rules, call: Call):
     x = call.args[0]
     s = self.sh(x)
     if s is None:
-        raise _Poison(f"{call.name} with a split argument")
+        raise Unfollowable(f"{call.name} with a split argument")
     dims = _as_dims(_arg(call, pos, "dim", default), x.dim())
     outs = tensors_of(call.out)
     if keep:
@@ -498,15 +250,15 @@ def _rule_reduction(self: Rules, call: Call):
 
 
 def _bad_shape(call: Call):
-    raise _Poison(f"{call.name} returned an unexpected shape")
+    raise Unfollowable(f"{call.name} returned an unexpected shape")
 
 
-def _rule_norm(self: Rules, call: Call):
+def _rule_norm(self: Shadows, call: Call):
     """layer_norm / rms_norm(input, normalized_shape, weight, ...): mixes the last len(shape) dims."""
     x = call.args[0]
     s = self.sh(x)
     if s is None:
-        raise _Poison(f"{call.name} with split weights")
+        raise Unfollowable(f"{call.name} with split weights")
     shape = _arg(call, 1, "normalized_shape")
     k = len(shape) if isinstance(shape, (list, tuple, torch.Size)) else 1
     for d in range(x.dim() - k, x.dim()):
@@ -515,12 +267,12 @@ def _rule_norm(self: Rules, call: Call):
     return self.elementwise(call.out.shape, operands)
 
 
-def _rule_mix_all(self: Rules, call: Call):
+def _rule_mix_all(self: Shadows, call: Call):
     """Ops that mix everything but the batch dimension (convolutions and norms over channels, losses, ...)."""
     x = call.args[0] if call.args else None
     s = self.sh(x)
     if s is None or not isinstance(call.out, torch.Tensor):
-        raise _Poison(f"{call.name} mixes split features")
+        raise Unfollowable(f"{call.name} mixes split features")
     for d in range(1, x.dim()):
         self.fs.union_along(s, d)
     rep = s.reshape(s.shape[0], -1)[:, 0] if s.dim() else s
@@ -529,11 +281,11 @@ def _rule_mix_all(self: Rules, call: Call):
     return rep.reshape(rep.shape[0], *([1] * (call.out.dim() - 1))).expand(call.out.shape)
 
 
-def _rule_spatial(self: Rules, call: Call):
+def _rule_spatial(self: Shadows, call: Call):
     x = call.args[0]
     s = self.sh(x)
     if s is None:
-        raise _Poison(f"{call.name} with a split argument")
+        raise Unfollowable(f"{call.name} with a split argument")
     for d in range(2, x.dim()):
         self.fs.union_along(s, d)
     rep = s
@@ -542,11 +294,11 @@ def _rule_spatial(self: Rules, call: Call):
     return [rep.expand(o.shape) for o in tensors_of(call.out)]
 
 
-def _rule_pad(self: Rules, call: Call):
+def _rule_pad(self: Shadows, call: Call):
     x, pad = call.args[0], _arg(call, 1, "pad")
     s = self.sh(x)
     if s is None:
-        raise _Poison("pad with a split value")
+        raise Unfollowable("pad with a split value")
     # A padded element belongs to the features of its neighbour: pad the shadow by edge replication.
     out = s
     for i in range(len(pad) // 2):
@@ -556,7 +308,7 @@ def _rule_pad(self: Rules, call: Call):
             out = out.narrow(d, max(-lo, 0), out.shape[d] - max(-lo, 0) - max(-hi, 0))
             lo, hi = max(lo, 0), max(hi, 0)
         if (lo or hi) and out.shape[d] == 0:
-            raise _Poison("pad of an empty split dimension")
+            raise Unfollowable("pad of an empty split dimension")
         parts = [out.narrow(d, 0, 1).expand(*out.shape[:d], lo, *out.shape[d + 1 :])] if lo else []
         parts.append(out)
         if hi:
@@ -565,7 +317,7 @@ def _rule_pad(self: Rules, call: Call):
     return out
 
 
-def _rule_matmul(self: Rules, call: Call):
+def _rule_matmul(self: Shadows, call: Call):
     name = call.name
     bias = None
     if name in _FUSED_ADD:
@@ -598,24 +350,24 @@ _FUSED_ADD = {
 }
 
 
-def _with_bias(self: Rules, call: Call, out: Ids | None, bias) -> Ids:
+def _with_bias(self: Shadows, call: Call, out: Ids | None, bias) -> Ids:
     if out is not None:
         out = out.reshape(call.out.shape)
     if not isinstance(bias, torch.Tensor):
         if out is None:
-            raise _Poison(f"{call.name} without split operands")
+            raise Unfollowable(f"{call.name} without split operands")
         return out
     return self.elementwise(call.out.shape, [bias], extra=[out] if out is not None else [])
 
 
-def _rule_sdpa(self: Rules, call: Call):
+def _rule_sdpa(self: Shadows, call: Call):
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
     bound = dict(zip(names, call.args)) | call.kwargs
     q, k, v = bound["query"], bound["key"], bound["value"]
     mask = bound.get("attn_mask")
     sq, sk, sv = self.sh(q), self.sh(k), self.sh(v)
     if isinstance(mask, torch.Tensor) and self.sh(mask) is not None:
-        raise _Poison("attention mask derived from split features")
+        raise Unfollowable("attention mask derived from split features")
     if bound.get("enable_gqa") and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, -3), v.repeat_interleave(rep, -3)
@@ -634,13 +386,13 @@ def _rule_sdpa(self: Rules, call: Call):
     return self.matmul_ids(holder, scores, v, sv).reshape(call.out.shape)
 
 
-def _rule_einsum(self: Rules, call: Call):
+def _rule_einsum(self: Shadows, call: Call):
     eq = call.args[0].replace(" ", "")
     ops = list(call.args[1]) if len(call.args) == 2 and isinstance(call.args[1], (list, tuple)) else list(call.args[1:])
     lhs, arrow, out_letters = eq.partition("->")
     ins = lhs.split(",")
     if "..." in eq or not arrow or len(ins) != len(ops) or len(ops) > 2:
-        raise _Poison("einsum in a form that is not followed ('...', implicit output or 3+ operands)")
+        raise Unfollowable("einsum in a form that is not followed ('...', implicit output or 3+ operands)")
     tracked = [i for i, t in enumerate(ops) if self.sh(t) is not None]
     batch = {c for c in out_letters if all(c in s for s in ins)}
     sizes = {c: t.shape[j] for s, t in zip(ins, ops) for j, c in enumerate(s)}
@@ -675,13 +427,13 @@ def _rule_einsum(self: Rules, call: Call):
     return self.combine(to_out(*reps[0]).clone(), to_out(*reps[1]).clone())
 
 
-def _rule_glu(self: Rules, call: Call):
+def _rule_glu(self: Shadows, call: Call):
     s = self.sh(call.args[0])
     a, b = s.chunk(2, _arg(call, 1, "dim", -1))
     return self.combine(a.clone(), b.clone())
 
 
-def _rule_complex(self: Rules, call: Call):
+def _rule_complex(self: Shadows, call: Call):
     s = self.sh(call.args[0])
     if call.name == "view_as_complex":
         self.fs.union_along(s, -1)

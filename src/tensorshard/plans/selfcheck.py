@@ -81,9 +81,9 @@ class _Outputs(nn.Module):
         self.inner, self.keep = inner, keep
 
     def forward(self, *args, **kwargs):
-        from .trace import _output_tensors
+        from .trace import output_tensors
 
-        outs = _output_tensors(self.inner(*args, **kwargs))
+        outs = output_tensors(self.inner(*args, **kwargs))
         if len(outs) != len(self.keep):
             return tuple(outs)
         return tuple(t for t, k in zip(outs, self.keep) if k)
@@ -217,9 +217,9 @@ def _leaves(inputs: tuple[tuple, dict]) -> list[torch.Tensor]:
 
 
 def _floats(out: Any) -> list[torch.Tensor]:
-    from .trace import _output_tensors
+    from .trace import output_tensors
 
-    return [t for t in _output_tensors(out) if t.is_floating_point()]
+    return [t for t in output_tensors(out) if t.is_floating_point()]
 
 
 def _norm(t: torch.Tensor) -> float:
@@ -252,8 +252,9 @@ def check_plan(module: nn.Module, plan: Plan, world_size: int, *, example_inputs
     ``Replicate()`` entries in front for the failed regions (logged, one line each).
     """
     from ..styles import Heads, Replicate
-    from .infer import find_groups
-    from .trace import as_inputs, synthetic_inputs, trace_model
+    from .groups import find_groups
+    from .inputs import as_inputs, synthetic_inputs
+    from .trace import trace_model
 
     if world_size < 2:
         return plan

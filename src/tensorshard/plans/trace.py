@@ -23,7 +23,6 @@ input plus int64 shadows of the same size; captured module inputs (small) when `
 
 from __future__ import annotations
 
-import inspect
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -39,8 +38,6 @@ from .features import FeatureSet, Ids, compact
 from .oprules import IDENTITY, NO_TRACK, STRUCTURAL, Call, Rules, tensors_of
 
 logger = logging.getLogger(__name__)
-
-BATCH, SEQ = 2, 5  # the tiny synthetic input: 2 sequences of 5 tokens (or 2 x 5 x in_features)
 
 LONG = "long"  # a tensor computed from activations (see Tracer.sources)
 
@@ -343,7 +340,7 @@ class Tracer(TorchFunctionMode):
                 self.suspended -= 1
                 self._layer_output(name, kind, role, x, out)
             if name not in self.split_outputs:
-                self.split_outputs[name] = [self.shadow(t) for t in _output_tensors(out)]
+                self.split_outputs[name] = [self.shadow(t) for t in output_tensors(out)]
             self.stack.pop()
             return None
 
@@ -414,14 +411,18 @@ def trace_model(
     fixed: set[str] = frozenset(),
     capture: bool = True,
 ) -> Trace:
-    """Run `model` once on `inputs` (default: `synthetic_inputs(model)`) and record the evidence.
+    """Run `model` once on `inputs` (default: `inputs.synthetic_inputs(model)`) and record the evidence.
 
     `fixed` names layers already decided to stay whole (or gathered): they are not candidates. The model
     runs in eval mode without gradients; its train/eval flags are restored afterwards and nothing else of
     it changes.
     """
     meta = any(p.is_meta for p in model.parameters())
-    args, kwargs = inputs if inputs is not None else synthetic_inputs(model)
+    if inputs is None:
+        from .inputs import synthetic_inputs
+
+        inputs = synthetic_inputs(model)
+    args, kwargs = inputs
     modes = {m: m.training for m in model.modules()}
     tracer = Tracer(model, set(fixed), capture=capture and not meta, meta=meta)
     tracer.mark_inputs((args, kwargs))
@@ -436,7 +437,7 @@ def trace_model(
         tracer.remove_hooks()
         for m, flag in modes.items():
             m.training = flag
-    for t in _output_tensors(out):
+    for t in output_tensors(out):
         s = tracer.shadow(t)
         if s is not None:
             tracer.poison(s, "reaches the model's output", kind="output")
@@ -446,92 +447,11 @@ def trace_model(
     )
 
 
-def _output_tensors(out: Any) -> list[torch.Tensor]:
+def output_tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, dict):  # includes transformers' ModelOutput
-        return [t for v in out.values() for t in _output_tensors(v)]
+        return [t for v in out.values() for t in output_tensors(v)]
     if isinstance(out, (list, tuple)):
-        return [t for v in out for t in _output_tensors(v)]
+        return [t for v in out for t in output_tensors(v)]
     return []
-
-
-def synthetic_inputs(model: nn.Module, *, generator: torch.Generator | None = None) -> tuple[tuple, dict]:
-    """A tiny input the model accepts: ``input_ids`` for a transformers model, else one shaped for the
-    first layer it holds (ids for an Embedding, (2, 5, in_features) for a Linear, images for a Conv2d)."""
-    return next(iter(input_candidates(model, generator=generator)))
-
-
-def input_candidates(model: nn.Module, *, generator: torch.Generator | None = None):
-    """Tiny inputs to try, best guess first. For a Linear-first model the middle dimension is a guess
-    (5); models that mix tokens with a Linear need it to be their token count, so every in_features of
-    the model is tried next (an MLP-Mixer over 10 tokens takes (2, 10, patch))."""
-    gen = generator or torch.Generator().manual_seed(0)
-    params = _forward_params(model)
-    vocab = _vocab_size(model)
-    if vocab and "input_ids" in params:
-        kwargs: dict[str, Any] = {"input_ids": _on(torch.randint(0, vocab, (BATCH, SEQ), generator=gen), model)}
-        if "use_cache" in params:
-            kwargs["use_cache"] = False
-        yield (), kwargs
-        return
-    first = next(((m, layer_kind(m)) for _, m in model.named_modules() if layer_kind(m) is not None), None)
-    if first is None:
-        raise ValueError(
-            f"{type(model).__name__} holds no Linear, Conv or Embedding layer, so there is nothing to split "
-            "and no input to build; pass example_inputs=... or a plan"
-        )
-    mod, kind = first
-    if kind is EMBEDDING:
-        yield (_on(torch.randint(0, mod.num_embeddings, (BATCH, SEQ), generator=gen), mod),), {}
-        return
-    dtype = mod.weight.dtype if mod.weight.is_floating_point() else torch.float32
-    if kind is CONV:
-        dims = mod.weight.dim() - 2
-        spatial = [max(8, 2 * k) for k in mod.kernel_size][:dims]
-        yield (_on(torch.randn(BATCH, mod.in_channels, *spatial, generator=gen, dtype=dtype), mod),), {}
-        return
-    width = mod.weight.shape[kind.weight_in_dim]
-    sizes = [SEQ] + sorted({m.in_features for m in model.modules() if isinstance(m, nn.Linear)} - {SEQ})
-    for seq in sizes[:8]:
-        yield (_on(torch.randn(BATCH, seq, width, generator=gen, dtype=dtype), mod),), {}
-
-
-def _vocab_size(model: nn.Module) -> int | None:
-    """The vocabulary of a transformers-style model: its input embeddings', else its config's."""
-    getter = getattr(model, "get_input_embeddings", None)
-    try:
-        emb = getter() if callable(getter) else None
-    except Exception:  # some models raise NotImplementedError here
-        emb = None
-    if isinstance(emb, nn.Embedding):
-        return emb.num_embeddings
-    config = getattr(model, "config", None)
-    for cfg in (config, getattr(config, "text_config", None)):
-        vocab = getattr(cfg, "vocab_size", None)
-        if isinstance(vocab, int) and vocab > 0:
-            return vocab
-    return None
-
-
-def _forward_params(model: nn.Module) -> set[str]:
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def _on(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    p = next(module.parameters(), None)
-    if p is None or p.is_meta:
-        return x
-    return x.to(p.device)
-
-
-def as_inputs(example: Any) -> tuple[tuple, dict]:
-    """Normalise user-given example inputs: a tensor, a tuple of positional args, or a dict of kwargs."""
-    if isinstance(example, dict):
-        return (), dict(example)
-    if isinstance(example, (tuple, list)):
-        return tuple(example), {}
-    return (example,), {}
