@@ -43,6 +43,7 @@ class Fallback:
     layers: list[str]
     reason: str
     stage: str  # "structure" or "self-check"
+    paired: bool = True  # had a row: a split that did not happen (a lone column never had one)
 
     def line(self) -> str:
         return f"kept whole ({self.stage}): {_short(self.layers)}: {self.reason}"
@@ -168,7 +169,7 @@ def _record_failures(groups, trace: Trace, fixed: dict[str, str], fallbacks: lis
             continue
         if all(c in fixed for c in g.columns):
             continue  # failed before; nothing new
-        fallbacks.append(Fallback(g.layers, g.reason, stage))
+        fallbacks.append(Fallback(g.layers, g.reason, stage, paired=bool(g.rows) or g.layout is not None))
         for name in g.columns:
             fixed[name] = g.reason
         for name in g.rows:
@@ -227,7 +228,7 @@ def _log_summary(module: nn.Module, world_size: int, r: Inference) -> None:
     parts = [f"{n} x {k}" for k, n in kinds.items()] + [f"{len(r.embeddings)} embedding(s) by vocabulary"] * bool(r.embeddings)
     logger.info(
         "inferred plan for %s over %d device(s): %s; %d fallback(s)%s",
-        type(module).__name__, world_size, ", ".join(parts) or "nothing to split", len(r.fallbacks),
+        type(module).__name__, world_size, ", ".join(parts) or "nothing to split", sum(f.paired for f in r.fallbacks),
         f"; self-checked {r.checked} group(s)" if r.checked else "",
     )
     seen: set[tuple[str, str]] = set()
@@ -235,4 +236,4 @@ def _log_summary(module: nn.Module, world_size: int, r: Inference) -> None:
         key = (".".join("*" if s.isdigit() else s for s in f.layers[0].split(".")), f.reason)
         if key not in seen:
             seen.add(key)
-            logger.info("%s", f.line())
+            logger.log(logging.INFO if f.paired else logging.DEBUG, "%s", f.line())

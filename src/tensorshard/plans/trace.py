@@ -168,7 +168,7 @@ class Tracer(TorchFunctionMode):
         return t.detach().clone().requires_grad_(grad)
 
     def where(self) -> str:
-        return self.stack[-1] if self.stack else "<model>"
+        return (self.stack[-1] if self.stack else "") or "<model>"
 
     def mark_inputs(self, tree: Any) -> None:
         for t in tree_flatten(tree)[0]:
