@@ -94,10 +94,9 @@ def find_groups(trace: Trace) -> list[Group]:
 
     first = owner[roots]
     meets = first != layer  # a class also held by an earlier layer
-    for a, b in [
-        divmod(x, len(names) + 1) for x in torch.unique(layer[meets] * (len(names) + 1) + first[meets]).tolist()
-    ]:
-        join(a, b)
+    width = len(names) + 1
+    for code in torch.unique(layer[meets] * width + first[meets]).tolist():  # (layer, earlier layer) pairs
+        join(*divmod(code, width))
     needer, needed = fs.needs()
     if needer.numel():
         for a, b in torch.unique(torch.stack([owner[needer], owner[needed]], 1), dim=0).tolist():
@@ -301,6 +300,18 @@ def decide_embeddings(trace: Trace, module: nn.Module, world_size: int, fixed: d
         if _validate(module, entries, world_size) is None:
             out.update(entries)
     return out
+
+
+def resolve_conflicts(groups: list[Group]) -> None:
+    """Two groups giving one module different styles (two attentions under one Heads owner, a SumGrads on
+    another group's layer): the later group stays whole."""
+    taken: dict[str, Style] = {}
+    for g in groups:
+        clash = next((k for k, v in g.entries.items() if k in taken and taken[k] != v), None)
+        if clash is not None:
+            g.fail(f"{clash or '<model>'} would need two different styles (another group uses it)")
+            continue
+        taken.update(g.entries)
 
 
 def resolve_ties(module: nn.Module, groups: list[Group], embeddings: dict[str, Style]) -> None:

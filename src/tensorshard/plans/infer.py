@@ -26,7 +26,9 @@ from typing import Any
 from torch import nn
 
 from ..styles import Style
-from .groups import Group, decide, decide_embeddings, escape, find_groups, forget_model, resolve_ties
+from .groups import (
+    Group, decide, decide_embeddings, escape, find_groups, forget_model, resolve_conflicts, resolve_ties,
+)
 from .inputs import as_inputs, input_candidates
 from .plan import Plan, match_pattern
 from .trace import Trace, trace_model
@@ -101,6 +103,7 @@ def _infer(module: nn.Module, world_size: int, example_inputs: Any, check: bool)
         for g in groups:
             decide(g, trace, module, world_size)
         embeddings = decide_embeddings(trace, module, world_size, fixed)
+        resolve_conflicts(groups)
         resolve_ties(module, groups, embeddings)
         retrace = _record_failures(groups, trace, fixed, fallbacks, "structure")
         if not retrace and check:
