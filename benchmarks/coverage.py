@@ -61,11 +61,12 @@ EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_expe
 TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k")
 SMALL = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
          "n_shared_experts": 1, "num_shared_experts": 1, "first_k_dense_replace": 1, "sliding_window": 64,
-         "vocab_size": 512, "n_group": 1, "n_groups": 1, "topk_group": 1, "num_codebooks": 2, "rotary_dim": 8,
+         "vocab_size": 512, "n_group": 1, "n_groups": 1, "topk_group": 1, "num_expert_group": 1, "num_codebooks": 2, "rotary_dim": 8,
          "state_size": 16, "time_step_rank": 8, "num_kv_shared_layers": 0, "zero_expert_num": 2,
          "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8, "num_layers_per_stack": 1,
          # state-space and linear-attention mixers of hybrid models
          "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_dt_rank": 8, "n_mamba_heads": 2,
+         "mamba_d_ssm": 128,
          "linear_head_dim": 16, "linear_num_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
          "linear_num_key_heads": 2, "linear_num_value_heads": 4,
          "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1}
@@ -144,6 +145,11 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False) -> None:
         put("qk_head_dim", SMALL["qk_rope_head_dim"] + SMALL["qk_nope_head_dim"])
     if "expand" in values and "num_heads" in values and "head_dim" in values:  # Mamba-2: heads x head_dim = expand x hidden
         put("num_heads", values["expand"] * 64 // 16)
+    if any(values.get(k) for k in EXPERTS) and any(k in values and values[k] is None for k in TOP_K):
+        put(next(k for k in TOP_K if k in values), 2)  # DeepSeek-V2's default leaves the top-k unset
+    kinds = getattr(cfg, "layer_types", None)
+    if isinstance(kinds, list) and len(kinds) > 1 and set(kinds) == {"linear_attention"}:
+        put("layer_types", kinds[:-1] + ["full_attention"])  # a default without attention layers cannot cache
     if "attn_layer_indices" in values and values["attn_layer_indices"] is None and "mamba_n_heads" in values:
         put("attn_layer_indices", [1])  # Bamba's default has no attention layer, which its cache cannot handle
     if "is_decoder" in values and not getattr(cfg, "is_encoder_decoder", False):

@@ -110,6 +110,9 @@ class Shadows:
             else:
                 args.append(tree_map(as_index, a))
         kwargs = {k: (as_data(v) if k in ("src", "source", "values", "value") else tree_map(as_index, v)) for k, v in call.kwargs.items()}
+        if call.name == "view" and not any(isinstance(a, torch.dtype) for a in args[1:]):
+            # A shadow may be an expanded view where the real tensor is contiguous: reshape, same ids.
+            return torch.Tensor.reshape(*args, **kwargs)
         return call.func(*args, **kwargs)
 
     def elementwise(self, out_shape, operands: list, extra: list[Ids] = ()) -> Ids:

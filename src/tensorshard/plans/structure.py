@@ -130,15 +130,19 @@ def infer_layout(
     for name, p in passes.items():
         # In head_dims where they divide ("q*3": q, k and v of each head side by side), else in this layer's
         # own unit (block_partition derives a layer's head size from its width and its blocks).
-        base = {"q": head_dim, "kv": kv_head_dim or head_dim}
+        base = {"q": head_dim, "kv": head_dim}  # k|v of one head side by side (MQA, fused): "kv*2"
         if not all(n % base[kind] == 0 for kind, n in p):
             unit = math.gcd(*(n for _, n in p))
             base = {"q": unit, "kv": unit}
         blocks[name] = tuple(kind if n == base[kind] else f"{kind}*{n // base[kind]}" for kind, n in p)
-    if order_kv and kv_head_dim != head_dim:
+    # A key/value unit is a key head and its value head: one or two head_dims of features over all layers
+    # (k_proj and v_proj, or k|v side by side in a fused layer). A shared unit of another size is something
+    # else (a state-space mixer's input read by every channel), not grouped-query attention.
+    kv_total = sum(n for p in passes.values() for kind, n in p if kind == "kv")
+    if order_kv and kv_total not in (head_dim, 2 * head_dim):
         raise LayoutError(
-            f"the shared units hold {kv_head_dim} features but the others {head_dim}: not key/value heads "
-            "of grouped-query attention"
+            f"the shared units hold {kv_total} features and the others {head_dim}: not key/value heads of "
+            "grouped-query attention"
         )
     uses_kv = any(kind == "kv" for p in passes.values() for kind, _ in p)
     return Layout(
