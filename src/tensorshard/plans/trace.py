@@ -209,9 +209,12 @@ class Tracer(TorchFunctionMode):
                 self._collapsed(name, out)
             finally:
                 self.suspended -= 1
-        elif leaves and (name in STRUCTURAL or name in IDENTITY) and self.derived(leaves[0]):
+        elif leaves and any(self.derived(t) for t in leaves):
+            # Ids stay ids through shape ops and integer arithmetic (a clamp, a where, an offset).
+            shaped = name in STRUCTURAL or name in IDENTITY
             for t in tensors_of(out):
-                self._derived[id(t)] = t
+                if shaped or not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+                    self._derived[id(t)] = t
         return out
 
     def _collapsed(self, name: str, out: Any) -> None:
