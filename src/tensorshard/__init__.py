@@ -25,9 +25,11 @@ from .engines.inprocess import TensorParallel
 from .engines.torchrun import parallelize, synchronize_rng
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
+from .plans.explain import explain
+from .plans.infer import infer_plan
 from .plans.plan import Plan
 from .plans.presets import preset_for
-from .plans.presets.styles import AttentionHeads, SumGradients
+from .plans.presets.styles import AttentionHeads
 from .loss_parallel import vocab_parallel_cross_entropy
 from .styles import (
     ColwiseParallel,
@@ -39,6 +41,7 @@ from .styles import (
     SequenceParallel,
     ShardParams,
     Style,
+    SumGradients,
     VocabParallelHead,
 )
 
@@ -69,8 +72,10 @@ __all__ = [
     "check_same_inputs",
     "convert_state_dict",
     "count_collectives",
+    "explain",
     "from_pretrained",
     "gathered_state_dict",
+    "infer_plan",
     "infer_sharded_device_map",
     "load_sharded",
     "memory_per_device",

@@ -23,6 +23,7 @@ def tensor_parallel(
     sharded_param_names: Sequence[str] | None = None,
     timeout: float | None = None,
     debug: bool | None = None,
+    check: bool | None = None,
 ) -> nn.Module:
     """Split `module` over devices, tensor-parallel.
 
@@ -47,6 +48,8 @@ def tensor_parallel(
         timeout: seconds a shard may wait at a collective before the call fails (default 300, or
             TENSORSHARD_TIMEOUT). docs/errors.md lists what each failure raises.
         debug: run all shards on one device, one at a time (also TENSORSHARD_DEBUG=1).
+        check: verify the plan numerically, region by region, before splitting (docs/automatic-plans.md);
+            regions that fail stay whole. Default: on for inferred plans, off for presets and given plans.
     """
     if plan is not None and tensor_parallel_config is not None:
         raise ValueError("pass either plan= or tensor_parallel_config= (its old name), not both")
@@ -67,7 +70,7 @@ def tensor_parallel(
         )
     options = dict(
         output_device=output_device, plan=plan, timeout=timeout, debug=debug,
-        sharded=bool(sharded), sharded_param_names=sharded_param_names,
+        sharded=bool(sharded), sharded_param_names=sharded_param_names, check=check,
     )
     if _is_transformers_model(module):  # still an instance of its class: generate, save_pretrained, ...
         from .integrations.transformers import tensor_parallel_pretrained

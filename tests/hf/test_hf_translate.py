@@ -9,7 +9,7 @@ import transformers as T
 
 import tensorshard as tp
 from helpers import rel_err
-from tensorshard.plans.presets.styles import SumGradients
+from tensorshard.styles import SumGradients
 from tensorshard.plans.presets.translate import translate_tp_plan
 
 pytestmark = pytest.mark.timeout(120)

@@ -91,3 +91,51 @@ def test_wrapper_keeps_the_module_mode():
     ref = Transformer().eval()
     model = split_copy(ref, 2, plan=plans.transformer(8, 2))
     assert not model.training and not model.module_shards[1].layers[0].training
+
+
+# --- no plan: the plan is inferred from the model (tensorshard.plans.infer) and self-checked -------------
+
+
+def styles(model, plan) -> dict:
+    """What a plan does to each module (patterns may differ: "w[13]" or "w1" and "w3")."""
+    return {name: a.style for name, a in plan.assign(model).items()}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_feed_forward_without_a_plan(n, gen):
+    torch.manual_seed(0)  # fixed weights: AdamW turns rounding in near-zero gradients into 1e-4 for rare inits
+    ref = FeedForward(64, 176)
+    model = split_copy(ref, n)
+    if n > 1:
+        assert styles(ref, model.plan) == styles(ref, plans.FEED_FORWARD)
+    check_training_parity(ref, model, lambda: torch.randn(4, 7, 64, generator=gen))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_transformer_without_a_plan(n, gen):
+    torch.manual_seed(0)
+    ref = Transformer(dim=64, n_heads=8, n_kv_heads=2, hidden=176)
+    model = split_copy(ref, n)
+    check_training_parity(ref, model, lambda: torch.randint(0, 96, (2, 9), generator=gen))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_conv_net_without_a_plan(n, gen):
+    torch.manual_seed(0)
+    ref = ConvNet(channels=12)
+    model = split_copy(ref, n)
+    if n > 1:
+        assert styles(ref, model.plan) == styles(ref, plans.CONV_NET)  # the classifier (12 -> 10) stays whole
+    check_training_parity(ref, model, lambda: torch.randn(3, 3, 6, 6, generator=gen))
+
+
+@pytest.mark.parametrize(
+    "n_heads, n_kv_heads, dim, n",
+    [(9, 9, 72, 2), (8, 2, 64, 4), (9, 3, 72, 2), (9, 3, 72, 4), (6, 6, 48, 4)],
+)
+def test_uneven_and_grouped_heads_without_a_plan(n_heads, n_kv_heads, dim, n, gen):
+    torch.manual_seed(0)
+    ref = Transformer(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, hidden=176)
+    model = split_copy(ref, n)
+    assert styles(ref, model.plan) == styles(ref, plans.transformer(n_heads, n_kv_heads))  # the hand plan, found
+    check_training_parity(ref, model, lambda: torch.randint(0, 96, (2, 9), generator=gen))

@@ -74,6 +74,7 @@ class TensorParallel(nn.Module):
         sharded: ZeRO-3 for the parameters the plan leaves whole (see engines/zero.py). Off here;
             `tensor_parallel()` turns it on by default when training.
         sharded_param_names: which of them to partition (default: every trainable one).
+        check: self-check the plan before splitting (see `tensor_parallel`).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class TensorParallel(nn.Module):
         debug: bool | None = None,
         sharded: bool = False,
         sharded_param_names: Sequence[str] | None = None,
+        check: bool | None = None,
     ) -> None:
         # nn.Module's own constructor, not super(): a subclass may also inherit the wrapped model's class
         # (integrations/transformers does), whose constructor would build a fresh model.
@@ -111,7 +113,7 @@ class TensorParallel(nn.Module):
         from ..plans import resolve_plan  # late import: presets and inference import the engine's styles
 
         world = len(devices)
-        self.plan = resolve_plan(module, plan, world)
+        self.plan = resolve_plan(module, plan, world, check=check)
         layout = shard_plan(module, self.plan, world)  # raises on any plan error; the model is untouched
         only = sorted(
             {f"{ms.name or '<root>'}: {ms.style.describe()}" for ms in layout.modules.values() if getattr(ms.style, "torchrun_only", False)}

@@ -1,13 +1,242 @@
-"""Plan inference from a model's structure."""
+"""Plan inference: a plan for a model nobody wrote one for, read from how its features flow.
+
+    plan = tp.infer_plan(model, world_size=4)           # a Plan like a hand-written one
+    report = tp.plans.infer.infer(model, 4, check=True)  # the plan, its groups and every fallback
+
+1. Trace (trace.py): one forward pass on a tiny synthetic input records, per column candidate, which
+   features must stay together (units), which rows consume them, and what poisons them.
+2. Group and decide (groups.py): columns and rows that share units form a group (an attention, an MLP,
+   the output head); a group whose units lay out as blocks (structure.py) is split, the vocabulary head
+   gathers its output, the embedding of the input ids is split by vocabulary. Everything else stays whole,
+   and each such fallback is logged once with its reason.
+3. A group that falls back frees its rows to pair with later layers: trace again with its columns fixed,
+   until nothing changes. With ``check=True`` every split group is then verified numerically in
+   isolation (selfcheck.py); a mismatch is one more fallback.
+
+The communication this reaches is a hand-written plan's: per transformer block one all-reduce forward
+after attention and one after the MLP, and one backward for each (q, k, v read one tensor).
+"""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+from typing import Any
+
 from torch import nn
 
-from .plan import Plan
+from ..styles import Style
+from .groups import (
+    Group, decide, decide_embeddings, escape, find_groups, forget_model, resolve_conflicts, resolve_ties,
+)
+from .inputs import as_inputs, input_candidates
+from .plan import Plan, match_pattern
+from .trace import Trace, trace_model
+
+logger = logging.getLogger(__name__)
+
+MAX_ROUNDS = 8
 
 
-def infer_plan(module: nn.Module, world_size: int) -> Plan:
-    raise NotImplementedError(
-        f"no preset for {type(module).__name__} and plan inference is not available yet; pass plan=tp.Plan({{...}})"
+
+
+@dataclass
+class Fallback:
+    layers: list[str]
+    reason: str
+    stage: str  # "structure" or "self-check"
+    paired: bool = True  # had a row: a split that did not happen (a lone column never had one)
+
+    def line(self) -> str:
+        return f"kept whole ({self.stage}): {_short(self.layers)}: {self.reason}"
+
+
+@dataclass
+class Inference:
+    """The result of `infer`: the plan and how it came about."""
+
+    plan: Plan
+    groups: list[Group]
+    embeddings: dict[str, Style]
+    fallbacks: list[Fallback]
+    trace: Trace
+    rounds: int
+    checked: int = 0
+
+
+def infer_plan(
+    module: nn.Module, world_size: int, *, example_inputs: Any = None, check: bool = False
+) -> Plan:
+    """A plan for `module` over `world_size` devices, inferred from its structure (see module docstring).
+
+    Args:
+        example_inputs: what to run the model on (a tensor, a tuple of args or a dict of kwargs);
+            default: ``input_ids`` for a transformers model, else a tiny input shaped for its first layer.
+        check: verify every split group numerically on a copy of its module, keeping the ones that fail
+            whole (see selfcheck.py for the memory it needs).
+    """
+    return infer(module, world_size, example_inputs=example_inputs, check=check).plan
+
+
+def infer(module: nn.Module, world_size: int, *, example_inputs: Any = None, check: bool = False) -> Inference:
+    """`infer_plan` with the full report: groups, fallbacks and the last trace."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"plan inference reads an nn.Module; got {type(module).__name__}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    forget_model()
+    try:
+        return _infer(module, world_size, example_inputs, check)
+    finally:
+        forget_model()
+
+
+def _infer(module: nn.Module, world_size: int, example_inputs: Any, check: bool) -> Inference:
+    inputs = as_inputs(example_inputs) if example_inputs is not None else _first_input_that_runs(module)
+    fixed: dict[str, str] = {}
+    fallbacks: list[Fallback] = []
+    verdicts: dict = {}  # self-check results by region structure and entries
+    checked = 0
+    for rounds in range(1, MAX_ROUNDS + 1):
+        trace = _run(module, inputs, fixed, capture=check)
+        groups = find_groups(trace)
+        for g in groups:
+            decide(g, trace, module, world_size)
+        embeddings = decide_embeddings(trace, module, world_size, fixed)
+        resolve_conflicts(groups)
+        resolve_ties(module, groups, embeddings)
+        retrace = _record_failures(groups, trace, fixed, fallbacks, "structure")
+        if not retrace and check:
+            from .selfcheck import check_entries
+
+            for g in groups:
+                if g.outcome != "whole":
+                    checked += 1
+                    verdict = check_entries(module, trace, g.entries, world_size, verdicts)
+                    if verdict is not None:
+                        g.fail(f"self-check: {verdict}")
+            for name, style in list(embeddings.items()):
+                checked += 1
+                verdict = check_entries(module, trace, {name: style}, world_size, verdicts)
+                if verdict is not None:
+                    del embeddings[name]
+                    fixed[name] = verdict
+                    fallbacks.append(Fallback([name], f"self-check: {verdict}", "self-check"))
+            resolve_ties(module, groups, embeddings)
+            retrace = _record_failures(groups, trace, fixed, fallbacks, "self-check")
+        if not retrace:
+            break
+    plan = assemble(module, groups, embeddings)
+    result = Inference(plan, groups, embeddings, fallbacks, trace, rounds, checked)
+    _log_summary(module, world_size, result)
+    return result
+
+
+def _first_input_that_runs(module: nn.Module):
+    """The first synthetic input the model runs on (see `input_candidates`), or the error of the first."""
+    candidates = list(input_candidates(module))
+    if len(candidates) == 1:
+        return candidates[0]  # nothing to choose: the traced pass itself reports a failure
+    first_error = None
+    for inputs in candidates:
+        try:
+            trace_model(module, inputs, capture=False)
+            return inputs
+        except Exception as e:
+            first_error = first_error or e
+    _run(module, next(iter(input_candidates(module))), {}, False)  # raises, with the first guess's error
+    raise first_error  # pragma: no cover
+
+
+def _run(module: nn.Module, inputs, fixed: dict[str, str], capture: bool) -> Trace:
+    try:
+        return trace_model(module, inputs, fixed=set(fixed), capture=capture)
+    except Exception as e:
+        raise RuntimeError(
+            f"plan inference could not run {type(module).__name__} on its example input ({type(e).__name__}: {e}). "
+            "Pass one it accepts: tp.tensor_parallel(model, devices, plan=tp.infer_plan(model, len(devices), "
+            "example_inputs=(x,))), or write a plan."
+        ) from e
+
+
+# --- groups ---------------------------------------------------------------------------------------------
+
+
+
+
+def _record_failures(groups, trace: Trace, fixed: dict[str, str], fallbacks: list[Fallback], stage: str) -> bool:
+    """Fix the columns of failed groups (and layers that can never split); True when a trace must rerun."""
+    retrace = False
+    for g in groups:
+        if g.outcome != "whole" or not g.reason:
+            continue
+        if all(c in fixed for c in g.columns):
+            continue  # failed before; nothing new
+        fallbacks.append(Fallback(g.layers, g.reason, stage, paired=bool(g.rows) or g.layout is not None))
+        for name in g.columns:
+            fixed[name] = g.reason
+        for name in g.rows:
+            info = trace.layers[name]
+            if info.foreign or len(info.roles) > 1:
+                fixed[name] = g.reason
+        # Its rows may pair with later layers, and layers its features reached may be columns: trace again.
+        retrace = True
+    return retrace
+
+
+# --- the plan -------------------------------------------------------------------------------------------
+
+
+def assemble(module: nn.Module, groups: list[Group], embeddings: dict[str, Style]) -> Plan:
+    """Entries in module order; repeated layers collapse to one glob (``layers.*.attn.wq``) when every
+    module the glob matches gets the same style."""
+    decided: dict[str, Style] = dict(embeddings)
+    for g in groups:
+        decided.update(g.entries)
+    names = [n for n, _ in module.named_modules()]
+    by_depth: dict[int, list[str]] = {}
+    for n in names:
+        by_depth.setdefault(n.count("."), []).append(n)
+    entries: list[tuple[str, Style]] = []
+    emitted: set[str] = set()
+    for name in names:
+        if name not in decided:
+            continue
+        style = decided[name]
+        pattern = ".".join("*" if seg.isdigit() else seg for seg in name.split(".")) if name else name
+        if pattern != name:
+            matched = [n for n in by_depth[name.count(".")] if match_pattern(pattern, n)]
+            if not all(decided.get(n) == style for n in matched):
+                pattern = escape(name)
+        else:
+            pattern = escape(name)
+        if pattern not in emitted:
+            emitted.add(pattern)
+            entries.append((pattern, style))
+    return Plan(entries)
+
+
+
+
+def _short(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _log_summary(module: nn.Module, world_size: int, r: Inference) -> None:
+    kinds: dict[str, int] = {}
+    for g in r.groups:
+        if g.outcome != "whole":
+            kinds[g.describe()] = kinds.get(g.describe(), 0) + 1
+    parts = [f"{n} x {k}" for k, n in kinds.items()] + [f"{len(r.embeddings)} embedding(s) by vocabulary"] * bool(r.embeddings)
+    logger.info(
+        "inferred plan for %s over %d device(s): %s; %d fallback(s)%s",
+        type(module).__name__, world_size, ", ".join(parts) or "nothing to split", sum(f.paired for f in r.fallbacks),
+        f"; self-checked {r.checked} group(s)" if r.checked else "",
     )
+    seen: set[tuple[str, str]] = set()
+    for f in r.fallbacks:
+        key = (".".join("*" if s.isdigit() else s for s in f.layers[0].split(".")), f.reason)
+        if key not in seen:
+            seen.add(key)
+            logger.log(logging.INFO if f.paired else logging.DEBUG, "%s", f.line())

@@ -9,6 +9,7 @@ from .row import RowwiseParallel
 from .sequence import RowwiseToSequence, SequenceParallel
 from .shard_params import ShardParams
 from .vocab_head import VocabParallelHead
+from .sum_gradients import SumGradients
 
 __all__ = [
     "STYLES",
@@ -23,4 +24,5 @@ __all__ = [
     "ShardParams",
     "Style",
     "VocabParallelHead",
+    "SumGradients",
 ]

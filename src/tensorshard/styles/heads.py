@@ -8,11 +8,13 @@ does two things:
 - the listed attributes, which the module's forward uses to reshape, are set to each device's local
   value: ``heads`` (query heads here), ``kv_heads``, ``groups`` (query heads per KV head), and with
   ``head_dim`` given, ``features`` (heads * head_dim) and ``kv_features``. A dotted path such as
-  ``"config.num_attention_heads"`` reaches into an attribute's object (each device has its own copy).
+  ``"config.num_attention_heads"`` reaches into an attribute's object; that object is copied for this
+  module first, so a config shared by all layers keeps its global values everywhere else.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -64,6 +66,12 @@ class Heads(Style):
         if self.head_dim is not None:
             local["features"] = local["heads"] * self.head_dim
             local["kv_features"] = local["kv_heads"] * self.head_dim
+        for first in {path.split(".")[0] for path in self.attrs if "." in path}:
+            # "config.num_attention_heads": the config object is shared by every layer of this device's copy
+            # of the model; this module gets its own (shallow) copy, so only it sees the local count.
+            shared = getattr(module, first, None)
+            if shared is not None and not isinstance(shared, nn.Module):
+                setattr(module, first, copy.copy(shared))
         for path, quantity in self.attrs.items():
             owner, attr = _resolve(module, path, ctx.name)
             setattr(owner, attr, local[quantity])

@@ -12,10 +12,9 @@ q|k|v output with ``config.num_attention_heads`` and ``num_key_value_heads``, so
 
 from __future__ import annotations
 
-from ...styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, ShardParams
+from ...styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, ShardParams, SumGradients
 from ..plan import Plan
 from . import preset
-from .styles import SumGradients
 
 
 def _attention(config, **extra_attrs: str) -> dict:

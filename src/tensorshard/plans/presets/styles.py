@@ -1,12 +1,7 @@
-"""Styles for transformers presets that `Heads` and the layer styles do not cover.
+"""`AttentionHeads`, a style for transformers presets that `Heads` does not cover.
 
 `AttentionHeads`: `Heads`, plus per-head inputs built outside the attention (ALiBi biases) and a guard for
 fused layouts that keep each KV group's query heads next to its K and V.
-
-`SumGradients`: a module kept whole on every device that each device runs on its own share of split
-activations (Qwen3's q_norm / k_norm, over head_dim, applied to this device's heads only). Its forward is
-exact, but each device's gradient covers only its heads: the gradients are summed over devices (one
-all-reduce per use in backward), as transformers' "replicated_with_grad_allreduce" does.
 
     "h.*.self_attention": AttentionHeads(num_heads=16, head_dim=64, attrs={"num_heads": "heads"},
                                          head_inputs={"alibi": "batch*heads"})
@@ -94,32 +89,5 @@ class AttentionHeads(Heads):
                 if isinstance(value, torch.Tensor):
                     bound.arguments[arg] = local(value, layout)
             return run(*bound.args, **bound.kwargs)
-
-        wrap_forward(module, forward)
-
-
-@register("sum_gradients")
-@dataclass(frozen=True, kw_only=True)
-class SumGradients(Style):
-    """Keep the module whole on every device and sum its own parameters' gradients over the devices.
-
-    For a module each device runs on its share of split activations (see the module docstring). Using it
-    on a module that runs on replicated activations would multiply its gradients by the device count.
-    """
-
-    def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
-        comm, name = ctx.comm, ctx.name
-        everyone = [list(range(ctx.world_size))]
-        names = [n for n, p in module.named_parameters(recurse=False)]
-        run = original_forward(module)
-
-        def forward(*args, **kwargs):
-            held = {n: module._parameters[n] for n in names}
-            try:
-                for n in names:  # the forward sees the parameter through `tie`: identity, summed gradient
-                    module._parameters[n] = comm.tie(held[n], everyone, where=f"{name}.{n}")
-                return run(*args, **kwargs)
-            finally:
-                module._parameters.update(held)
 
         wrap_forward(module, forward)

@@ -29,9 +29,8 @@ from collections import defaultdict
 
 from torch import nn
 
-from ...styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style
+from ...styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style, SumGradients
 from ..plan import Plan, match_pattern
-from .styles import SumGradients
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,460 @@
+"""One forward pass on a tiny input that records where split features could flow: the evidence for plans.
+
+`trace_model(model, inputs)` runs the model once, in eval mode and without gradients, under a
+`TorchFunctionMode` (every torch function and tensor method passes through it). Each supported layer the
+pass reaches plays a role, decided from its input:
+
+- input whole -> **column** candidate: its output features get fresh ids (`FeatureSet`), and the output
+  carries a shadow of those ids (see oprules.py for how shadows follow the data);
+- input carrying split features on its feature dimension -> **row** candidate (the features' consumer);
+  when all its input features belong to one unit (a per-head projection) it runs **through**, whole;
+- an embedding fed with the model's own input ids -> vocabulary-split candidate.
+
+Anything that reads split features in a way a split model cannot reproduce *poisons* them (with a reason
+and the module where it happened): the model's outputs, host reads, ops without a rule, a layer kept whole.
+The parameters of a layer used outside its own forward (a tied head computed with ``F.linear``) pin it
+whole. The inputs of every module are captured (copies) for the self-check.
+
+Models on the meta device are traced too (for `tensorshard plan` on a 7B config): tensors that do not
+depend on parameters (position ids, masks) are computed for real on the CPU, so data-dependent checks in
+the model's code still work; only parameter-derived values stay on meta. Memory: activations of the tiny
+input plus int64 shadows of the same size; captured module inputs (small) when `capture=True`.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..layers import CONV, EMBEDDING, LayerKind, layer_kind
+from .features import FeatureSet, Ids, compact
+from .oprules import IDENTITY, NO_TRACK, STRUCTURAL, Call, Rules, tensors_of
+
+logger = logging.getLogger(__name__)
+
+LONG = "long"  # a tensor computed from activations (see Tracer.sources)
+
+_FACTORIES = set(
+    "arange zeros ones full empty tensor as_tensor rand randn randint randperm eye linspace logspace "
+    "empty_strided scalar_tensor tril_indices triu_indices zeros_like ones_like full_like empty_like".split()
+)
+
+
+@dataclass
+class LayerCall:
+    role: str  # "column" | "row" | "through" | "embedding" | "whole"
+    input_id: int  # id() of the input tensor (columns reading the same tensor share one backward all-reduce)
+    row_ids: Ids | None = None  # the input's shadow, for rows
+
+
+@dataclass
+class LayerInfo:
+    """A supported layer (Linear, HF Conv1D, Conv, Embedding) and what the traced pass did with it."""
+
+    name: str
+    module: nn.Module
+    kind: LayerKind
+    out_ids: Ids | None = None  # ids of its output features, once it ran as a column
+    calls: list[LayerCall] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)  # uses of its parameters outside its own forward
+    reads_model_input: bool = False  # an embedding looked up with the model's input ids
+
+    @property
+    def roles(self) -> set[str]:
+        return {c.role for c in self.calls}
+
+
+@dataclass(eq=False)
+class Poison:
+    ids: Ids
+    reason: str
+    where: str
+    kind: str = "op"  # "output" when the features reach the model's output
+
+
+@dataclass
+class Trace:
+    """What one traced pass found. `fs` holds the final classes of the column features."""
+
+    fs: FeatureSet
+    layers: dict[str, LayerInfo]
+    poisons: list[Poison]
+    captures: dict[str, tuple[tuple, dict] | None]  # module -> (args, kwargs) of its first call
+    call_order: list[str]  # modules in the order they were first called
+    inputs: tuple[tuple, dict]
+    syncs: list["Sync"] = field(default_factory=list)
+    split_outputs: dict[str, list[Ids | None]] = field(default_factory=dict)  # module -> shadow per output
+
+
+@dataclass(eq=False)
+class Sync:
+    """Whole parameters read by split computations: each device would see part of their gradient."""
+
+    params: list[tuple[str, str]]  # (owning module, parameter name)
+    ids: Ids  # the split features they meet
+
+
+class Tracer(TorchFunctionMode):
+    def __init__(self, model: nn.Module, fixed: set[str], *, capture: bool, meta: bool) -> None:
+        super().__init__()
+        self.fs = FeatureSet()
+        self.rules = Rules(self)
+        self.meta = meta
+        self.capture = capture
+        self.fixed = fixed
+        self.suspended = 0
+        self.stack: list[str] = []
+        self._shadows: dict[int, tuple[torch.Tensor, Ids]] = {}
+        self._derived: dict[int, torch.Tensor] = {}  # tensors derived from the model's inputs by shape ops
+        self.poisons: list[Poison] = []
+        self.captures: dict[str, tuple[tuple, dict]] = {}
+        self.call_order: list[str] = []
+        self.layers: dict[str, LayerInfo] = {}
+        self.param_owner: dict[int, list[str]] = {}
+        self.syncs: list[Sync] = []
+        self._sources: dict[int, tuple[weakref.ref, Any]] = {}
+        self.split_outputs: dict[str, list[Ids | None]] = {}
+        self.param_names: dict[int, tuple[str, str]] = {}
+        for mname, mod in model.named_modules():
+            for pname, p in mod._parameters.items():
+                if p is not None:
+                    self.param_names.setdefault(id(p), (mname, pname))
+        self._frames: list = []  # one per module call in progress (None: not traced)
+        self._inputs: list = []
+        self._hooks = []
+        for name, mod in model.named_modules():
+            kind = layer_kind(mod)
+            if kind is not None:
+                self.layers[name] = LayerInfo(name, mod, kind)
+                for p in mod.parameters(recurse=False):
+                    self.param_owner.setdefault(id(p), []).append(name)
+            self._hooks.append(mod.register_forward_pre_hook(self._pre_hook(name, kind), with_kwargs=True))
+            self._hooks.append(mod.register_forward_hook(self._post_hook(name, kind), with_kwargs=True))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # -- shadows ---------------------------------------------------------------------------------------
+
+    def shadow(self, t: torch.Tensor) -> Ids | None:
+        entry = self._shadows.get(id(t))
+        return entry[1] if entry is not None and entry[0] is t else None
+
+    def set_shadow(self, t: torch.Tensor, ids: Ids | None) -> None:
+        if ids is None:
+            self._shadows.pop(id(t), None)
+        else:
+            self._shadows[id(t)] = (t, ids)
+
+    def poison(self, ids: Ids, reason: str, kind: str = "op") -> None:
+        ids = self.fs.distinct(ids)
+        if ids.numel():
+            self.poisons.append(Poison(ids, reason, self.where(), kind))
+
+    def _copy(self, t: Any) -> Any:
+        """A captured input, marked as needing a gradient when it would in training."""
+        if not isinstance(t, torch.Tensor):
+            return t
+        grad = t.is_floating_point() and (t.requires_grad or self.sources(t) is not None)
+        return t.detach().clone().requires_grad_(grad)
+
+    def where(self) -> str:
+        return (self.stack[-1] if self.stack else "") or "<model>"
+
+    def mark_inputs(self, tree: Any) -> None:
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor):
+                self._derived[id(t)] = t
+
+    def derived(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and self._derived.get(id(t)) is t
+
+    # -- the mode --------------------------------------------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.suspended:
+            return func(*args, **kwargs)
+        name = _name(func)
+        if name in NO_TRACK:
+            return func(*args, **kwargs)
+        if self.meta:
+            args, kwargs = self._meta_args(name, args, kwargs)
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        for t in leaves:
+            owners = self.param_owner.get(id(t))
+            if owners:
+                for owner in owners:
+                    self.layers[owner].foreign.append(f"{name} in {self.where()}")
+        out = func(*args, **kwargs)
+        if self.meta and name in ("to", "cuda", "type_as") and isinstance(out, torch.Tensor):
+            if out.is_meta and args and isinstance(args[0], torch.Tensor) and not args[0].is_meta:
+                out = args[0].to(dtype=out.dtype)  # keep values that do not depend on weights real
+        tracked = [self.shadow(t) for t in leaves if self.shadow(t) is not None]
+        self._record_sources(leaves, out, bool(tracked))
+        if tracked:
+            self.suspended += 1
+            try:
+                self.rules.apply(Call(func, name, args, kwargs, out))
+                self._gradient_sources(name, leaves, tracked)
+                self._collapsed(name, out)
+            finally:
+                self.suspended -= 1
+        elif leaves and any(self.derived(t) for t in leaves):
+            # Ids stay ids through shape ops and integer arithmetic (a clamp, a where, an offset).
+            shaped = name in STRUCTURAL or name in IDENTITY
+            for t in tensors_of(out):
+                if shaped or not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+                    self._derived[id(t)] = t
+        return out
+
+    def _collapsed(self, name: str, out: Any) -> None:
+        """Once one class holds every feature of a column, its group has a single unit and cannot split:
+        stop following those features, so they do not make the layers after them look like rows."""
+        for t in tensors_of(out):
+            s = self.shadow(t)
+            if s is None:
+                continue
+            roots = self.fs.find(compact(s)).reshape(-1)
+            if roots.numel() == 0 or not bool((roots == roots[0]).all()):
+                continue
+            for info in self.layers.values():
+                ids = info.out_ids
+                if ids is not None and ids.numel() > 1 and bool((self.fs.find(ids) == roots[0]).all()):
+                    self.poison(s, f"{name} mixes all output features of {info.name}; nothing is left to split")
+                    self.set_shadow(t, None)
+                    break
+
+    # -- which whole tensors would carry gradients --------------------------------------------------------
+    #
+    # The pass runs without autograd (memory); instead each tensor it makes records where its gradient
+    # would go: the parameters it is computed from, when it is computed from parameters alone (a norm
+    # weight, ``1 + weight``), or LONG when it derives from activations (a hidden state, a layer's output).
+
+    def sources(self, t: torch.Tensor):
+        if id(t) in self.param_names:
+            return frozenset([id(t)]) if t.requires_grad else None
+        entry = self._sources.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else (LONG if t.requires_grad else None)
+
+    def set_sources(self, t: torch.Tensor, value) -> None:
+        if value is None:
+            self._sources.pop(id(t), None)
+        else:
+            self._sources[id(t)] = (weakref.ref(t), value)
+
+    def _record_sources(self, leaves: list[torch.Tensor], out: Any, tracked: bool) -> None:
+        found: set[int] = set()
+        value = LONG if tracked else None
+        if value is None:
+            for t in leaves:
+                s = self.sources(t)
+                if s is LONG:
+                    value = LONG
+                    break
+                if s:
+                    found |= s
+            else:
+                value = frozenset(found) if found else None
+        for t in tensors_of(out):
+            if t.is_floating_point() or t.is_complex():
+                self.set_sources(t, value)
+
+    def _gradient_sources(self, name: str, leaves: list[torch.Tensor], tracked: list[Ids]) -> None:
+        """A whole tensor with a gradient meeting split features gets only part of its gradient on each
+        device. Parameters computed into it directly can have their gradients summed (SumGradients); a tensor
+        computed from activations cannot: poison."""
+        ids = torch.cat([compact(t).reshape(-1) for t in tracked])
+        for t in leaves:
+            if self.shadow(t) is not None or t.numel() == 0:
+                continue
+            s = self.sources(t)
+            if s is LONG:
+                self.poison(ids, f"{name} combines split features with a whole tensor whose gradient would be partial")
+            elif s:
+                self.syncs.append(Sync([self.param_names[p] for p in s], self.fs.distinct(ids)))
+
+    def _meta_args(self, name: str, args: tuple, kwargs: dict):
+        """On a meta model: factories build real CPU tensors; a real tensor meeting a meta one goes meta."""
+        if name in _FACTORIES or name.startswith("new_"):
+            dev = kwargs.get("device")
+            if dev is not None and torch.device(dev).type == "meta":
+                kwargs = dict(kwargs, device="cpu")
+            return args, kwargs
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(t.is_meta for t in leaves) and not all(t.is_meta for t in leaves):
+            to_meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) and not t.is_meta else t  # noqa: E731
+            new_args, new_kwargs = tree_map(to_meta, (args, kwargs))
+            for old, new in zip(tree_flatten((args, kwargs))[0], tree_flatten((new_args, new_kwargs))[0]):
+                if isinstance(old, torch.Tensor) and new is not old and self.shadow(old) is not None:
+                    self.set_shadow(new, self.shadow(old))
+            return new_args, new_kwargs
+        return args, kwargs
+
+    # -- module hooks ----------------------------------------------------------------------------------
+
+    def _pre_hook(self, name: str, kind: LayerKind | None):
+        def hook(module, args, kwargs):
+            if self.suspended:  # inside a layer's own forward, or our own bookkeeping
+                self._frames.append(None)
+                return None
+            self.stack.append(name)
+            if name not in self.captures:
+                self.call_order.append(name)
+                if self.capture:
+                    self.suspended += 1
+                    try:
+                        self.captures[name] = tree_map(self._copy, (args, kwargs))
+                    finally:
+                        self.suspended -= 1
+                else:
+                    self.captures[name] = None
+            frame = (name, None, None)
+            changed = None
+            if kind is not None:
+                x = args[0] if args else next(iter(kwargs.values()), None)
+                self._inputs.append(x)  # alive until the end, so id(x) names one tensor (shared inputs)
+                frame = (name, self._layer_role(name, kind, x), x)
+                self.suspended += 1  # the layer's own ops are not traced
+                if self.meta and isinstance(x, torch.Tensor) and not x.is_meta and module.weight.is_meta:
+                    # its own forward is not traced, so the mode cannot move a real input to meta there
+                    changed = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            self._frames.append(frame)
+            return changed
+
+        return hook
+
+    def _post_hook(self, name: str, kind: LayerKind | None):
+        def hook(module, args, kwargs, out):
+            frame = self._frames.pop()
+            if frame is None:
+                return None
+            _, role, x = frame
+            if kind is not None:
+                self.suspended -= 1
+                self._layer_output(name, kind, role, x, out)
+            if name not in self.split_outputs:
+                self.split_outputs[name] = [self.shadow(t) for t in output_tensors(out)]
+            self.stack.pop()
+            return None
+
+        return hook
+
+    def _layer_role(self, name: str, kind: LayerKind, x: Any) -> str:
+        info = self.layers[name]
+        s = self.shadow(x) if isinstance(x, torch.Tensor) else None
+        if kind is EMBEDDING:
+            info.reads_model_input |= self.derived(x)
+            if s is not None:
+                self.poison(s, f"{name} looks up split values")
+            return "embedding"
+        whole = name in self.fixed or (kind is CONV and info.module.groups != 1)
+        if s is None:
+            return "whole" if whole else "column"
+        fdim = kind.feature_dim % x.dim()
+        classes = self.fs.find(s)
+        if bool((classes == classes.narrow(fdim, 0, 1)).all()):
+            # All its input features belong to one unit: it runs whole on each unit, so its parameters see
+            # part of their gradient on each device.
+            params = [(name, p) for p, v in info.module._parameters.items() if v is not None and v.requires_grad]
+            if params:
+                self.syncs.append(Sync(params, self.fs.distinct(s)))
+            return "through"
+        if whole:
+            self.poison(s, f"read by {name} ({type(info.module).__name__}), which is kept whole")
+            return "whole"
+        return "row"
+
+    def _layer_output(self, name: str, kind: LayerKind, role: str, x: Any, out: Any) -> None:
+        info = self.layers[name]
+        s = self.shadow(x) if isinstance(x, torch.Tensor) else None
+        for t in tensors_of(out):
+            self.set_sources(t, LONG)  # an activation: its gradient reaches the layer's weights and input
+        call = LayerCall(role, id(x))
+        info.calls.append(call)
+        if not isinstance(out, torch.Tensor):
+            return
+        fdim = kind.feature_dim % out.dim() if out.dim() else 0
+        if role == "column":
+            if info.out_ids is None:
+                info.out_ids = self.fs.new(out.shape[fdim])
+            shape = [1] * out.dim()
+            shape[fdim] = out.shape[fdim]
+            self.set_shadow(out, info.out_ids.view(shape).expand(out.shape))
+        elif role == "through":
+            rep = s.narrow(kind.feature_dim % x.dim(), 0, 1)
+            self.set_shadow(out, rep.expand(out.shape) if rep.dim() == out.dim() else None)
+        elif role == "row":
+            call.row_ids = s
+
+
+def _name(func) -> str:
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__get__":  # a tensor property such as .shape or .T
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+# --- running it -----------------------------------------------------------------------------------------
+
+
+def trace_model(
+    model: nn.Module,
+    inputs: tuple[tuple, dict] | None = None,
+    *,
+    fixed: set[str] = frozenset(),
+    capture: bool = True,
+) -> Trace:
+    """Run `model` once on `inputs` (default: `inputs.synthetic_inputs(model)`) and record the evidence.
+
+    `fixed` names layers already decided to stay whole (or gathered): they are not candidates. The model
+    runs in eval mode without gradients; its train/eval flags are restored afterwards and nothing else of
+    it changes.
+    """
+    meta = any(p.is_meta for p in model.parameters())
+    if inputs is None:
+        from .inputs import synthetic_inputs
+
+        inputs = synthetic_inputs(model)
+    args, kwargs = inputs
+    modes = {m: m.training for m in model.modules()}
+    tracer = Tracer(model, set(fixed), capture=capture and not meta, meta=meta)
+    tracer.mark_inputs((args, kwargs))
+    threads = torch.get_num_threads()
+    try:
+        model.eval()
+        torch.set_num_threads(1)  # the bookkeeping is many tiny ops: threads only add overhead
+        with torch.no_grad(), tracer:
+            out = model(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+        tracer.remove_hooks()
+        for m, flag in modes.items():
+            m.training = flag
+    for t in output_tensors(out):
+        s = tracer.shadow(t)
+        if s is not None:
+            tracer.poison(s, "reaches the model's output", kind="output")
+    return Trace(
+        tracer.fs, tracer.layers, tracer.poisons, tracer.captures, tracer.call_order, (args, kwargs), tracer.syncs,
+        tracer.split_outputs,
+    )
+
+
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):  # includes transformers' ModelOutput
+        return [t for v in out.values() for t in output_tensors(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in output_tensors(v)]
+    return []
