@@ -24,8 +24,10 @@ import torch
 
 
 def sync_device(device: str) -> None:
+    """Wait for every GPU of this process (an in-process engine drives several)."""
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
 
 
 def timed(fn: Callable[[], object], repeats: int, *, device: str = "cpu", warmup: int = 1,
