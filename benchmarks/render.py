@@ -35,6 +35,7 @@ NAMES = {
     "plain (end of run)": "unsplit model, again at the end",
 }
 PLOT_NAMES = {k: v.replace("**", "") for k, v in NAMES.items()}
+DISTRIBUTED_SYSTEMS = {"ours-torchrun", "dtensor", "hf-tp-plan"}
 GUIDE_GB = {1: 4.04, 2: 2.03, 4: 1.02, 8: 0.60}  # Lightning guide, FeedForward(8192, 8192), GB per GPU
 
 
@@ -343,13 +344,22 @@ def speed_section(speed: dict | None, plots: dict) -> list[str]:
         f"cell: median of {reps} timed calls after a warm-up [min – max]. In-process systems of one environment "
         "were timed in interleaved rounds; every other system in its own processes right after. Ratios: "
         "\"vs 1 device\" = the system's 1-device time / its 2-device time (speed-up); \"vs unsplit\" = time / the "
-        "unsplit model's time (below 1 is faster). tensor_parallel 2.0 is compared with the unsplit model of its "
-        "own environment (transformers 4.31).",
+        "unsplit model's time (below 1 is faster). \"CPU work\" = CPU seconds spent by all devices together (every "
+        "thread of the process; for torchrun-based systems rank 0's times the number of ranks) / the unsplit "
+        "model's: the extra work tensor parallelism costs, which the load of a shared machine does not blur "
+        "(1.00 = none). tensor_parallel 2.0 is compared with the unsplit model of its own environment "
+        "(transformers 4.31).",
         "",
     ]
     for task, metric, title in (("train", "step", "Training step"), ("infer", "forward", "Forward (no gradients)"),
                                 ("infer", "generate", "Greedy generation")):
         lines += _speed_table(speed, task, metric, title)
+    lines += [
+        "The in-process engines' training step is not expected to scale on CPU: the whole call is one autograd "
+        "graph with multi-device collective nodes, and PyTorch runs the backward of CPU tensors in one thread, so "
+        "the shards' backward passes run one after the other (on GPUs autograd has one thread per device and "
+        "they overlap). Their forward runs concurrently, hence the in-process targets are forward and "
+        "generation; the training-step target is the torchrun engine's.", ""]
     tokens = _token_check(speed)
     if tokens:
         lines += [tokens, ""]
@@ -370,16 +380,18 @@ def _speed_table(speed, task, metric, title) -> list[str]:
     worlds = speed["sizes"]["speed_worlds"]
     lines = [f"### {title} ({unit})", "",
              "| system | " + " | ".join(f"{w} device{'s' if w > 1 else ''}" for w in worlds)
-             + " | speed-up, 2 vs 1 | vs unsplit, 1 device | vs unsplit, 2 devices |",
-             "|---|" + "---:|" * (len(worlds) + 3)]
+             + " | speed-up, 2 vs 1 | vs unsplit, 1 device | vs unsplit, 2 devices | CPU work, 2 devices |",
+             "|---|" + "---:|" * (len(worlds) + 4)]
     for system in SPEED_ROWS:
-        cells, meds = [], {}
+        cells, meds, work = [], {}, {}
         for w in worlds:
             v = next((x for x in speed.get(task, []) if x["system"] == system and x["world"] == w and metric in x), None)
             if v is None:
                 cells.append("–" if not system.startswith("plain") or w == 1 else "")
                 continue
             s = v[metric]
+            if "cpu" in s:  # CPU seconds of the process (all threads); a torchrun job reports rank 0's
+                work[w] = s["cpu"]["median"] * (w if system in DISTRIBUTED_SYSTEMS else 1)
             div = v.get("new_tokens", 1) if per_token else 1
             meds[w] = s["median"] / div
             cells.append(f"{s['median'] / div * scale:.{_digits(s['median'] / div * scale)}f} "
@@ -395,7 +407,10 @@ def _speed_table(speed, task, metric, title) -> list[str]:
         vs2 = f"{two / base:.2f}x" if two and base else ""
         if system == "plain (end of run)" and one and base:
             vs1 = f"{one / base:.2f}x (drift)"
-        lines.append(f"| {name(system)} | " + " | ".join(cells) + f" | {speedup} | {vs1} | {vs2} |")
+        base_v = next((x for x in speed.get(task, []) if x["system"] == ref and x["world"] == 1 and metric in x), None)
+        base_work = base_v[metric].get("cpu", {}).get("median") if base_v else None
+        cpu = f"{work[2] / base_work:.2f}x" if work.get(2) and base_work else ""
+        lines.append(f"| {name(system)} | " + " | ".join(cells) + f" | {speedup} | {vs1} | {vs2} | {cpu} |")
     return lines + [""]
 
 

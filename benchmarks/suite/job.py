@@ -200,7 +200,7 @@ def task_train(args, sizes: Sizes, world: int) -> dict:
         return run
 
     times = _interleaved([step(v) for v in variants], args)
-    out = {"variants": [{"system": v.system, "world": v.world, "note": v.built.note, "step": measure.summary(t)}
+    out = {"variants": [{"system": v.system, "world": v.world, "note": v.built.note, "step": t}
                         for v, t in zip(variants, times)]}
     if args.profile:
         out["profiles"] = {v.label: _profile(step(v), args) for v in variants}
@@ -230,8 +230,8 @@ def task_infer(args, sizes: Sizes, world: int) -> dict:
     fwd = _interleaved([forward(v) for v in variants], args)
     gen = _interleaved([generate(v) for v in variants], args)
     out = {"variants": [
-        {"system": v.system, "world": v.world, "note": v.built.note, "forward": measure.summary(f),
-         "generate": measure.summary(g), "new_tokens": new, "tokens": tokens.get(v.label)}
+        {"system": v.system, "world": v.world, "note": v.built.note, "forward": f,
+         "generate": g, "new_tokens": new, "tokens": tokens.get(v.label)}
         for v, f, g in zip(variants, fwd, gen)
     ]}
     if args.profile:
@@ -240,15 +240,16 @@ def task_infer(args, sizes: Sizes, world: int) -> dict:
     return out
 
 
-def _interleaved(fns, args) -> list[list[float]]:
-    """Warm each up once, then time them in `repeats` rounds, one call of each per round."""
-    times = [[] for _ in fns]
+def _interleaved(fns, args) -> list[dict]:
+    """Warm each up once, then time them in `repeats` rounds, one call of each per round: per function the
+    summary of its wall times, with the CPU seconds of this process per call under "cpu"."""
+    times, cpus = [[] for _ in fns], [[] for _ in fns]
     for fn in fns:
         measure.timed(fn, 0, device=args.device, warmup=1, before=_barrier)
     for _ in range(args.repeats):
         for i, fn in enumerate(fns):
-            times[i] += measure.timed(fn, 1, device=args.device, warmup=0, before=_barrier)
-    return times
+            times[i] += measure.timed(fn, 1, device=args.device, warmup=0, before=_barrier, cpu=cpus[i])
+    return [{**measure.summary(t), "cpu": measure.summary(c)} for t, c in zip(times, cpus)]
 
 
 def _profile(fn, args, top: int = 12) -> dict:

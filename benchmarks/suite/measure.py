@@ -31,9 +31,10 @@ def sync_device(device: str) -> None:
 
 
 def timed(fn: Callable[[], object], repeats: int, *, device: str = "cpu", warmup: int = 1,
-          before: Callable[[], None] | None = None) -> list[float]:
+          before: Callable[[], None] | None = None, cpu: list[float] | None = None) -> list[float]:
     """Seconds of each of `repeats` calls of `fn`, after `warmup` untimed calls; `before()` runs untimed
-    ahead of every call (a barrier between processes, say)."""
+    ahead of every call (a barrier between processes, say). `cpu` receives the CPU seconds this process
+    (all its threads) spent in each call."""
     for _ in range(warmup):
         if before:
             before()
@@ -43,10 +44,12 @@ def timed(fn: Callable[[], object], repeats: int, *, device: str = "cpu", warmup
         if before:
             before()
         sync_device(device)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         sync_device(device)
         times.append(time.perf_counter() - start)
+        if cpu is not None:
+            cpu.append(time.process_time() - start_cpu)
     return times
 
 

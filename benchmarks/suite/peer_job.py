@@ -262,7 +262,7 @@ def task_train(args, sizes):
         return run
 
     times = _interleaved([step(m, o) for _, m, o in variants], args)
-    return {"variants": [_variant(s, step=measure.summary(t)) for (s, _, _), t in zip(variants, times)]}
+    return {"variants": [_variant(s, step=t) for (s, _, _), t in zip(variants, times)]}
 
 
 def task_infer(args, sizes):
@@ -287,7 +287,7 @@ def task_infer(args, sizes):
     fwd = _interleaved([forward(m) for _, m in variants], args)
     gen = _interleaved([generate(s, m) for s, m in variants], args)
     return {"variants": [
-        _variant(s, forward=measure.summary(f), generate=measure.summary(g), new_tokens=new, tokens=tokens.get(s))
+        _variant(s, forward=f, generate=g, new_tokens=new, tokens=tokens.get(s))
         for (s, _), f, g in zip(variants, fwd, gen)
     ]}
 
@@ -298,13 +298,13 @@ def _variant(spec: str, **fields) -> dict:
 
 
 def _interleaved(fns, args):
-    times = [[] for _ in fns]
+    times, cpus = [[] for _ in fns], [[] for _ in fns]
     for fn in fns:
         measure.timed(fn, 0, device=args.device, warmup=1)
     for _ in range(args.repeats):
         for i, fn in enumerate(fns):
-            times[i] += measure.timed(fn, 1, device=args.device, warmup=0)
-    return times
+            times[i] += measure.timed(fn, 1, device=args.device, warmup=0, cpu=cpus[i])
+    return [{**measure.summary(t), "cpu": measure.summary(c)} for t, c in zip(times, cpus)]
 
 
 TASKS = {"memory": task_memory, "comm": task_comm, "train": task_train, "infer": task_infer}
