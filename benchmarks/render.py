@@ -35,6 +35,8 @@ NAMES = {
     "plain (end of run)": "unsplit model, again at the end",
 }
 PLOT_NAMES = {k: v.replace("**", "") for k, v in NAMES.items()}
+SHORT = {"ours-inprocess": "tensorshard\nin-process", "ours-torchrun": "tensorshard\ntorchrun", "dtensor": "DTensor\nguide's plan",
+         "hf-tp-plan": "transformers\ntp_plan", "tensor_parallel": "tensor_parallel\n2.0"}
 DISTRIBUTED_SYSTEMS = {"ours-torchrun", "dtensor", "hf-tp-plan"}
 GUIDE_GB = {1: 4.04, 2: 2.03, 4: 1.02, 8: 0.60}  # Lightning guide, FeedForward(8192, 8192), GB per GPU
 
@@ -144,6 +146,15 @@ def memory_section(memory: dict | None, plots: dict) -> list[str]:
     for model, title in (("ff", f"FeedForward({ff['dim']}, {ff['hidden']}), batch ({ff['batch']}, {ff['dim']}), loss = output.sum()"),
                          ("llama", f"Llama-style, {_llama_desc(ll)}, batch ({ll['batch']}, {ll['seq']}) tokens")):
         lines += _memory_model(memory, model, title, sizes["worlds"], plots.get(f"memory_{model}"))
+        if model == "llama":
+            lines += [
+                "What keeps the Llama's totals above 1/N for every system: activations of what no plan splits. "
+                "Each device holds the whole residual stream, the norms' inputs and outputs, and, with the output "
+                "head gathered (ours, transformers, tensor_parallel), the full logits and the loss's log-softmax "
+                "((batch x seq) x vocabulary floats each). A vocabulary-parallel loss (`tp.VocabParallelHead()` + "
+                "`tp.vocab_parallel_cross_entropy`, torchrun engine) and sequence parallelism split those too. "
+                "DTensor with the guide's plan keeps the embedding and the output head whole (a third of this "
+                "model's weights) on every device; transformers' plan keeps the output head's gradient whole.", ""]
     failed = [r for r in memory["runs"] if not r.get("ok")]
     if failed:
         lines += ["Runs that could not run, with their error:", ""]
@@ -257,7 +268,11 @@ def comm_section(comm: dict | None, plots: dict) -> list[str]:
         "`tp.count_collectives()` (ours), torch's `CommDebugMode` (torchrun-based systems; for ours it agrees "
         "with our counter, shown when both ran), and by wrapping tensor_parallel 2.0's collective objects "
         "(it has no backward collectives of its own: autograd sums the gradients of the copies where the "
-        "forward collective joined them; counted as the collective that amounts to).",
+        "forward collective joined them; counted as the collective that amounts to). Our in-process engine's "
+        "default in training, ZeRO-3 for the parameters the plan leaves whole, adds one all-gather per call "
+        "(an end), whose bytes grow by the block's two norm weights (8 KiB here) per block. tensor_parallel "
+        "2.0 also all-gathers every layer's KV cache whenever the model returns one (transformers 4.31 does "
+        "so in training too).",
         "",
         "| system | forward / block | backward / block | decode / block | ends: forward | ends: backward |",
         "|---|---|---|---|---|---|",
@@ -475,6 +490,7 @@ def make_plots(memory, comm, speed, folder: Path, rel: str) -> tuple[dict, str]:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker  # noqa: F401
     except ImportError:
         return {}, "matplotlib is not installed here: plots skipped (`make bench` installs it in .venv-bench-peers)."
     folder.mkdir(parents=True, exist_ok=True)
@@ -501,6 +517,7 @@ def make_plots(memory, comm, speed, folder: Path, rel: str) -> tuple[dict, str]:
                 ax.plot(*zip(*g), "x:", color="gray", label="Lightning guide (GPU peak)")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log", base=2)
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
             ax.set_xticks(worlds, [str(w) for w in worlds])
             ax.set_xlabel("devices")
             ax.set_ylabel("GiB per device (params + grads + AdamW + activations)")
@@ -520,7 +537,7 @@ def make_plots(memory, comm, speed, folder: Path, rel: str) -> tuple[dict, str]:
             width = 0.27
             for i, phase in enumerate(("forward", "backward", "decode")):
                 ax.bar([x + (i - 1) * width for x in range(len(systems))], [per[s][phase] for s in systems], width, label=phase)
-            ax.set_xticks(range(len(systems)), [PLOT_NAMES[s].replace(", ", "\n") for s in systems], fontsize=8)
+            ax.set_xticks(range(len(systems)), [SHORT[s] for s in systems], fontsize=8)
             ax.set_ylabel("collectives per transformer block")
             ax.legend()
             ax.grid(True, axis="y", alpha=0.3)

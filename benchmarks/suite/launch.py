@@ -67,7 +67,7 @@ class Runner:
             else:
                 cmd = [self.python, str(JOB), *args]
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{task}-{model}-{'-'.join(systems)}-{world}{tag}")
-            label = f"{task:<7} {model:<6} {' '.join(systems)}" + (f" ({world} processes)" if distributed else "")
+            label = f"{task:<7} {model:<6} {' '.join(systems)}" + (f" ({world} process{'es' if world > 1 else ''})" if distributed else "")
             if self.verbose:
                 print(f"  {label} ...", end="", flush=True)
             start = time.perf_counter()
