@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import statistics
 import time
