@@ -43,6 +43,11 @@ def header(meta: dict, sources: dict) -> list[str]:
         "- **tensor_parallel environment** (`.venv-bench-peers`; tensor_parallel 2.0 breaks on transformers 5.x): "
         + (", ".join(f"{k} {x}" for k, x in peer.items()) if peer else "missing") + ".",
     ]
+    probe = sources.get("probe")
+    if probe is not None:
+        outcome = "runs" if probe.get("ok") else f"fails: `{probe.get('error', '?')[:300]}`"
+        lines.append(f"- **tensor_parallel 2.0 with transformers {v.get('transformers', '?')}** (its package imported into the "
+                     f"main environment; split a tiny Llama over 2 devices, train a step, generate): {outcome}")
     if meta.get("device") == "cuda":
         lines.append(f"- **Devices**: GPUs {', '.join(meta.get('gpus', [])) or '?'}.")
     else:
@@ -136,7 +141,7 @@ def render(results: Path, out: Path, plots_dir: Path) -> str:
     quick = any(x["sizes"]["llama"]["hidden_size"] < 1024 for x in (memory, comm, speed) if x)
     rel = os.path.relpath(plots_dir, out.parent)
     plots, note = make_plots(memory, comm, speed, plots_dir, rel)
-    lines = header(meta, {"quick": quick})
+    lines = header(meta, {"quick": quick, "probe": (speed or {}).get("tensor_parallel_on_main")})
     if note:
         lines += [note, ""]
     lines += targets_section(speed) + memory_section(memory, plots) + comm_section(comm, plots)

@@ -49,6 +49,7 @@ def run(runner: Runner, checkpoints: Checkpoints) -> dict:
     for task in ("train", "infer"):  # drift check: the unsplit model again, last
         _collect(out, task, runner.job(task, ["plain"], checkpoint=ckpt, tag="-end"), rename={"plain": "plain (end of run)"})
     out["profiles"] = profile_missed(runner, out, ckpt)
+    out["tensor_parallel_on_main"] = runner.probe_peer_on_main()
     return out
 
 

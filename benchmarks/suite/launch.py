@@ -41,13 +41,21 @@ class Runner:
     verbose: bool = True
     log: list[dict] = field(default_factory=list)  # every job: command, seconds, ok
 
+    def probe_peer_on_main(self) -> dict:
+        """tensor_parallel 2.0 imported with this environment's transformers (5.x): does it still run?"""
+        probe = ("import sysconfig, sys; print(sysconfig.get_paths()['purelib'])")
+        found = subprocess.run([self.peer_python, "-c", probe], capture_output=True, text=True) if Path(self.peer_python).exists() else None
+        if found is None or found.returncode != 0:
+            return {"ok": False, "error": "the tensor_parallel environment is missing"}
+        return self.job("probe", ["tensor_parallel:2"], peer=True, on_main=found.stdout.strip())
+
     def job(self, task: str, systems: list[str], *, model: str = "llama", world: int = 1, peer: bool = False,
             checkpoint: str | None = None, layers: int | None = None, profile: bool = False, repeats: int | None = None,
-            tag: str = "") -> dict:
+            tag: str = "", on_main: str | None = None) -> dict:
         """Run one job and return its JSON result. `world` > 1 with a distributed system: under torchrun."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         distributed = not peer and any(s.split(":")[0] in DISTRIBUTED for s in systems)
-        if peer and not Path(self.peer_python).exists():
+        if peer and not on_main and not Path(self.peer_python).exists():
             return {"ok": False, "error": f"the tensor_parallel environment is missing ({self.peer_python}); "
                                           "`make bench` creates it (.venv-bench-peers)"}
         with tempfile.TemporaryDirectory() as tmp:
@@ -60,7 +68,9 @@ class Runner:
                 args += ["--layers", str(layers)]
             if profile:
                 args += ["--profile"]
-            if peer:
+            if on_main:  # the peer's package, this environment's interpreter and transformers
+                cmd = [self.python, str(PEER_JOB), *args, "--append-path", on_main]
+            elif peer:
                 cmd = [self.peer_python, str(PEER_JOB), *args]
             elif distributed:
                 cmd = [self.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(JOB), *args]
@@ -71,7 +81,7 @@ class Runner:
             if self.verbose:
                 print(f"  {label} ...", end="", flush=True)
             start = time.perf_counter()
-            env = _environment(peer)
+            env = _environment(peer and not on_main)
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout, env=env, cwd=REPO)
                 output, rc = proc.stdout + proc.stderr, proc.returncode

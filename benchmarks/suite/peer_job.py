@@ -307,7 +307,26 @@ def _interleaved(fns, args):
     return [{**measure.summary(t), "cpu": measure.summary(c)} for t, c in zip(times, cpus)]
 
 
-TASKS = {"memory": task_memory, "comm": task_comm, "train": task_train, "infer": task_infer}
+def task_probe(args, sizes):
+    """Can tensor_parallel split, train and generate with the transformers of the interpreter running this?
+    (Run with the main environment's interpreter and --append-path, it shows how it fails on transformers 5.x.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tensor_parallel as tp
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = tp.tensor_parallel(LlamaForCausalLM(config), ["cpu"] * 2)
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.eval()
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+    return {}
+
+
+TASKS = {"memory": task_memory, "comm": task_comm, "train": task_train, "infer": task_infer, "probe": task_probe}
 
 
 def main() -> None:
@@ -321,16 +340,24 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="accepted for symmetry with job.py; ignored")
+    parser.add_argument("--append-path", default=None, help="a site-packages folder to import tensor_parallel from, "
+                        "after this interpreter's own (to try it with another environment's transformers)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.append_path:
+        sys.path.append(args.append_path)
     sizes = Sizes.from_dict(json.loads(args.sizes))
     measure.one_thread()
     try:
-        import tensor_parallel
+        import importlib.metadata
+
         import transformers
 
-        versions = {"tensor_parallel": getattr(tensor_parallel, "__version__", "?"), "transformers": transformers.__version__,
-                    "torch": torch.__version__}
+        try:
+            tp_version = importlib.metadata.version("tensor_parallel")
+        except importlib.metadata.PackageNotFoundError:  # imported through --append-path
+            tp_version = "?"
+        versions = {"tensor_parallel": tp_version, "transformers": transformers.__version__, "torch": torch.__version__}
         result = {"ok": True, "versions": versions, **TASKS[args.task](args, sizes)}
     except Exception as e:  # noqa: BLE001 - reported in the results with its message
         traceback.print_exc()
