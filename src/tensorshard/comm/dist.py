@@ -76,13 +76,18 @@ def all_reduce_copy(x: torch.Tensor, group, op=dist.ReduceOp.SUM, *, what: str =
 def gather_pieces(x: torch.Tensor, dim: int, sizes: list[int], group, *, what: str = "all_gather") -> list[torch.Tensor]:
     """Every rank's piece along `dim`; rank r's piece has sizes[r] entries (padded on the wire)."""
     longest = max(sizes)
-    front = x.detach().movedim(dim, 0)
-    if front.shape[0] < longest:
-        front = torch.cat([front, front.new_zeros((longest - front.shape[0], *front.shape[1:]))])
-    front = front.contiguous()
-    out = front.new_empty((len(sizes) * longest, *front.shape[1:]))  # (world * longest, ...)
-    collective(all_gather_single, out, out, front, group=group, what=what)
-    return [out[r * longest : r * longest + n].movedim(0, dim) for r, n in enumerate(sizes)]
+    piece = x.detach()
+    if piece.shape[dim] < longest:
+        pad = list(piece.shape)
+        pad[dim] = longest - piece.shape[dim]
+        piece = torch.cat([piece, piece.new_zeros(pad)], dim)
+    # Each rank's whole piece is one block of the output (no transposition of `dim` to the front, which
+    # costs two strided copies of the full tensor when gathering logits along the vocabulary).
+    piece = piece.contiguous()
+    out = piece.new_empty((len(sizes) * piece.shape[0], *piece.shape[1:]))  # world pieces stacked on dim 0
+    collective(all_gather_single, out, out, piece, group=group, what=what)
+    blocks = out.view(len(sizes), *piece.shape)
+    return [blocks[r].narrow(dim, 0, n) for r, n in enumerate(sizes)]
 
 
 def gather_partition(x: torch.Tensor, dim: int, partition: Partition, group, *, what: str = "all_gather") -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""What a profile shows for each target we may miss, and what would close the gap: written by hand from the
+investigation behind BENCHMARKS.md (profiles with torch.profiler and CPU-time accounting on the 2-core
+machine), keyed by the target's key in targets.py. render.py prints an entry only when its target is
+missed in the run being rendered, under the measured numbers and the run's own profile table."""
+
+_SHARED_CORES = (
+    "On a shared 2-core machine the first thing to check is the load average in the header and the \"CPU work\" "
+    "column of the speed tables: CPU work counts the CPU seconds of all devices together, which other processes "
+    "do not inflate much, while the wall time of 2 simulated devices needs 2 idle cores. When another process "
+    "keeps one core busy, two shards share the other one and a 2-device run cannot beat the 1-device run."
+)
+
+ANALYSIS: dict[str, str] = {
+    "torchrun-train": (
+        "Where the time goes (rank 0's profile above, and the CPU work column): the matrix products halve, but "
+        "each rank also repeats everything the plan leaves whole, and pays for the collectives on the cores that "
+        "compute. Per step at 6 layers: 13 all-reduces forward and 13 backward of a (4, 128, 1024) activation "
+        "(2 MiB each; gloo over loopback TCP, no overlap with compute), the all-gather of the logits (4 x 128 x "
+        "16384 floats = 32 MiB) for the output head, and then the language-model loss on the full logits on "
+        "every rank (log-softmax over the vocabulary, forward and backward), the RMSNorms and the embedding "
+        "masking. The loss and the logits gather are the biggest replicated items (measured alone on this machine, "
+        "one thread: 65 ms of CPU for the loss's forward and backward, 17 ms to assemble the gathered logits; "
+        "a 1-device step is about 3-4 s of CPU). "
+        "Every collective is also a synchronisation point, so when one rank is descheduled the other waits. "
+        "What would close it: (1) a vocabulary-parallel loss: `tp.VocabParallelHead()` with "
+        "`tp.vocab_parallel_cross_entropy` (both in tensorshard for torchrun) keeps the logits split and "
+        "computes the loss from slices; the benchmark uses the default plan and `labels=`, as users start; "
+        "(2) asynchronous backward all-reduces overlapped with the next layer's gradient computation; "
+        "(3) sequence parallelism for the norms. Fixed already: the all-gather used to transpose the gathered "
+        "dimension to the front and back (two strided copies of the 32 MiB logits per step); it now gathers "
+        "each rank's piece as one block. " + _SHARED_CORES
+    ),
+    "inprocess-forward": (
+        "Where the time goes: the shards' matrix products run concurrently (their threads release the GIL "
+        "inside the kernels), and the extra CPU work of the split forward is small (the CPU work column). What "
+        "remains serial: each collective is a rendezvous of the shard threads (a condition variable; the last "
+        "thread to arrive sums the partial results for every device, 2 MiB per all-reduce at this batch), and "
+        "the Python code of every layer runs in every shard, taking turns on the GIL. What would close the "
+        "rest: summing each all-reduce in parallel (each shard adds its half of the tensor) instead of in the "
+        "last thread to arrive, and running the non-matmul Python per layer once. " + _SHARED_CORES
+    ),
+    "generate": (
+        "Where the time goes: a decode step multiplies a single token's activations with every weight, so it is "
+        "bound by memory bandwidth, which the two cores share; and per token the shards meet 14 times "
+        "(2 all-reduces per block, the embedding's all-reduce and the logits' all-gather), each a thread "
+        "hand-off that costs tens of microseconds on an idle core and milliseconds when another process holds "
+        "it. What would close it: fewer rendezvous per token (fuse the embedding all-reduce into the first "
+        "block's, keep the next-token argmax on vocabulary slices), and spinning briefly before sleeping at a "
+        "rendezvous when the wait is expected to be short. " + _SHARED_CORES
+    ),
+    "torchrun-generate": (
+        "Where the time goes: per token 14 gloo collectives of a few kilobytes, each a round trip over loopback "
+        "TCP between the two processes (latency-bound: tens of microseconds each on idle cores, far more when a "
+        "rank is descheduled), on top of the memory-bound decode step. What would close it: the same fewer "
+        "collectives per token as for the in-process engine; on GPUs, NCCL's latency is microseconds. "
+        + _SHARED_CORES
+    ),
+    "overhead": (
+        "Where the time goes: at 1 device no collective runs. The in-process engine calls its single shard "
+        "directly (plus the transformers wrapper's per-call work in generation: the sharded KV cache and the "
+        "generate hooks); the torchrun engine keeps DTensor parameters, so every module's forward swaps in "
+        "local views and AdamW's per-parameter arithmetic goes through DTensor dispatch (`PythonSubclass` in "
+        "the profile). Differences of a few percent at 1 device are within the spread of the unsplit model's "
+        "own repetitions on a shared machine (compare its min - max and the drift row). What would close a "
+        "real gap: plain tensors instead of DTensors on a 1-device mesh, and a fused (foreach) optimizer step "
+        "over the local shards."
+    ),
+}
