@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import tensorshard as tp
-from llama_plans import llama_plan
 
 
 def load(random: bool):
@@ -39,7 +38,7 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model, tokenizer = load(args.random)
-    model = tp.parallelize(model, mesh, plan=llama_plan(model.config))
+    model = tp.parallelize(model, mesh)  # the llama preset
     if tokenizer is None:
         prompt = torch.arange(1, 6).unsqueeze(0)
     else:

@@ -33,7 +33,6 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-PLAN = {"w1": tp.ColwiseParallel(), "w2": tp.RowwiseParallel(), "w3": tp.ColwiseParallel()}
 
 
 class LitModel(L.LightningModule):
@@ -45,7 +44,8 @@ class LitModel(L.LightningModule):
     def configure_model(self):
         if self.device_mesh is None:
             return
-        tp.parallelize(self.model, self.device_mesh["tensor_parallel"], plan=PLAN)
+        # No plan: inferred (w1, w3 column-parallel, w2 row-parallel) and self-checked; plan={...} to choose.
+        tp.parallelize(self.model, self.device_mesh["tensor_parallel"])
 
     def training_step(self, batch):
         return self.model(batch).sum()

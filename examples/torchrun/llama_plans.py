@@ -1,27 +1,16 @@
-"""Tensor-parallel plans for Llama-style transformers models (LlamaForCausalLM and its relatives),
-read off the model's config. Shared by the examples in this folder."""
+"""Sequence parallelism and a vocabulary-parallel loss on top of tensorshard's preset for Llama-style
+transformers models (LlamaForCausalLM and its relatives). Shared by the examples in this folder."""
 
 import tensorshard as tp
 
 
-def llama_plan(config, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> tp.Plan:
-    """2 all-reduces per block each way; with `sequence_parallel`, norms run on sequence shards (each
-    all-reduce becomes a reduce-scatter plus an all-gather); with `loss_parallel`, logits stay split by
-    vocabulary (use tp.vocab_parallel_cross_entropy)."""
-    plan = tp.Plan({
-        "model.embed_tokens": tp.EmbeddingParallel(),
-        "model.layers.*.self_attn": tp.Heads(
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            attrs={"num_key_value_groups": "groups"},  # the attention's local query heads per KV head
-        ),
-        "model.layers.*.self_attn.q_proj": tp.ColwiseParallel(blocks=("q",)),
-        "model.layers.*.self_attn.[kv]_proj": tp.ColwiseParallel(blocks=("kv",)),
-        "model.layers.*.self_attn.o_proj": tp.RowwiseParallel(blocks=("q",)),
-        "model.layers.*.mlp.[gu]*_proj": tp.ColwiseParallel(),
-        "model.layers.*.mlp.down_proj": tp.RowwiseParallel(),
-        "lm_head": tp.VocabParallelHead() if loss_parallel else tp.ColwiseParallel(gather_output=True),
-    })
+def llama_plan(model, *, sequence_parallel: bool = False, loss_parallel: bool = False) -> tp.Plan:
+    """The preset (2 all-reduces per block each way: what ``tp.parallelize(model, mesh)`` uses by itself);
+    with `sequence_parallel`, norms run on sequence shards (each all-reduce becomes a reduce-scatter plus an
+    all-gather); with `loss_parallel`, logits stay split by vocabulary (use tp.vocab_parallel_cross_entropy)."""
+    plan = tp.preset_for(model)
+    if loss_parallel:
+        plan = plan | {"lm_head": tp.VocabParallelHead()}
     if sequence_parallel:
         plan = plan | {
             # 1. the residual stream is split along the sequence when it enters the first layer

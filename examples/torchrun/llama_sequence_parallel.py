@@ -20,7 +20,8 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                          num_key_value_heads=2, vocab_size=1024)
-    model = tp.parallelize(LlamaForCausalLM(config), mesh, plan=llama_plan(config, sequence_parallel=True, loss_parallel=True))
+    model = LlamaForCausalLM(config)
+    model = tp.parallelize(model, mesh, plan=llama_plan(model, sequence_parallel=True, loss_parallel=True))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     # A learnable stream: counting up from a random token.
     gen = torch.Generator().manual_seed(0)  # the same seed on every rank: the same batches

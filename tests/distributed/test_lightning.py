@@ -33,6 +33,8 @@ def trainer_checkpoint_task(folder: str) -> str:
     straight = ex.LitModel()
     ref_model, data = copy.deepcopy(straight.model), straight.data
     ex.trainer(max_epochs=2).fit(straight)
+    applied = straight.model.tensorshard.plan.assign(straight.model)
+    assert {n: a.style for n, a in applied.items()} == ex.PLAN  # configure_model inferred the guide's plan
     expected = ex.train_unsplit(ref_model, ex.lightning_batches(data, epochs=2))
     _assert_same(ex.full_weights(straight.model), expected, 1e-4)  # fp32, 16 AdamW steps
 

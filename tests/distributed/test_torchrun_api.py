@@ -88,6 +88,37 @@ def test_bad_input_leaves_the_model_alone(pool2):
     assert pool2.run(errors_task) == ["ok", "ok"]
 
 
+# --- without a plan: the preset or an inferred plan, as in one process ------------------------------------
+
+
+def no_plan_task() -> tuple[float, float, float, bool]:
+    import tiny_llama  # the tests' folder is on the workers' path
+
+    torch.manual_seed(0)
+    ff = FeedForward(16, 48)
+    ff_ref = copy.deepcopy(ff)
+    tp.parallelize(ff, world_mesh())  # inferred: w1/w3 by columns, w2 by rows, self-checked
+    inferred = {name: type(a.style).__name__ for name, a in ff.tensorshard.plan.assign(ff_ref).items()}
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    ff_err = rel_err(ff(x), ff_ref(x))
+    assert isinstance(ff.w2.weight, DTensor) and ff.w2.weight.to_local().shape[1] == 48 // dist.get_world_size()
+
+    llama = tiny_llama.build()
+    ref = copy.deepcopy(llama)
+    tp.parallelize(llama, world_mesh())  # the llama preset
+    ids = torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    out, want = llama(ids, labels=ids), ref(ids, labels=ids)
+    out.loss.backward(), want.loss.backward()
+    grad = llama.model.layers[0].mlp.down_proj.weight.grad.full_tensor()
+    found = inferred == {"w1": "ColwiseParallel", "w2": "RowwiseParallel", "w3": "ColwiseParallel"}
+    return ff_err, rel_err(out.logits, want.logits), rel_err(grad, ref.model.layers[0].mlp.down_proj.weight.grad), found
+
+
+def test_without_a_plan_uses_the_preset_or_infers_one(pool2):
+    for ff_err, logits_err, grad_err, found in pool2.run(no_plan_task):
+        assert found and ff_err < 1e-6 and logits_err < 1e-5 and grad_err < 1e-5
+
+
 def test_sequence_parallel_plans_round_trip_through_json():
     import tiny_llama
 

@@ -1,4 +1,4 @@
-"""A tiny random Llama (transformers) and its tensor-parallel plans, for the torchrun tests.
+"""A tiny random Llama (transformers) and its tensor-parallel plans (the preset, and a sequence-parallel one), for the torchrun tests.
 
 hidden 64, 2 layers, 4 query heads over 2 KV heads (grouped-query attention), MLP width 176, vocabulary
 128. On 4 ranks each KV head is replicated on two ranks; the MLP splits 44 per rank.
@@ -23,17 +23,9 @@ def build(seed: int = 0):
 
 
 def plan(head=None) -> tp.Plan:
-    """2 all-reduces per block each way; the head gathers its logits unless told otherwise."""
-    return tp.Plan({
-        "model.embed_tokens": tp.EmbeddingParallel(),
-        "model.layers.*.self_attn": tp.Heads(num_heads=4, num_kv_heads=2, attrs={"num_key_value_groups": "groups"}),
-        "model.layers.*.self_attn.q_proj": tp.ColwiseParallel(blocks=("q",)),
-        "model.layers.*.self_attn.[kv]_proj": tp.ColwiseParallel(blocks=("kv",)),
-        "model.layers.*.self_attn.o_proj": tp.RowwiseParallel(blocks=("q",)),
-        "model.layers.*.mlp.[gu]*_proj": tp.ColwiseParallel(),
-        "model.layers.*.mlp.down_proj": tp.RowwiseParallel(),
-        "lm_head": head or tp.ColwiseParallel(gather_output=True),
-    })
+    """The llama preset (2 all-reduces per block each way; the head gathers its logits unless told otherwise)."""
+    preset = tp.preset_for(build())
+    return preset | {"lm_head": head} if head is not None else preset
 
 
 def sequence_parallel_plan() -> tp.Plan:

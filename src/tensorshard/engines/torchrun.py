@@ -75,6 +75,7 @@ def parallelize(
     src_data_rank: int | None = 0,
     check_inputs: int = DEFAULT_CHECKS,
     timeout: float | None = None,
+    check: bool | None = None,
 ) -> nn.Module:
     """Split `module` over the processes of a 1-D tensor-parallel mesh, in place; returns the module.
 
@@ -88,6 +89,8 @@ def parallelize(
         check_inputs: number of first calls on which TP ranks compare their inputs (0: never).
         timeout: seconds any collective of the tensor-parallel group may wait (default: TENSORSHARD_TIMEOUT,
             else 300); set as the group's process-group timeout. docs/errors.md lists what each failure raises.
+        check: self-check the plan numerically before splitting (every rank runs the same seeded check, so
+            all reach the same plan); default: on for inferred plans only (docs/automatic-plans.md).
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -123,7 +126,7 @@ def parallelize(
 
     from ..plans import resolve_plan  # late import: presets and inference import the styles
 
-    plan = resolve_plan(module, plan, world)
+    plan = resolve_plan(module, plan, world, check=check)
     sharded = shard_plan(module, plan, world)  # raises on any plan error; the model is untouched
     comm = DistComm(device_mesh, timeout)
     state = TorchrunState(plan, device_mesh, comm, {}, {}, check_inputs)

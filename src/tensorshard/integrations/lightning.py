@@ -5,7 +5,7 @@ Trainer: parallelize in the LightningModule's `configure_model` hook, on the mes
 
     class LitModel(L.LightningModule):
         def configure_model(self):
-            tp.parallelize(self.model, self.device_mesh["tensor_parallel"], plan=plan)
+            tp.parallelize(self.model, self.device_mesh["tensor_parallel"])  # a preset or inferred plan; plan= to choose
 
     L.Trainer(accelerator="cuda", devices=4, strategy=TensorParallelStrategy()).fit(LitModel())
 
