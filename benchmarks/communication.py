@@ -13,14 +13,12 @@ included, as a cross-check) and, for tensor_parallel 2.0, by wrapping its collec
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from suite.launch import Checkpoints, Runner, add_arguments, environment_info, runner_from, write_json  # noqa: E402
+from suite.launch import Checkpoints, Runner, comparison_main  # noqa: E402
 
 WORLD = 2
 SYSTEMS = ("ours-inprocess", "ours-torchrun", "dtensor", "hf-tp-plan", "tensor_parallel")
@@ -37,18 +35,5 @@ def run(runner: Runner, checkpoints: Checkpoints) -> dict:
     return {"runs": runs}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args()
-    runner = runner_from(args)
-    print(f"communication: {WORLD} devices, {'quick' if args.quick else 'full'} sizes")
-    meta = environment_info(runner)
-    with Checkpoints(runner) as checkpoints:
-        result = run(runner, checkpoints)
-    meta["load_average_end"] = os.getloadavg()
-    write_json(Path(args.results) / "comm.json", {"meta": meta, "sizes": runner.sizes.to_dict(), **result, "jobs": runner.log})
-
-
 if __name__ == "__main__":
-    main()
+    comparison_main(__doc__, "comm.json", run, lambda runner: f"communication: {WORLD} devices")

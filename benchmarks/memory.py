@@ -14,14 +14,12 @@ measured step). On GPUs (--device cuda), also torch.cuda.max_memory_allocated pe
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from suite.launch import Checkpoints, Runner, add_arguments, environment_info, runner_from, write_json  # noqa: E402
+from suite.launch import Checkpoints, Runner, comparison_main  # noqa: E402
 
 SYSTEMS = ("plain", "ours-inprocess", "ours-torchrun", "dtensor", "hf-tp-plan", "tensor_parallel")
 
@@ -47,18 +45,5 @@ def run(runner: Runner, checkpoints: Checkpoints) -> dict:
     return {"runs": runs}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args()
-    runner = runner_from(args)
-    print(f"memory: {runner.sizes.worlds} devices, {'quick' if args.quick else 'full'} sizes")
-    meta = environment_info(runner)
-    with Checkpoints(runner) as checkpoints:
-        result = run(runner, checkpoints)
-    meta["load_average_end"] = os.getloadavg()
-    write_json(Path(args.results) / "memory.json", {"meta": meta, "sizes": runner.sizes.to_dict(), **result, "jobs": runner.log})
-
-
 if __name__ == "__main__":
-    main()
+    comparison_main(__doc__, "memory.json", run, lambda runner: f"memory: {runner.sizes.worlds} devices")

@@ -17,14 +17,12 @@ to show how much the machine drifted. Targets that are missed get a profile (tor
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from suite.launch import Checkpoints, Runner, add_arguments, environment_info, runner_from, write_json  # noqa: E402
+from suite.launch import Checkpoints, Runner, comparison_main  # noqa: E402
 from suite.targets import TARGETS  # noqa: E402
 
 DISTRIBUTED = ("ours-torchrun", "dtensor", "hf-tp-plan")
@@ -82,18 +80,5 @@ def profile_missed(runner: Runner, speed: dict, ckpt: str) -> dict:
     return profiles
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args()
-    runner = runner_from(args)
-    print(f"speed: {runner.sizes.speed_worlds} devices, {runner.sizes.repeats} repetitions, {'quick' if args.quick else 'full'} sizes")
-    meta = environment_info(runner)
-    with Checkpoints(runner) as checkpoints:
-        result = run(runner, checkpoints)
-    meta["load_average_end"] = os.getloadavg()
-    write_json(Path(args.results) / "speed.json", {"meta": meta, "sizes": runner.sizes.to_dict(), **result, "jobs": runner.log})
-
-
 if __name__ == "__main__":
-    main()
+    comparison_main(__doc__, "speed.json", run, lambda runner: f"speed: {runner.sizes.speed_worlds} devices, {runner.sizes.repeats} repetitions")

@@ -17,27 +17,18 @@ import datetime
 import os
 import platform
 import resource
+import sys
 import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
 
 import tensorshard as tp
 
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from suite.config import FeedForward  # noqa: E402  (the Lightning guide's MLP)
 
 
 PLAN = {"w1": tp.ColwiseParallel(), "w2": tp.RowwiseParallel(), "w3": tp.ColwiseParallel()}

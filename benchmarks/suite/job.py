@@ -90,7 +90,7 @@ def task_memory(args, sizes: Sizes, world: int) -> dict:
     acts = [measure.SavedActivations(exclude=[p for _, p in slot]) for slot in v.built.slots]
     whole_call = None
     if v.built.slot_modules is not None:
-        _hook_slots(v.built.slot_modules, acts)  # each device's forward runs in its own thread
+        measure.hook_slots(v.built.slot_modules, acts)  # each device's forward runs in its own thread
     else:
         whole_call = acts[0].hooks()
     cuda = args.device == "cuda"
@@ -113,20 +113,6 @@ def task_memory(args, sizes: Sizes, world: int) -> dict:
             "rss": {"base": base, "before_step": at_reset, "step_peak": peak}}
 
 
-def _hook_slots(modules, acts) -> None:
-    for module, act in zip(modules, acts):
-        entered = []
-
-        def pre(mod, inputs, act=act, entered=entered):
-            ctx = act.hooks()
-            ctx.__enter__()
-            entered.append(ctx)
-
-        def post(mod, inputs, output, entered=entered):
-            entered.pop().__exit__(None, None, None)
-
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
 
 
 # --- communication -----------------------------------------------------------------------------------------

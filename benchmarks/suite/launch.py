@@ -8,6 +8,7 @@ with the exception's last line (the whole output goes to the log folder).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from suite.config import Sizes
 from suite.systems import DISTRIBUTED
@@ -253,3 +255,17 @@ def write_json(path: Path | str, data: dict) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
+
+
+def comparison_main(doc: str, results_name: str, run: Callable, describe: Callable[[Runner], str]) -> None:
+    """Command line of one comparison script: parse the shared options, run every job, write its JSON."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args()
+    runner = runner_from(args)
+    print(f"{describe(runner)}, {'quick' if args.quick else 'full'} sizes")
+    meta = environment_info(runner)
+    with Checkpoints(runner) as checkpoints:
+        result = run(runner, checkpoints)
+    meta["load_average_end"] = os.getloadavg()
+    write_json(Path(args.results) / results_name, {"meta": meta, "sizes": runner.sizes.to_dict(), **result, "jobs": runner.log})

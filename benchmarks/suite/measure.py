@@ -113,6 +113,23 @@ class SavedActivations:
         return sum(self.storages.values())
 
 
+def hook_slots(modules, activations: list[SavedActivations]) -> None:
+    """Record each device's saved activations during its own module's forward (the thread that runs it)."""
+    for module, act in zip(modules, activations):
+        entered = []
+
+        def pre(mod, inputs, act=act, entered=entered):
+            ctx = act.hooks()
+            ctx.__enter__()
+            entered.append(ctx)
+
+        def post(mod, inputs, output, entered=entered):
+            entered.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+
 def state_bytes(params: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer | None,
                 select: Callable[[str], bool] = lambda name: True) -> dict:
     """Bytes of parameters, their gradients and their optimizer state, for the named parameters selected."""

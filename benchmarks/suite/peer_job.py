@@ -184,7 +184,7 @@ def task_memory(args, sizes):
     acts = [measure.SavedActivations(exclude=[p for _, p in slot]) for slot in slots]
     whole = None
     if slot_modules is not None and len(slot_modules) > 1:
-        _hook_slots(slot_modules, acts)
+        measure.hook_slots(slot_modules, acts)
     else:
         whole = acts[0].hooks()
     if args.device == "cuda":
@@ -206,20 +206,6 @@ def task_memory(args, sizes):
             "rss": {"base": base, "before_step": at_reset, "step_peak": peak}}
 
 
-def _hook_slots(modules, acts):
-    for module, act in zip(modules, acts):
-        entered = []
-
-        def pre(mod, inputs, act=act, entered=entered):
-            ctx = act.hooks()
-            ctx.__enter__()
-            entered.append(ctx)
-
-        def post(mod, inputs, output, entered=entered):
-            entered.pop().__exit__(None, None, None)
-
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post)
 
 
 def task_comm(args, sizes):

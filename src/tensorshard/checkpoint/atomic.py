@@ -10,10 +10,12 @@ index file renamed into place last is the commit point (see sharded.py).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 TMP_MARK = ".tmp-"
 
@@ -84,3 +86,26 @@ def publish(renames: list[tuple[Path, Path]]) -> None:
         os.replace(tmp, final)
     for directory in {final.parent for _, final in renames}:
         fsync_dir(directory)
+
+
+def write_into_folder(target: Path, write: Callable[[Path], None], replaces: tuple[str, ...] = ()) -> None:
+    """Let `write` fill a fresh temporary folder next to `target`, then move its files into `target`.
+
+    Files of `target` matching a glob of `replaces` that the new write did not produce are removed first
+    (the shards of an earlier, larger save). A `write` that fails leaves `target` as it was.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_MARK}", dir=target.parent))
+    try:
+        write(tmp)
+        target.mkdir(exist_ok=True)
+        written = {p.name for p in tmp.iterdir()}
+        for pattern in replaces:
+            for stale in target.glob(pattern):
+                if stale.name not in written:
+                    stale.unlink()
+        for path in tmp.iterdir():
+            os.replace(path, target / path.name)
+        fsync_dir(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

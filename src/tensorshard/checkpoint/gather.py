@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -33,7 +31,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .atomic import atomic_write, fsync_dir, publish
+from .atomic import atomic_write, fsync_dir, publish, write_into_folder
 from .files import FileEntry, write_safetensors
 from .layout import ModelLayout, TensorEntry, is_split_model, model_layout
 from .sources import HF_INDEX_NAME, HF_SINGLE_NAME
@@ -224,7 +222,8 @@ def _write_gathered(layout, folder: Path, groups: list[list[TensorEntry]], gathe
 
 # --- save_pretrained of a transformers model split by parallelize -----------------------------------------
 
-_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
+WEIGHT_FILES = (  # what save_pretrained writes (an earlier save's extra shards are removed)
+    "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 
 
 def gathering_save_pretrained(model: nn.Module) -> Callable:
@@ -260,21 +259,7 @@ def gathering_save_pretrained(model: nn.Module) -> Callable:
         def write() -> None:
             if not job.coordinator:
                 return
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-            try:
-                original(tmp, state_dict=state, **kwargs)
-                target.mkdir(exist_ok=True)
-                written = {p.name for p in tmp.iterdir()}
-                for pattern in _WEIGHT_FILES:  # weights of an earlier save that this one does not overwrite
-                    for stale in target.glob(pattern):
-                        if stale.name not in written:
-                            stale.unlink()
-                for path in tmp.iterdir():
-                    os.replace(path, target / path.name)
-                fsync_dir(target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            write_into_folder(target, partial(original, state_dict=state, **kwargs), replaces=WEIGHT_FILES)
 
         job.agree("writing the model", write)
         if job.coordinator:

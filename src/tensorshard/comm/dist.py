@@ -257,20 +257,6 @@ class _DeferGrad(Function):
         return None, None, None
 
 
-class _SumGrad(Function):
-    """Identity whose backward all-reduces the gradient on the spot (unbucketed fallback)."""
-
-    @staticmethod
-    def forward(ctx, local, group, where):
-        ctx.group, ctx.where = group, where
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        record("all_reduce", _nbytes(grad), "backward", ctx.where)
-        return all_reduce_copy(grad, ctx.group, what=label("all_reduce", ctx.where, backward=True)), None, None
-
-
 class PartialGradBucket:
     """Partial gradients of replicated parameters (modules running on sequence shards), reduced in one
     all-reduce per dtype at the end of each backward pass and then added to the parameters' `.grad`.
@@ -442,7 +428,7 @@ class DistComm(Comm):
         if self.world_size == 1 or not (torch.is_grad_enabled() and local.requires_grad):
             return local
         if on_the_spot:
-            return _SumGrad.apply(local, self.group, where)
+            return _CopyToParallel.apply(local, self.group, where)  # unbucketed: all-reduced on the spot
         return _DeferGrad.apply(local, self.bucket, param)
 
     # -- loss parallelism ------------------------------------------------------------------------------------

@@ -30,17 +30,16 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.autograd import Function
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..comm.threads import ThreadComm, ThreadGroup
 from ..devices import as_device, device_labels, resolve_devices
 from ..partition import Partition
 from ..plans.plan import Plan
+from .boundary import gather_outputs, replicate_inputs, to_device
 from .rollback import Released, restore
 from .zero import choose_params, shard_replicated
 from .sharding import ShardedModel, direct_tensors, shard_plan
-from .timeout import DEFAULT_TIMEOUT, resolve_timeout  # noqa: F401 (DEFAULT_TIMEOUT re-exported)
+from .timeout import resolve_timeout
 from .workers import ThreadState, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -172,10 +171,10 @@ class TensorParallel(nn.Module):
         shards, devices, group = self.module_shards, self._placement, self._group
         if len(shards) == 1:
             first = shards[0]
-            args, kwargs = _to_device((args, kwargs), devices[0])
+            args, kwargs = to_device((args, kwargs), devices[0])
             previous, _shard.rank = current_rank(), 0
             try:
-                return _to_device(first(*args, **kwargs), self.output_device)
+                return to_device(first(*args, **kwargs), self.output_device)
             finally:
                 _shard.rank = previous
 
@@ -186,7 +185,7 @@ class TensorParallel(nn.Module):
                 "call returns."
             )
         state = ThreadState.capture()
-        per_rank_inputs = _replicate_inputs((args, kwargs), devices)
+        per_rank_inputs = replicate_inputs((args, kwargs), devices)
 
         def shard_call(call, rank: int):
             def run():
@@ -214,7 +213,7 @@ class TensorParallel(nn.Module):
             finally:
                 group.end(call)  # drop the call's cached tensors; a straggler fails at its next collective
         src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
-        return _gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
+        return gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
 
     def state_dict(self, *args, **kwargs):
         """The shards' state (keys ``module_shards.N...``), or, inside ``tp.save_tensor_parallel(model)``,
@@ -375,103 +374,6 @@ def _tensor_bytes(module: nn.Module) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
-
-
-# --- inputs and outputs -------------------------------------------------------------------------------
-
-
-class _ReplicateInput(Function):
-    """Copy an input that needs a gradient to every device. Backward: under the SPMD convention every
-    device holds the same, full gradient of a replicated tensor, so shard 0's is the answer."""
-
-    @staticmethod
-    def forward(ctx, devices, x):
-        ctx.device = x.device
-        return tuple(x.view_as(x) if d == x.device else x.to(d) for d in devices)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return None, grads[0].to(ctx.device)
-
-
-class _GatherOutput(Function):
-    """Return shard `src`'s copy of a replicated output; backward hands the gradient to every shard."""
-
-    @staticmethod
-    def forward(ctx, src, device, devices, *ys):
-        ctx.devices = devices
-        y = ys[src]
-        return y.view_as(y) if y.device == device else y.to(device)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (None, None, None, *(grad.to(d) for d in ctx.devices))
-
-
-def _to_device(tree: Any, device: torch.device) -> Any:
-    leaves, spec = tree_flatten(tree)
-    if not any(isinstance(x, torch.Tensor) and x.device != device for x in leaves):
-        return tree
-    return tree_unflatten([x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-
-
-def _replicate_inputs(tree: Any, devices: list[torch.device]):
-    """A function rank -> that rank's copy of the inputs (tensors moved to its device).
-
-    Inputs may live on any device: each shard gets its own copy on its device (they are not checked
-    against the model's devices, as they would have to be under torchrun)."""
-    leaves, spec = tree_flatten(tree)
-    meta = next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_meta), None)
-    if meta is not None:
-        raise ValueError(
-            f"input tensor #{meta} (shape {tuple(leaves[meta].shape)}) is on the meta device: it has no values "
-            "to compute with. Pass real tensors (on any device; each shard gets a copy on its own)."
-        )
-    grad = torch.is_grad_enabled()
-    copies = {
-        i: _ReplicateInput.apply(devices, x)
-        for i, x in enumerate(leaves)
-        if isinstance(x, torch.Tensor) and grad and x.requires_grad
-    }
-
-    def for_rank(rank: int):
-        device = devices[rank]
-        local = [
-            copies[i][rank] if i in copies else x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
-            for i, x in enumerate(leaves)
-        ]
-        return tree_unflatten(local, spec)
-
-    return for_rank
-
-
-def _gather_outputs(outputs: list, src: int, device: torch.device, devices, labels, *, check_equal: bool) -> Any:
-    flats = [tree_flatten(o) for o in outputs]
-    leaves, spec = flats[src]
-    result = []
-    for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor):
-            result.append(leaf)
-            continue
-        per_rank = [flat[0][i] for flat in flats]
-        for rank, t in enumerate(per_rank):
-            if not isinstance(t, torch.Tensor) or t.shape != leaf.shape:
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise RuntimeError(
-                    f"output leaf {i} has shape {tuple(leaf.shape)} on {labels[src]} but {shape} on {labels[rank]}: "
-                    "the plan leaves an output split across devices. Gather it: gather_output=True on the last "
-                    "column-parallel layer, or RowwiseParallel after it."
-                )
-            if check_equal and not torch.equal(t.to(leaf.device), leaf):
-                raise RuntimeError(
-                    f"[debug] output leaf {i} differs between {labels[src]} and {labels[rank]}: a replicated "
-                    "value diverged, so the plan splits something the model mixes (a plan bug)"
-                )
-        if torch.is_grad_enabled() and any(t.requires_grad for t in per_rank):
-            result.append(_GatherOutput.apply(src, device, devices, *per_rank))
-        else:
-            result.append(leaf if leaf.device == device else leaf.to(device))
-    return tree_unflatten(result, spec)
 
 
 def _env_flag(name: str) -> bool:

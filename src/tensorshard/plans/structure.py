@@ -79,7 +79,6 @@ def infer_layout(
             if unit not in seen:
                 seen.add(unit)
                 (order_kv if unit in kv_units else order_q).append(unit)
-    index_q = {u: i for i, u in enumerate(order_q)}
     index_kv = {u: i for i, u in enumerate(order_kv)}
 
     passes: dict[str, list[tuple[str, int]]] = {}  # layer -> [(kind, features per unit)]

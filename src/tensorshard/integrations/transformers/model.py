@@ -32,9 +32,7 @@ import functools
 import inspect
 import logging
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +41,14 @@ from torch import nn
 
 from transformers.cache_utils import Cache
 
-from ...checkpoint.gather import gathered_state_dict
+from ...checkpoint.atomic import write_into_folder
+from ...checkpoint.gather import WEIGHT_FILES, gathered_state_dict
 from ...engines.inprocess import TensorParallel
 from .cache import ShardedCache, shard_cache, sharded
 
 logger = logging.getLogger(__name__)
 
 _NOT_COPIED = {"hf_device_map", "_hf_hook"}  # accelerate dispatch state of the original: meaningless here
-_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
-
-
 class _RankCache:
     """Stands in for a shard's own cache in its output until the caller's thread puts the sharded one there."""
 
@@ -206,20 +202,9 @@ class TransformersTensorParallel(TensorParallel):
         if target.exists() and not target.is_dir():
             raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
         state = dict(gathered_state_dict(self))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            self._original.save_pretrained(tmp, state_dict=state, **kwargs)
-            target.mkdir(exist_ok=True)
-            written = {p.name for p in tmp.iterdir()}
-            for pattern in _WEIGHT_FILES:  # weights of an earlier save that this one does not overwrite
-                for stale in target.glob(pattern):
-                    if stale.name not in written:
-                        stale.unlink()
-            for path in tmp.iterdir():
-                os.replace(path, target / path.name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_into_folder(
+            target, functools.partial(self._original.save_pretrained, state_dict=state, **kwargs), replaces=WEIGHT_FILES
+        )
         logger.info("saved the unsplit %s to %s", type(self._original).__name__, target)
 
     def resize_token_embeddings(self, *args, **kwargs):

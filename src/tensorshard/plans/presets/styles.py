@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ...partition import Partition
-from ...styles.base import ShardContext, Splits, Style, original_forward, register, wrap_forward
+from ...styles.base import ShardContext, Splits, original_forward, register, wrap_forward
 from ...styles.heads import Heads
 
 LAYOUTS = ("batch*heads", "heads")

@@ -1,0 +1,109 @@
+"""The in-process engine's boundary: the caller's inputs copied to every device, one output returned.
+
+Inputs that need a gradient are copied through `_ReplicateInput`, whose backward returns shard 0's
+gradient (every shard holds the same full gradient of a replicated tensor). Outputs are taken from one
+shard through `_GatherOutput`, whose backward hands the gradient to every shard. An output whose shape
+differs between shards is an error: the plan left it split.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd import Function
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class _ReplicateInput(Function):
+    """Copy an input that needs a gradient to every device. Backward: under the SPMD convention every
+    device holds the same, full gradient of a replicated tensor, so shard 0's is the answer."""
+
+    @staticmethod
+    def forward(ctx, devices, x):
+        ctx.device = x.device
+        return tuple(x.view_as(x) if d == x.device else x.to(d) for d in devices)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, grads[0].to(ctx.device)
+
+
+class _GatherOutput(Function):
+    """Return shard `src`'s copy of a replicated output; backward hands the gradient to every shard."""
+
+    @staticmethod
+    def forward(ctx, src, device, devices, *ys):
+        ctx.devices = devices
+        y = ys[src]
+        return y.view_as(y) if y.device == device else y.to(device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, None, *(grad.to(d) for d in ctx.devices))
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    leaves, spec = tree_flatten(tree)
+    if not any(isinstance(x, torch.Tensor) and x.device != device for x in leaves):
+        return tree
+    return tree_unflatten([x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+
+def replicate_inputs(tree: Any, devices: list[torch.device]):
+    """A function rank -> that rank's copy of the inputs (tensors moved to its device).
+
+    Inputs may live on any device: each shard gets its own copy on its device (they are not checked
+    against the model's devices, as they would have to be under torchrun)."""
+    leaves, spec = tree_flatten(tree)
+    meta = next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_meta), None)
+    if meta is not None:
+        raise ValueError(
+            f"input tensor #{meta} (shape {tuple(leaves[meta].shape)}) is on the meta device: it has no values "
+            "to compute with. Pass real tensors (on any device; each shard gets a copy on its own)."
+        )
+    grad = torch.is_grad_enabled()
+    copies = {
+        i: _ReplicateInput.apply(devices, x)
+        for i, x in enumerate(leaves)
+        if isinstance(x, torch.Tensor) and grad and x.requires_grad
+    }
+
+    def for_rank(rank: int):
+        device = devices[rank]
+        local = [
+            copies[i][rank] if i in copies else x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+            for i, x in enumerate(leaves)
+        ]
+        return tree_unflatten(local, spec)
+
+    return for_rank
+
+
+def gather_outputs(outputs: list, src: int, device: torch.device, devices, labels, *, check_equal: bool) -> Any:
+    flats = [tree_flatten(o) for o in outputs]
+    leaves, spec = flats[src]
+    result = []
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            result.append(leaf)
+            continue
+        per_rank = [flat[0][i] for flat in flats]
+        for rank, t in enumerate(per_rank):
+            if not isinstance(t, torch.Tensor) or t.shape != leaf.shape:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise RuntimeError(
+                    f"output leaf {i} has shape {tuple(leaf.shape)} on {labels[src]} but {shape} on {labels[rank]}: "
+                    "the plan leaves an output split across devices. Gather it: gather_output=True on the last "
+                    "column-parallel layer, or RowwiseParallel after it."
+                )
+            if check_equal and not torch.equal(t.to(leaf.device), leaf):
+                raise RuntimeError(
+                    f"[debug] output leaf {i} differs between {labels[src]} and {labels[rank]}: a replicated "
+                    "value diverged, so the plan splits something the model mixes (a plan bug)"
+                )
+        if torch.is_grad_enabled() and any(t.requires_grad for t in per_rank):
+            result.append(_GatherOutput.apply(src, device, devices, *per_rank))
+        else:
+            result.append(leaf if leaf.device == device else leaf.to(device))
+    return tree_unflatten(result, spec)
