@@ -14,7 +14,6 @@ process, gives each rank different data: the model then trains on a mix of batch
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.data import Dataset, DistributedSampler
 
-from .comm.dist import all_gather_single
+from .comm.dist import broadcast_object, gather_objects
 from .comm.dist_guard import collective
 
 
@@ -59,7 +58,7 @@ def check_same_inputs(inputs: dict[str, Any], group=None, *, where: str = "the m
         return
     leaves, _ = tree_flatten_with_path(inputs)
     prints = [(_name(path), _fingerprint(v)) for path, v in leaves]
-    everyone = _gather_objects(prints, group, what=f"the input check of {where}")
+    everyone = gather_objects(prints, group, what=f"the input check of {where}")
     ranks = dist.get_process_group_ranks(group)
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
@@ -154,7 +153,7 @@ def broadcast_batch(batch: Any, device_mesh) -> Any:
     src = dist.get_global_rank(group, 0)
     leaves, spec = tree_flatten(batch)
     meta = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves]
-    spec, meta = _broadcast_object((spec, meta), src, group, what=f"broadcast_batch from rank {src}")
+    spec, meta = broadcast_object((spec, meta), src, group, what=f"broadcast_batch from rank {src}")
     from .engines.torchrun import mesh_device
 
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None) or mesh_device(device_mesh)
@@ -171,37 +170,3 @@ def broadcast_batch(batch: Any, device_mesh) -> Any:
 
 
 # --- pickled objects over a group, through its guard (bounded, failure-aware: comm/dist_guard.py) ---------
-
-
-def _object_device(group) -> torch.device:
-    getter = getattr(dist.distributed_c10d, "_get_object_coll_device", None)  # cuda for NCCL groups
-    return torch.device(getter(group) if getter is not None else "cpu")
-
-
-def _gather_objects(obj: Any, group, *, what: str) -> list[Any]:
-    """Every rank's `obj`, in group rank order: all_gather_object as two guarded all-gathers."""
-    device = _object_device(group)
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    world = dist.get_world_size(group)
-    sizes = torch.empty(world, dtype=torch.int64, device=device)
-    collective(all_gather_single, sizes, sizes, torch.tensor([data.numel()], device=device), group=group, what=what)
-    longest = int(sizes.max())
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    out = torch.empty(world * longest, dtype=torch.uint8, device=device)
-    collective(all_gather_single, out, out, padded, group=group, what=what)
-    out = out.cpu()
-    return [pickle.loads(out[r * longest : r * longest + int(n)].numpy().tobytes()) for r, n in enumerate(sizes.tolist())]
-
-
-def _broadcast_object(obj: Any, src: int, group, *, what: str) -> Any:
-    """Global rank `src`'s `obj` on every rank of `group`: broadcast_object_list as two guarded broadcasts."""
-    device = _object_device(group)
-    mine = dist.get_rank() == src
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device) if mine else None
-    size = torch.tensor([data.numel() if mine else 0], dtype=torch.int64, device=device)
-    collective(dist.broadcast, size, size, src=src, group=group, what=what)
-    if not mine:
-        data = torch.empty(int(size), dtype=torch.uint8, device=device)
-    collective(dist.broadcast, data, data, src=src, group=group, what=what)
-    return obj if mine else pickle.loads(data.cpu().numpy().tobytes())

@@ -27,6 +27,7 @@ model on the meta device with `src_data_rank=None` and load weights afterwards t
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import os
@@ -41,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..comm.dist import DistComm
+from ..comm.dist import DistComm, gather_objects
 from ..comm.dist_guard import collective
 from ..partition import Partition
 from ..plans.plan import Plan
@@ -127,8 +128,9 @@ def parallelize(
     from ..plans import resolve_plan  # late import: presets and inference import the styles
 
     plan = resolve_plan(module, plan, world, check=check)
-    sharded = shard_plan(module, plan, world)  # raises on any plan error; the model is untouched
     comm = DistComm(device_mesh, timeout)
+    _check_same_plan(plan, comm)  # first: a plan error below would otherwise stop only the ranks that have it
+    sharded = shard_plan(module, plan, world)  # raises on any plan error; the model is untouched
     state = TorchrunState(plan, device_mesh, comm, {}, {}, check_inputs)
     source = None if src_data_rank is None else dist.get_global_rank(comm.group, src_data_rank)
     try:
@@ -156,6 +158,19 @@ def parallelize(
             "after %g s", type(module).__name__, world, device_mesh.mesh.tolist(), split, len(plan), timeout,
         )
     return module
+
+
+def _check_same_plan(plan: Plan, comm: DistComm) -> None:
+    """Every rank of the group resolved the same plan, or all of them raise (before anything changes)."""
+    digest = hashlib.sha1(plan.table().encode()).hexdigest()
+    digests = gather_objects(digest, comm.group, what="parallelize: comparing the ranks' plans")
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ValueError(
+            f"the tensor-parallel ranks resolved different plans: rank(s) {differ} differ from rank 0. Every rank "
+            "must split the same model with the same plan: build the model identically everywhere (same config "
+            "and code), or pass the same plan= on every rank (tp.Plan.load('plan.json'))"
+        )
 
 
 def _is_transformers_model(module: nn.Module) -> bool:
