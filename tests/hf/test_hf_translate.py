@@ -77,3 +77,33 @@ def test_untranslatable_entry_keeps_its_parent_whole(caplog):
     assert not any(p.startswith("layers.*.self_attn.") for p in plan)
     assert plan["layers.*.mlp.c_fc"] == tp.ColwiseParallel()  # the rest is still split
     assert "'some_future_style' is not translated; layers.*.self_attn stays whole" in caplog.text
+
+
+def test_a_translated_plan_that_does_not_fit_falls_back_to_an_inferred_one(gen, caplog):
+    """Doge's base_model_tp_plan splits attention heads, but its forward builds a mask over all heads: the
+    self-check catches the region, and the model is split by the inferred (self-checked) plan instead."""
+    config = T.DogeConfig(**SIZES, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    ref = T.AutoModelForCausalLM.from_config(config).eval()
+    translated = tp.preset_for(ref)
+    with caplog.at_level(logging.WARNING, logger="tensorshard"):
+        model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2)
+    assert "does not fit it" in caplog.text and "using an inferred plan instead" in caplog.text
+    assert model.plan != translated
+    ids = torch.randint(1, 96, (2, 7), generator=gen)
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-4
+    generate = dict(max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
+    assert torch.equal(model.generate(ids[:, :3], **generate), ref.generate(ids[:, :3], **generate))
+
+
+def test_recurrent_cache_params_are_kept_per_device(gen):
+    """Mamba2 passes its recurrent state as `cache_params`: each device needs its own (shared, it would be
+    advanced once per device and generation would drift after the first token)."""
+    config = T.Mamba2Config(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+                            expand=2, n_groups=1, state_size=16, chunk_size=16, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = T.AutoModelForCausalLM.from_config(config).eval()
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2)
+    ids = torch.randint(1, 96, (1, 5), generator=gen)
+    generate = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **generate), ref.generate(ids, **generate))

@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+from torch import nn
 
 import plans_for_tests as plans
 from helpers import check_training_parity, split_copy
+import tensorshard as tp
 from models import ConvNet, FeedForward, Transformer
 
 pytestmark = pytest.mark.timeout(60)
@@ -139,3 +141,27 @@ def test_uneven_and_grouped_heads_without_a_plan(n_heads, n_kv_heads, dim, n, ge
     model = split_copy(ref, n)
     assert styles(ref, model.plan) == styles(ref, plans.transformer(n_heads, n_kv_heads))  # the hand plan, found
     check_training_parity(ref, model, lambda: torch.randint(0, 96, (2, 9), generator=gen))
+
+
+class CountsCalls(nn.Module):
+    """Updates an input in place, as recurrent models do with their state (RWKV)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, state):
+        state.add_(1)
+        return self.down(torch.relu(self.up(x))) * state
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_inputs_updated_in_place_are_updated_once(n, gen):
+    ref = CountsCalls()
+    model = split_copy(ref, n, plan={"up": tp.ColwiseParallel(), "down": tp.RowwiseParallel()})
+    x = torch.randn(4, 8, generator=gen)
+    state, ref_state = torch.zeros(1), torch.zeros(1)
+    for _ in range(3):
+        out, want = model(x, state), ref(x, ref_state)
+        assert torch.allclose(out, want, atol=1e-6)
+    assert state.item() == ref_state.item() == 3  # the caller's tensor, advanced once per call

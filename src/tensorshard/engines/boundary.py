@@ -69,10 +69,15 @@ def replicate_inputs(tree: Any, devices: list[torch.device]):
         if isinstance(x, torch.Tensor) and grad and x.requires_grad
     }
 
+    def own(x: torch.Tensor, rank: int) -> torch.Tensor:
+        # Every shard but the first gets its own copy even on the same device: a model that updates an input in
+        # place (RWKV's recurrent state) must not have its shards race on one tensor, as on separate GPUs.
+        moved = x.to(devices[rank], non_blocking=True)
+        return moved.clone() if moved is x and rank > 0 else moved
+
     def for_rank(rank: int):
-        device = devices[rank]
         local = [
-            copies[i][rank] if i in copies else x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+            copies[i][rank] if i in copies else own(x, rank) if isinstance(x, torch.Tensor) else x
             for i, x in enumerate(leaves)
         ]
         return tree_unflatten(local, spec)

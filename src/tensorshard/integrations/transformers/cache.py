@@ -116,8 +116,13 @@ def shard_cache(cache: Any, world_size: int) -> Cache:
 
 
 def _seq_length(cache: Cache) -> int:
+    """Tokens the cache holds (for a cache of recurrent layers only, such as Mamba's: 1 once it has a state)."""
     inner = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache: the decoder's own cache
-    return inner.get_seq_length()
+    try:
+        return inner.get_seq_length()
+    except ValueError:  # transformers: "can only be called on Attention layers"
+        layers = getattr(inner, "layers", [])
+        return int(any(any(getattr(layer, "has_previous_state", {}).values()) for layer in layers))
 
 
 def _layers(cache: Cache, kind: type) -> bool:

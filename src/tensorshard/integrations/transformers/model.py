@@ -113,9 +113,9 @@ class TransformersTensorParallel(TensorParallel):
             )
         if "use_cache" in self._forward_parameters and "use_cache" not in kwargs:
             kwargs["use_cache"] = getattr(self.config, "use_cache", None)  # the shards' configs are copies
-        cache = kwargs.get("past_key_values")
-        if cache is not None:
-            kwargs["past_key_values"] = shard_cache(cache, self.world_size)
+        for key in ("past_key_values", "cache_params"):  # cache_params: Mamba-style models
+            if kwargs.get(key) is not None:
+                kwargs[key] = shard_cache(kwargs[key], self.world_size)
         if self.training and not self._warned_dropout and _uses_dropout(self.config):
             object.__setattr__(self, "_warned_dropout", True)
             logger.warning(
