@@ -213,7 +213,7 @@ def greedy(model, ids: torch.Tensor, use_generate: bool) -> list[int]:
 def run_one(model_type: str) -> dict:
     import tensorshard as tp
     from tensorshard.plans.infer import infer
-    from tensorshard.plans.presets import preset_for
+    from tensorshard.plans.presets import PRESETS, preset_for
 
     rec: dict = {"arch": model_type}
     t0 = time.time()
@@ -237,10 +237,13 @@ def run_one(model_type: str) -> dict:
         r: dict = {}
         try:
             work = copy.deepcopy(model)
-            preset = preset_for(work) is not None
-            if preset:
+            preset = preset_for(work)
+            if preset is not None:
                 split = tp.tensor_parallel(work, ["cpu"] * n)
-                r["plan"] = "preset"
+                if model_type in PRESETS:
+                    r["plan"] = "preset"
+                else:  # translated from base_model_tp_plan: used if it passes the self-check, else inferred
+                    r["plan"] = "translated" if split.plan == preset else "inferred (translated plan did not fit)"
             else:
                 report = infer(work, n, check=True)
                 r["fallbacks"] = _distinct_fallbacks(report.fallbacks)
@@ -360,6 +363,13 @@ def write_table() -> None:
     both = [r for r in built if all(r.get(str(n), {}).get("ok") for n in WORLDS)]
     commit = _git("rev-parse", "--short", "HEAD")
     pct = 100 * len(both) / max(len(built), 1)
+    names = {"preset": "hand-written presets", "translated": "translated base_model_tp_plan",
+             "inferred (translated plan did not fit)": "inferred after the translated plan did not fit",
+             "inferred": "inferred"}
+    sources: dict[str, int] = {}
+    for r in built:
+        source = names.get(r.get("2", {}).get("plan", "inferred"), "inferred")
+        sources[source] = sources.get(source, 0) + 1
     lines = [
         "# Coverage of automatic plans",
         "",
@@ -377,6 +387,7 @@ def write_table() -> None:
         f"- buildable from a tiny random config: **{len(built)}** (not buildable: {len(broken)}, listed below)",
         f"- pass on 2 devices: **{len(ok[2])}**; on 3 devices: **{len(ok[3])}**",
         f"- pass on both: **{len(both)} of {len(built)} buildable ({pct:.1f}%)**",
+        "- plans used (2 devices): " + ", ".join(f"{v} {k}" for k, v in sorted(sources.items(), key=lambda kv: -kv[1])),
         "",
         "Memory is the largest device's parameter bytes over the unsplit model's. Split: the "
         "groups the plan splits (attention with its head counts, column -> row pairs such as MLPs, the output "
@@ -398,8 +409,8 @@ def write_table() -> None:
         split = ", ".join(f"{v} x {k}" for k, v in sorted(groups.items()))
         if info.get("embeddings"):
             split += (", " if split else "") + f"{info['embeddings']} embedding"
-        if info.get("plan") == "preset":
-            split = "preset"
+        if info.get("plan", "inferred") != "inferred":
+            split = {"preset": "hand-written preset", "translated": "translated base_model_tp_plan"}.get(info["plan"], info["plan"])
         notes = []
         for n in WORLDS:
             x = r.get(str(n), {})
