@@ -90,3 +90,27 @@ class ConvNet(nn.Module):
         x = x.flatten(2)  # (B, C, H*W)
         x = x + self.conv4(F.gelu(self.conv3(x)))
         return self.head(x.mean(-1))
+
+
+class ResidualMLP(nn.Module):
+    """x + down(relu(up(norm(x)))): the block of the checkpoint memory tests."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class ResidualStack(nn.Module):
+    def __init__(self, dim: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(ResidualMLP(dim, hidden) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x

@@ -20,31 +20,15 @@ DIM, HIDDEN, LAYERS = 2048, 4096, 16  # 16 x 2 x (4096 x 2048) fp32 = 1.07 GB; l
 FILES = 4
 
 CHILD = r"""
-import json, os, sys
+import functools, json, os, sys
 import torch
-from torch import nn
 import tensorshard as tp
+from models import ResidualStack
 
 torch.set_num_threads(1)
 DIM, HIDDEN, LAYERS = {dim}, {hidden}, {layers}
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, HIDDEN, bias=False)
-        self.down = nn.Linear(HIDDEN, DIM, bias=False)
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
+Stack = functools.partial(ResidualStack, DIM, HIDDEN, LAYERS)
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -100,8 +84,9 @@ def write_checkpoint(folder: Path) -> tuple[int, int]:
 def test_a_1gb_checkpoint_streams_into_4_slots_with_bounded_extra_memory(tmp_path):
     total, largest = write_checkpoint(tmp_path)
     assert total > 1e9
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    root = Path(__file__).resolve().parents[2]
+    paths = [str(root / "src"), str(root / "tests"), os.environ.get("PYTHONPATH", "")]  # tensorshard, models.py
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     script = CHILD.format(dim=DIM, hidden=HIDDEN, layers=LAYERS)
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -8,15 +8,16 @@ RSS before - bytes of its own shards. Measured here: 8 MiB, the pages of the lar
 rank touches (a mapped file counts in RSS); a loader that held the model whole would add 64 MiB.
 """
 
+import functools
 import json
 import os
 
 import pytest
 import torch
-from torch import nn
 
 import tensorshard as tp
 from harness import world_mesh
+from models import ResidualMLP, ResidualStack
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -24,26 +25,8 @@ DIM, HIDDEN, LAYERS, FILES = 1024, 2048, 8, 4  # 8 x 2 x (2048 x 1024) fp32 = 12
 PLAN = tp.Plan({"blocks.*.up": tp.ColwiseParallel(), "blocks.*.down": tp.RowwiseParallel()})
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, HIDDEN, bias=False)
-        self.down = nn.Linear(HIDDEN, DIM, bias=False)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(self.norm(x))))
-
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
+Block = functools.partial(ResidualMLP, DIM, HIDDEN)
+Stack = functools.partial(ResidualStack, DIM, HIDDEN, LAYERS)
 
 
 def status(key: str) -> int:
