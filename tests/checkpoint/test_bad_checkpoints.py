@@ -21,6 +21,7 @@ import torch
 
 import plans_for_tests as plans
 import tensorshard as tp
+from checkpoint_models import build, gathered
 from helpers import rel_err
 from models import FeedForward, Transformer
 
@@ -29,11 +30,6 @@ pytestmark = pytest.mark.timeout(60)
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
 PLAN = plans.transformer(8, 2)
 RANK1 = "model-g000001-rank00001-of-00002.safetensors"
-
-
-def build(seed: int = 0, **kwargs) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(n_heads=8, n_kv_heads=2, bias=True, **kwargs)
 
 
 def split(module, n: int = 2):
@@ -254,11 +250,6 @@ def test_a_read_error_during_the_load_says_what_was_loaded(good, tmp_path, monke
 
 
 # --- under torchrun: a failure on one rank stops every rank ---------------------------------------------------
-
-
-def gathered(model) -> dict[str, torch.Tensor]:
-    with tp.save_tensor_parallel(model):
-        return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def failed_save_task(folder: str) -> dict:

@@ -8,6 +8,7 @@ import torch
 
 import plans_for_tests as plans
 import tensorshard as tp
+from checkpoint_models import gathered
 from helpers import rel_err
 from models import FeedForward, Transformer
 
@@ -31,11 +32,6 @@ def train(model, opt, gen, steps: int) -> list[torch.Tensor]:
         opt.step()
         losses.append(loss.detach())
     return losses
-
-
-def gathered(model) -> dict[str, torch.Tensor]:
-    with tp.save_tensor_parallel(model):
-        return model.state_dict()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from checkpoint_models import write_stack_checkpoint
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -56,33 +57,9 @@ print(json.dumps({{"before": before, "peak": peak, "held": held, "same": same}})
 """
 
 
-def write_checkpoint(folder: Path) -> tuple[int, int]:
-    """Random weights in FILES safetensors files plus an index, written one file at a time."""
-    from safetensors.torch import save_file
-
-    gen = torch.Generator().manual_seed(0)
-    names = []
-    for i in range(LAYERS):
-        names += [(f"blocks.{i}.norm.weight", (DIM,)), (f"blocks.{i}.norm.bias", (DIM,)),
-                  (f"blocks.{i}.up.weight", (HIDDEN, DIM)), (f"blocks.{i}.down.weight", (DIM, HIDDEN))]
-    per_file = -(-len(names) // FILES)
-    weight_map, total, largest = {}, 0, 0
-    for k in range(FILES):
-        file_name = f"model-{k + 1:05d}-of-{FILES:05d}.safetensors"
-        tensors = {name: torch.empty(shape).uniform_(-1, 1, generator=gen) for name, shape in names[k * per_file:(k + 1) * per_file]}
-        save_file(tensors, folder / file_name)
-        for name, t in tensors.items():
-            weight_map[name] = file_name
-            total += t.numel() * 4
-            largest = max(largest, t.numel() * 4)
-        del tensors
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    return total, largest
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc to measure peak RSS")
 def test_a_1gb_checkpoint_streams_into_4_slots_with_bounded_extra_memory(tmp_path):
-    total, largest = write_checkpoint(tmp_path)
+    total, largest = write_stack_checkpoint(tmp_path, layers=LAYERS, dim=DIM, hidden=HIDDEN, files=FILES, scale=1.0)
     assert total > 1e9
     root = Path(__file__).resolve().parents[2]
     paths = [str(root / "src"), str(root / "tests"), os.environ.get("PYTHONPATH", "")]  # tensorshard, models.py

@@ -13,6 +13,7 @@ import torch
 
 import plans_for_tests as plans
 import tensorshard as tp
+from checkpoint_models import build, differ, gathered, probe
 from harness import world_mesh
 from helpers import rel_err
 from models import Transformer
@@ -20,26 +21,6 @@ from models import Transformer
 pytestmark = pytest.mark.timeout(180)
 
 PLAN = plans.transformer(8, 2)
-
-
-def build(seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(n_heads=8, n_kv_heads=2, bias=True)
-
-
-def probe(model) -> torch.Tensor:
-    tokens = torch.randint(0, 96, (3, 6), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        return model(tokens)
-
-
-def gathered(model) -> dict[str, torch.Tensor]:
-    with tp.save_tensor_parallel(model):
-        return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def differ(state: dict, expected: dict) -> list[str]:
-    return sorted(set(state) ^ set(expected)) + [k for k in expected if k in state and not torch.equal(state[k], expected[k])]
 
 
 # --- tasks (every rank) ----------------------------------------------------------------------------------

@@ -19,20 +19,11 @@ import torch
 
 import plans_for_tests as plans
 import tensorshard as tp
+from checkpoint_models import build, gathered
 from harness import world_mesh
 from models import Transformer
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
-
-
-def reference() -> Transformer:
-    torch.manual_seed(0)  # every process builds the same weights
-    return Transformer(n_heads=8, n_kv_heads=2, bias=True)
-
-
-def gathered(model) -> dict:
-    with tp.save_tensor_parallel(model):
-        return model.state_dict()
 
 
 def dcp_task(folder: str) -> list[str]:
@@ -42,7 +33,7 @@ def dcp_task(folder: str) -> list[str]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = world_mesh()
-    full = reference().state_dict()
+    full = build().state_dict()
     sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
     dcp.save({"model": sharded}, checkpoint_id=os.path.join(folder, "distcp"))
     dcp.save(sharded, storage_writer=HuggingFaceStorageWriter(os.path.join(folder, "hf"), save_distributed=True))
@@ -62,7 +53,7 @@ def dcp_task(folder: str) -> list[str]:
 
 
 def test_dcp_checkpoints_of_three_ranks_load_in_process_and_back(pool3, tmp_path):
-    ref = reference()
+    ref = build()
     model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, plan=plans.transformer(8, 2), sharded=True)
     tp.save_sharded(model, tmp_path / "tensorshard")
 

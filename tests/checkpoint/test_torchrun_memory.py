@@ -9,13 +9,13 @@ rank touches (a mapped file counts in RSS); a loader that held the model whole w
 """
 
 import functools
-import json
 import os
 
 import pytest
 import torch
 
 import tensorshard as tp
+from checkpoint_models import write_stack_checkpoint
 from harness import world_mesh
 from models import ResidualMLP, ResidualStack
 
@@ -57,33 +57,11 @@ def memory_task(folder: str, warm_up: str) -> dict:
     return {"extra": peak - before - held, "held": held, "out": out}
 
 
-def write_checkpoint(folder) -> tuple[int, int, dict]:
-    from safetensors.torch import save_file
-
-    gen = torch.Generator().manual_seed(0)
-    names = []
-    for i in range(LAYERS):
-        names += [(f"blocks.{i}.norm.weight", (DIM,)), (f"blocks.{i}.norm.bias", (DIM,)),
-                  (f"blocks.{i}.up.weight", (HIDDEN, DIM)), (f"blocks.{i}.down.weight", (DIM, HIDDEN))]
-    per_file = -(-len(names) // FILES)
-    weight_map, total, largest = {}, 0, 0
-    for k in range(FILES):
-        file_name = f"model-{k + 1:05d}-of-{FILES:05d}.safetensors"
-        tensors = {n: torch.empty(s).uniform_(-0.02, 0.02, generator=gen) for n, s in names[k * per_file:(k + 1) * per_file]}
-        save_file(tensors, folder / file_name)
-        for name, t in tensors.items():
-            weight_map[name] = file_name
-            total += t.numel() * 4
-            largest = max(largest, t.numel() * 4)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    return total, largest
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc to measure peak RSS")
 def test_each_rank_holds_its_share_plus_about_one_tensor(pool2, tmp_path):
     from safetensors.torch import save_file
 
-    total, largest = write_checkpoint(tmp_path)
+    total, largest = write_stack_checkpoint(tmp_path, layers=LAYERS, dim=DIM, hidden=HIDDEN, files=FILES, scale=0.02)
     (tmp_path / "small").mkdir()
     save_file({k: v.contiguous() for k, v in Block().state_dict().items()}, tmp_path / "small" / "model.safetensors")
     results = pool2.run(memory_task, str(tmp_path), str(tmp_path / "small"))

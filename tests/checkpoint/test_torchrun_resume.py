@@ -18,19 +18,14 @@ import torch
 
 import plans_for_tests as plans
 import tensorshard as tp
+from checkpoint_models import build, differ, gathered, probe
 from harness import world_mesh
 from helpers import rel_err
-from models import Transformer
 
 pytestmark = pytest.mark.timeout(180)
 
 LR = 1e-2
 TOL = 1e-5
-
-
-def build(seed: int) -> Transformer:
-    torch.manual_seed(seed)  # weights only; data come from private generators
-    return Transformer(n_heads=8, n_kv_heads=2, bias=True)
 
 
 def train(model, opt, seed: int, steps: int = 3) -> list[float]:
@@ -46,22 +41,6 @@ def train(model, opt, seed: int, steps: int = 3) -> list[float]:
     return losses
 
 
-def probe(model) -> torch.Tensor:
-    tokens = torch.randint(0, 96, (3, 6), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        return model(tokens)
-
-
-def gathered(model) -> dict[str, torch.Tensor]:
-    with tp.save_tensor_parallel(model):
-        return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def same_weights(state: dict, expected: dict) -> list[str]:
-    """Names whose tensors differ (in any bit), or that are missing or extra."""
-    return sorted(set(state) ^ set(expected)) + [k for k in expected if k in state and not torch.equal(state[k], expected[k])]
-
-
 # --- tasks that run on every rank of a pool -------------------------------------------------------------
 
 
@@ -71,7 +50,7 @@ def resume_task(load_from: str, save_to: str | None, expected: dict, seed: int) 
     model = tp.parallelize(build(seed=1), world_mesh(), plan=plans.transformer(8, 2))
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     tp.load_sharded(model, load_from, optimizer=opt, progress=False)
-    result = {"lr": opt.param_groups[0]["lr"], "differ": same_weights(gathered(model), expected), "out": probe(model)}
+    result = {"lr": opt.param_groups[0]["lr"], "differ": differ(gathered(model), expected), "out": probe(model)}
     result["losses"] = train(model, opt, seed)
     if save_to is not None:
         tp.save_sharded(model, save_to, optimizer=opt)
@@ -124,7 +103,7 @@ def test_in_process_two_to_torchrun_three_to_in_process_one(pool3, tmp_path):
     one, opt1 = in_process(1, seed=1)
     tp.load_sharded(one, tmp_path / "b", optimizer=opt1, progress=False)
     assert opt1.param_groups[0]["lr"] == LR
-    assert same_weights(gathered(one), results[0]["state_after"]) == []  # what the 3 ranks held, to the bit
+    assert differ(gathered(one), results[0]["state_after"]) == []  # what the 3 ranks held, to the bit
     assert rel_err(probe(one), out_b) < TOL
     assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(train(one, opt1, seed=9), losses_c))
 
@@ -154,7 +133,7 @@ def test_torchrun_two_to_torchrun_four_and_in_process_three(pool2, pool4, tmp_pa
 
     three, opt3 = in_process(3, seed=1)
     tp.load_sharded(three, tmp_path, optimizer=opt3, progress=False)
-    assert same_weights(gathered(three), saved["state"]) == []
+    assert differ(gathered(three), saved["state"]) == []
     assert rel_err(probe(three), saved["out"]) < TOL
     assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(train(three, opt3, seed=8), saved["losses"]))
 
@@ -171,7 +150,7 @@ def two_groups_task(folder: str) -> dict:
     tp.save_sharded(model, folder)
     loaded = tp.parallelize(build(seed=1), mesh["tensor_parallel"], plan=plans.transformer(8, 2))
     tp.load_sharded(loaded, folder, progress=False)  # every replica reads its rank's boxes
-    result = {"differ": same_weights(gathered(loaded), gathered(model)), "rank": dist.get_rank()}
+    result = {"differ": differ(gathered(loaded), gathered(model)), "rank": dist.get_rank()}
     fully_shard(loaded, mesh=mesh["data_parallel"])
     try:
         tp.save_sharded(loaded, folder + "-fsdp")
@@ -191,4 +170,4 @@ def test_data_parallel_replicas_write_once_and_fsdp2_is_refused(pool4, tmp_path)
     assert not (tmp_path / "ckpt-fsdp").exists()
     model = tp.tensor_parallel(build(seed=2), ["cpu"] * 3, plan=plans.transformer(8, 2))
     tp.load_sharded(model, tmp_path / "ckpt", progress=False)
-    assert same_weights(gathered(model), build(seed=0).state_dict()) == []
+    assert differ(gathered(model), build(seed=0).state_dict()) == []
