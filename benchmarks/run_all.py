@@ -54,7 +54,8 @@ def main() -> None:
             write_json(Path(args.results) / filename, {"meta": meta, "sizes": runner.sizes.to_dict(), **result, "jobs": runner.log})
 
     render_python = args.render_python or (args.peer_python if Path(args.peer_python).exists() else sys.executable)
-    cmd = [render_python, str(BENCH / "render.py"), "--results", args.results, "--out", args.out]
+    plots = Path(args.out).parent / "benchmarks" / "plots"  # next to BENCHMARKS.md, as its links expect
+    cmd = [render_python, str(BENCH / "render.py"), "--results", args.results, "--out", args.out, "--plots", str(plots)]
     print("\nrender:", " ".join(cmd))
     subprocess.run(cmd, check=True)
     print(f"done in {(time.perf_counter() - start) / 60:.1f} minutes")

@@ -19,7 +19,6 @@ Rank 0 writes the JSON result (every rank's memory records included).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from suite import measure  # noqa: E402
+from suite.job_io import job_parser, write_result  # noqa: E402
 from suite.config import Sizes, ff_batch, is_split_weight, llama_batch, llama_prompt  # noqa: E402
 from suite.systems import DISTRIBUTED, build, local_device  # noqa: E402
 
@@ -291,18 +291,9 @@ TASKS = {"memory": task_memory, "comm": task_comm, "train": task_train, "infer":
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=sorted(TASKS), required=True)
-    parser.add_argument("--model", choices=["ff", "llama"], default="llama")
-    parser.add_argument("--systems", nargs="+", required=True, help="system or system:devices (in-process)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--sizes", required=True, help="JSON of config.Sizes")
-    parser.add_argument("--checkpoint", default=None, help="the benchmark Llama's save_pretrained folder")
-    parser.add_argument("--layers", type=int, default=None, help="comm: number of decoder layers")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = job_parser(__doc__.splitlines()[0], TASKS)
     parser.add_argument("--profile", action="store_true", help="also profile one call of each variant")
     parser.add_argument("--pg-timeout", type=float, default=300, help="seconds a rank may wait in a collective")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
     sizes = Sizes.from_dict(json.loads(args.sizes))
     measure.one_thread()
@@ -331,10 +322,7 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
-        tmp = f"{args.out}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, args.out)
+        write_result(args.out, result)
 
 
 def _merge_ranks(results: list[dict]) -> dict:

@@ -21,7 +21,6 @@ counts those when backward reaches them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from suite import measure  # noqa: E402
+from suite.job_io import job_parser, write_result  # noqa: E402
 from suite.config import FeedForward, Sizes, ff_batch, is_split_weight, llama_batch, llama_prompt  # noqa: E402
 
 
@@ -316,19 +316,10 @@ TASKS = {"memory": task_memory, "comm": task_comm, "train": task_train, "infer":
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=sorted(TASKS), required=True)
-    parser.add_argument("--model", choices=["ff", "llama"], default="llama")
-    parser.add_argument("--systems", nargs="+", required=True)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--sizes", required=True)
-    parser.add_argument("--checkpoint", default=None)
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = job_parser(__doc__.splitlines()[0], TASKS)
     parser.add_argument("--profile", action="store_true", help="accepted for symmetry with job.py; ignored")
     parser.add_argument("--append-path", default=None, help="a site-packages folder to import tensor_parallel from, "
                         "after this interpreter's own (to try it with another environment's transformers)")
-    parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.append_path:
         sys.path.append(args.append_path)
@@ -348,10 +339,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 - reported in the results with its message
         traceback.print_exc()
         result = {"ok": False, "error": f"{type(e).__name__}: {e}".strip()}
-    tmp = f"{args.out}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, args.out)
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":
