@@ -226,6 +226,14 @@ WEIGHT_FILES = (  # what save_pretrained writes (an earlier save's extra shards 
     "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 
 
+def check_save_pretrained_options(kwargs: dict) -> None:
+    """Refuse save_pretrained options a split model cannot honour (both engines' save_pretrained)."""
+    if kwargs.get("state_dict") is not None:
+        raise ValueError("a split model gathers its own state dict for save_pretrained; do not pass state_dict=")
+    if kwargs.get("push_to_hub"):
+        raise NotImplementedError("push_to_hub from a split model: save_pretrained locally, then upload the folder")
+
+
 def gathering_save_pretrained(model: nn.Module) -> Callable:
     """``model.save_pretrained`` for a transformers model split by `parallelize` (installed by it).
 
@@ -239,10 +247,7 @@ def gathering_save_pretrained(model: nn.Module) -> Callable:
     original = model.save_pretrained  # the class's method, bound
 
     def save_pretrained(save_directory: str | os.PathLike, **kwargs) -> None:
-        if kwargs.get("state_dict") is not None:
-            raise ValueError("a split model gathers its own state dict for save_pretrained; do not pass state_dict=")
-        if kwargs.get("push_to_hub"):
-            raise NotImplementedError("push_to_hub from a split model: save_pretrained locally, then upload the folder")
+        check_save_pretrained_options(kwargs)
         target = Path(save_directory)
         job = TorchrunJob()
 

@@ -350,13 +350,18 @@ def escape(name: str) -> str:
     return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
-def common_parent(names: list[str]) -> str:
-    parts = [n.split(".") for n in names]
+def shared_path(names: list[str]) -> list[str]:
+    """The leading dotted segments all module names share ("" is the root: it shares nothing)."""
     common = []
-    for segs in zip(*parts):
+    for segs in zip(*(n.split(".") if n else [] for n in names)):
         if len(set(segs)) != 1:
             break
         common.append(segs[0])
+    return common
+
+
+def common_parent(names: list[str]) -> str:
+    common = shared_path(names)
     # The parent of leaf layers: never one of the layers themselves.
     while common and ".".join(common) in names:
         common.pop()

@@ -94,12 +94,9 @@ def _inner(name: str) -> str:
 
 
 def _region(trace: Trace, names: list[str]) -> str:
-    parts = [n.split(".") if n else [] for n in names]
-    common = []
-    for segs in zip(*parts):
-        if len(set(segs)) != 1:
-            break
-        common.append(segs[0])
+    from .groups import shared_path
+
+    common = shared_path(names)
     while common and trace.captures.get(".".join(common)) is None:
         common.pop()
     return ".".join(common)

@@ -42,7 +42,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from ...checkpoint.atomic import write_into_folder
-from ...checkpoint.gather import WEIGHT_FILES, gathered_state_dict
+from ...checkpoint.gather import WEIGHT_FILES, check_save_pretrained_options, gathered_state_dict
 from ...engines.inprocess import TensorParallel
 from .cache import ShardedCache, shard_cache, sharded
 
@@ -194,10 +194,7 @@ class TransformersTensorParallel(TensorParallel):
         the original class's ``save_pretrained`` (same files, config and generation config as an unsplit
         save) into a temporary folder next to `save_directory`, whose files are then moved into it.
         """
-        if kwargs.get("state_dict") is not None:
-            raise ValueError("a split model gathers its own state dict for save_pretrained; do not pass state_dict=")
-        if kwargs.get("push_to_hub"):
-            raise NotImplementedError("push_to_hub from a split model: save_pretrained locally, then upload the folder")
+        check_save_pretrained_options(kwargs)
         target = Path(save_directory)
         if target.exists() and not target.is_dir():
             raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
