@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import communication  # noqa: E402
 import memory  # noqa: E402
 import speed  # noqa: E402
-from suite.launch import BENCH, REPO, Checkpoints, add_arguments, environment_info, runner_from, write_json  # noqa: E402
+from suite.launch import BENCH, REPO, Checkpoints, add_arguments, run_and_write, runner_from  # noqa: E402
 
 COMPARISONS = {"memory": (memory, "memory.json"), "comm": (communication, "comm.json"), "speed": (speed, "speed.json")}
 
@@ -46,12 +46,8 @@ def main() -> None:
     with Checkpoints(runner_from(args)) as checkpoints:  # the benchmark Llama's weights, written once
         for key in args.only:
             module, filename = COMPARISONS[key]
-            runner = runner_from(args)
             print(f"\n{key}:")
-            meta = environment_info(runner)
-            result = module.run(runner, checkpoints)
-            meta["load_average_end"] = os.getloadavg()
-            write_json(Path(args.results) / filename, {"meta": meta, "sizes": runner.sizes.to_dict(), **result, "jobs": runner.log})
+            run_and_write(runner_from(args), checkpoints, module.run, Path(args.results) / filename)
 
     render_python = args.render_python or (args.peer_python if Path(args.peer_python).exists() else sys.executable)
     plots = Path(args.out).parent / "benchmarks" / "plots"  # next to BENCHMARKS.md, as its links expect

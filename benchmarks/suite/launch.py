@@ -264,8 +264,13 @@ def comparison_main(doc: str, results_name: str, run: Callable, describe: Callab
     args = parser.parse_args()
     runner = runner_from(args)
     print(f"{describe(runner)}, {'quick' if args.quick else 'full'} sizes")
-    meta = environment_info(runner)
     with Checkpoints(runner) as checkpoints:
-        result = run(runner, checkpoints)
+        run_and_write(runner, checkpoints, run, Path(args.results) / results_name)
+
+
+def run_and_write(runner: Runner, checkpoints: Checkpoints, run: Callable, path: Path) -> None:
+    """Run one comparison's jobs and write its JSON: results, sizes, jobs, environment and load averages."""
+    meta = environment_info(runner)
+    result = run(runner, checkpoints)
     meta["load_average_end"] = os.getloadavg()
-    write_json(Path(args.results) / results_name, {"meta": meta, "sizes": runner.sizes.to_dict(), **result, "jobs": runner.log})
+    write_json(path, {"meta": meta, "sizes": runner.sizes.to_dict(), **result, "jobs": runner.log})
