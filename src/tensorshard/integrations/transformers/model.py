@@ -113,9 +113,9 @@ class TransformersTensorParallel(TensorParallel):
             )
         if "use_cache" in self._forward_parameters and "use_cache" not in kwargs:
             kwargs["use_cache"] = getattr(self.config, "use_cache", None)  # the shards' configs are copies
-        for key in ("past_key_values", "cache_params"):  # cache_params: Mamba-style models
-            if kwargs.get(key) is not None:
-                kwargs[key] = shard_cache(kwargs[key], self.world_size)
+        for key, value in kwargs.items():  # any cache argument: past_key_values, Mamba's cache_params, ...
+            if isinstance(value, Cache) or (key == "past_key_values" and value is not None):
+                kwargs[key] = shard_cache(value, self.world_size)  # (past_key_values: refuses legacy tuples)
         if self.training and not self._warned_dropout and _uses_dropout(self.config):
             object.__setattr__(self, "_warned_dropout", True)
             logger.warning(
