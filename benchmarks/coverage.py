@@ -212,7 +212,7 @@ def greedy(model, ids: torch.Tensor, use_generate: bool) -> list[int]:
 
 def run_one(model_type: str) -> dict:
     import tensorshard as tp
-    from tensorshard.plans.infer import infer
+    from tensorshard.inference.infer import infer
     from tensorshard.plans.presets import PRESETS, preset_for
 
     rec: dict = {"arch": model_type}

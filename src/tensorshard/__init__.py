@@ -7,10 +7,9 @@ One set of plans and styles, two engines: in one process over a list of devices 
 under torchrun on torch.distributed (`parallelize`).
 """
 
-from .api import tensor_parallel
+from .api import from_pretrained, parallelize, tensor_parallel
 from .checkpoint import (
     convert_state_dict,
-    from_pretrained,
     gathered_state_dict,
     infer_sharded_device_map,
     load_sharded,
@@ -18,20 +17,19 @@ from .checkpoint import (
     save_sharded,
     save_tensor_parallel,
 )
-from .data import InputMismatchError, TensorParallelSampler, broadcast_batch, check_same_inputs
 from .comm.counter import CollectiveCounter, count_collectives
 from .comm.rendezvous import CollectiveAborted
 from .engines.inprocess import TensorParallel
-from .engines.torchrun import parallelize, synchronize_rng
+from .engines.torchrun import InputMismatchError, TensorParallelSampler, broadcast_batch, check_same_inputs, synchronize_rng
+from .inference import infer_plan
+from .loss_parallel import vocab_parallel_cross_entropy
 from .memory import memory_per_device
 from .partition import HeadGroups, Partition, split_evenly
 from .plans.explain import explain
-from .plans.infer import infer_plan
 from .plans.plan import Plan
 from .plans.presets import preset_for
-from .plans.presets.styles import AttentionHeads
-from .loss_parallel import vocab_parallel_cross_entropy
 from .styles import (
+    AttentionHeads,
     ColwiseParallel,
     EmbeddingParallel,
     Heads,

@@ -1,14 +1,24 @@
-"""`tensor_parallel()`: the one-line entry point, with the keyword names of the tensor_parallel package."""
+"""The front door: `tensor_parallel` (one process, a list of devices), `parallelize` (under torchrun) and
+`from_pretrained` (build empty, split, stream the weights in). Everything else sits below this module."""
 
 from __future__ import annotations
 
-import sys
-from typing import Any, Sequence
+import os
+from typing import Any, Callable, Sequence
 
+import torch
 from torch import nn
 
+from . import inference  # noqa: F401 - registers the automatic plan and the self-check with plans.resolve_plan
+from .checkpoint.streaming import load_pretrained
+from .devices import resolve_devices
 from .engines.inprocess import TensorParallel
+from .engines.inprocess.zero import default_sharded
+from .engines.torchrun import parallelize, tensor_parallel_distributed
+from .layers import is_transformers_model
 from .plans.plan import Plan
+
+__all__ = ["from_pretrained", "parallelize", "tensor_parallel"]
 
 
 def tensor_parallel(
@@ -55,16 +65,11 @@ def tensor_parallel(
         raise ValueError("pass either plan= or tensor_parallel_config= (its old name), not both")
     plan = plan if plan is not None else tensor_parallel_config
     if distributed:
-        from .engines.torchrun import tensor_parallel_distributed
-
         return tensor_parallel_distributed(module, device_ids, plan=plan, sharded=sharded, timeout=timeout)
     if sharded is False and sharded_param_names:
         raise ValueError("sharded_param_names lists parameters for ZeRO-3, but sharded=False turns it off; drop one")
     if sharded is None:
-        # Default: on when training (train mode, trainable parameters, 2+ devices); see engines/zero.py.
-        from .devices import resolve_devices
-        from .engines.zero import default_sharded
-
+        # Default: on when training (train mode, trainable parameters, 2+ devices); see engines/inprocess/zero.py.
         sharded = bool(sharded_param_names) or (
             isinstance(module, nn.Module) and default_sharded(module, len(resolve_devices(device_ids)))
         )
@@ -72,8 +77,10 @@ def tensor_parallel(
         output_device=output_device, plan=plan, timeout=timeout, debug=debug,
         sharded=bool(sharded), sharded_param_names=sharded_param_names, check=check,
     )
-    if _is_transformers_model(module):  # still an instance of its class: generate, save_pretrained, ...
+    if is_transformers_model(module):  # still an instance of its class: generate, save_pretrained, ...
+        # deferred: the integration imports transformers, an optional heavy dependency (loaded already here)
         from .integrations.transformers import tensor_parallel_pretrained
+
 
         model = tensor_parallel_pretrained(module, device_ids, **options)
     else:
@@ -81,6 +88,64 @@ def tensor_parallel(
     return model
 
 
-def _is_transformers_model(module: Any) -> bool:
-    transformers = sys.modules.get("transformers")  # never import it for a plain PyTorch model
-    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+def from_pretrained(
+    path: str | os.PathLike,
+    device_ids: Sequence | None = None,
+    *,
+    mesh: Any = None,
+    model: nn.Module | Callable[[], nn.Module] | None = None,
+    plan: Plan | dict | None = None,
+    dtype: torch.dtype | None = None,
+    sharded: bool | None = None,
+    sharded_param_names: Sequence[str] | None = None,
+    gguf_file: str | None = None,
+    output_device: Any = None,
+    timeout: float | None = None,
+    progress: bool = True,
+) -> nn.Module:
+    """Build a tensor-parallel model and stream its weights from `path` into the devices.
+
+    Args:
+        path: a folder of safetensors files (Hugging Face layout with ``config.json``, a tensorshard sharded
+            checkpoint, or a torch.distributed.checkpoint folder), a ``.safetensors`` file, or a ``.gguf`` file.
+        device_ids: the devices, as for `tensor_parallel` (the in-process engine).
+        mesh: under torchrun, the 1-D tensor-parallel DeviceMesh (instead of `device_ids`): every process
+            calls ``from_pretrained(path, mesh=mesh, ...)``, the model is split in place by `parallelize` and
+            returned as the module itself; each process reads only its rank's slices.
+        model: the model to fill: a module (ideally built on the meta device, e.g. under
+            ``tp.checkpoint.empty_weights()``) or a function that builds one (called under it). Default: the
+            transformers model that ``config.json`` (or the GGUF metadata) describes, in eval mode, as
+            transformers' from_pretrained returns it.
+        plan: as for `tensor_parallel` (default: the plan a tensorshard checkpoint was saved with, else a
+            preset, else an inferred plan). A stored plan that does not fit the model is an error naming
+            the patterns that match nothing.
+        dtype: dtype of the floating-point weights (default: the checkpoint's for transformers models; the
+            model's own otherwise). Weights are cast on the way in.
+        sharded, sharded_param_names: ZeRO-3 for replicated parameters, as for `tensor_parallel` (in-process
+            only; under torchrun use FSDP2 on a data-parallel mesh, docs/checkpoints.md).
+        gguf_file: the GGUF file's name inside the folder `path` (or give the file as `path`).
+        output_device, timeout: as for `tensor_parallel` (in-process only).
+        progress: show a tqdm progress bar (under torchrun: on global rank 0).
+
+    Peak host memory: see the module docstring (one device's share plus the largest tensor).
+    """
+    if mesh is not None:
+        given = [k for k, v in (("device_ids", device_ids), ("sharded", sharded), ("sharded_param_names",
+                 sharded_param_names), ("output_device", output_device), ("timeout", timeout)) if v]
+        if given:
+            raise ValueError(
+                f"from_pretrained(mesh=...) loads under torchrun, one process per device; {', '.join(given)} "
+                "belong to the in-process engine. Drop them (ZeRO-3 under torchrun is FSDP2's fully_shard on a "
+                "data-parallel mesh, applied after loading)."
+            )
+    if mesh is not None:  # under torchrun: split in place; meta stays meta, so nothing to broadcast
+        split = lambda module, plan: parallelize(module, mesh, plan, src_data_rank=None)  # noqa: E731
+    else:
+        def split(module: nn.Module, plan) -> nn.Module:
+            return tensor_parallel(
+                module, device_ids, output_device=output_device, plan=plan, sharded=sharded,
+                sharded_param_names=sharded_param_names, timeout=timeout,
+            )
+    return load_pretrained(
+        path, split, in_place=mesh is not None, model=model, plan=plan, dtype=dtype, gguf_file=gguf_file, progress=progress,
+    )

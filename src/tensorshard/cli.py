@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json as jsonlib
 import logging
 import sys
 import typing
@@ -23,6 +24,12 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from .inference.infer import infer
+from .inference.trace import trace_model
+from .plans import Plan
+from .plans.explain import explain, human_bytes
+from .plans.presets import preset_for
 
 
 def plan(
@@ -44,11 +51,6 @@ def plan(
         dtype: activation dtype for the bytes per token (float32, bfloat16, ...); default: the weights'.
         expand: one row per module instead of one per repeated layer (layers.*.mlp).
     """
-    from .plans import Plan
-    from .plans.explain import explain
-    from .plans.infer import infer
-    from .plans.presets import preset_for
-    from .plans.trace import trace_model
 
     if devices < 1:
         raise SystemExit(f"--devices must be at least 1; got {devices}")
@@ -98,16 +100,13 @@ def load_model(spec: str) -> nn.Module:
         if not isinstance(built, nn.Module):
             raise SystemExit(f"{spec} returned {type(built).__name__}, not an nn.Module")
         return built
-    try:
-        from transformers import AutoConfig
-    except ImportError as e:
-        raise SystemExit(f"{spec}: building transformers models needs `pip install tensorshard[hf]` ({e})") from e
+    AutoConfig = _transformers(spec).AutoConfig
     if path.is_dir():
         if not (path / "config.json").exists():
             raise SystemExit(f"{spec}: a checkpoint folder needs a config.json; none found")
         config = AutoConfig.from_pretrained(path)
     elif path.is_file():
-        config = _config_from_file(path)
+        config = _config_from_file(path, spec)
     elif path.suffix == ".json" or "/" in spec:
         raise SystemExit(f"{spec}: no such file or folder")
     else:
@@ -121,11 +120,17 @@ def load_model(spec: str) -> nn.Module:
     return _from_config(config, spec)
 
 
-def _config_from_file(path: Path):
-    import json as jsonlib
+def _transformers(spec: str):
+    """transformers, imported on first use: only transformers model types need it."""
+    try:
+        import transformers  # deferred: optional heavy dependency (the [hf] extra)
+    except ImportError as e:
+        raise SystemExit(f"{spec}: building transformers models needs `pip install tensorshard[hf]` ({e})") from e
+    return transformers
 
-    from transformers import AutoConfig
 
+def _config_from_file(path: Path, spec: str):
+    AutoConfig = _transformers(spec).AutoConfig
     data = jsonlib.loads(path.read_text())
     if "model_type" not in data:
         raise SystemExit(f"{path}: a config.json needs a model_type")
@@ -133,8 +138,8 @@ def _config_from_file(path: Path):
 
 
 def _from_config(config, spec: str) -> nn.Module:
-    from transformers import AutoModel, AutoModelForCausalLM
-
+    transformers = _transformers(spec)
+    AutoModel, AutoModelForCausalLM = transformers.AutoModel, transformers.AutoModelForCausalLM
     errors = []
     for auto in (AutoModelForCausalLM, AutoModel):
         try:
@@ -156,8 +161,6 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _print(module, spec, devices, chosen, source, ex, expand: bool) -> None:
-    from .plans.explain import human_bytes
-
     rows = [(1, r) for r in ex.rows] if expand else _collapse(ex.rows)
     title = f"{type(module).__name__} ({spec}) over {devices} device(s): {source} plan, {len(chosen)} entries"
     header = ["module", "type", "style", "local shapes", "params / device", "fwd / token", "bwd / token"]
@@ -182,8 +185,8 @@ def _print(module, spec, devices, chosen, source, ex, expand: bool) -> None:
         "costs are computed from the plan and the shapes; see docs/automatic-plans.md",
     ]
     try:
-        from rich.console import Console
-        from rich.table import Table
+        from rich.console import Console  # deferred: optional dependency (the [cli] extra)
+        from rich.table import Table  # deferred: optional dependency (the [cli] extra)
     except ImportError:
         _plain(title, header, body, summary)
         return
@@ -219,14 +222,10 @@ def _collapse(rows):
 
 
 def _costs(costs) -> str:
-    from .plans.explain import human_bytes
-
     return "\n".join(f"{kind} {human_bytes(b)}" for kind, b in costs) or "-"
 
 
 def _totals(c) -> str:
-    from .plans.explain import human_bytes
-
     parts = [f"{c[k]} x {k} ({human_bytes(c[k + ' bytes'])})" for k in ("all_reduce", "all_gather") if c.get(k)]
     return ", ".join(parts) or "none"
 

@@ -23,9 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 import tensorshard as tp
+import torch
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -68,7 +67,7 @@ def smollm2_folder() -> Path:
 
 def load_smollm2(device: str | torch.device = "cpu"):
     """(model, tokenizer) from the packaged GGUF file, as a float32 transformers LlamaForCausalLM."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: optional heavy dependency (the [hf] extra)
 
     folder = smollm2_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)

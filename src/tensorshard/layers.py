@@ -10,6 +10,7 @@ nn.Conv1d/2d/3d with groups=1, nn.Embedding and nn.EmbeddingBag.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -86,3 +87,9 @@ def shape_along(kind: LayerKind, x: torch.Tensor, bias: torch.Tensor) -> torch.T
     if kind.feature_dim == -1:
         return bias
     return bias.view(-1, *([1] * (x.dim() - 2)))
+
+
+def is_transformers_model(module: object) -> bool:
+    """True for a transformers PreTrainedModel, without importing transformers when nobody has."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)

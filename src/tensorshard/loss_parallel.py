@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
 from .comm.counter import record
 from .comm.dist import all_reduce, all_reduce_copy
@@ -42,7 +43,6 @@ def vocab_parallel_cross_entropy(
             do not count.
         reduction: ``"mean"`` (over counted targets), ``"sum"`` or ``"none"``.
     """
-    from torch.distributed.tensor import DTensor, Shard
 
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r}: use 'mean', 'sum' or 'none'")

@@ -142,7 +142,7 @@ CASES = [
     Case("gather-replicated-kv-heads", lambda: Transformer(), {"plan": attention_plan(8, 2, **{"layers.*.attn.w[kv]": tp.ColwiseParallel(blocks=("kv",), gather_output=True)})}, NotImplementedError, "gather_output=True with KV heads replicated over devices is not supported", devices=["cpu"] * 4),
     Case("shard-params-unknown-name", ff, {"plan": {"w1": tp.ShardParams(params={"kernel": 0})}}, ValueError, "w1: ShardParams names 'kernel', but Linear has only ['weight'] as its own parameters/buffers"),
     Case("tied-weights-split-differently", tied, {"plan": {"0": tp.EmbeddingParallel(split="embedding"), "1": tp.ColwiseParallel(gather_output=True)}}, ValueError, "1.weight is the same tensor as 0.weight (tied weights), but the plan splits them differently"),
-    # -- neighbours that disagree (engines/validate.py) ---------------------------------------------------
+    # -- neighbours that disagree (plans/validate.py) ---------------------------------------------------
     Case("neighbours-split-differently", ff, {"plan": {"w[13]": tp.ColwiseParallel(blocks=(8, 8)), "w2": tp.RowwiseParallel()}}, ValueError, "w1 (ColwiseParallel(blocks=(8, 8))) leaves its 16 output features split as [0:4,8:12] | [4:8,12:16], but w2 (RowwiseParallel()), which reads them, expects [0:8] | [8:16]"),
     Case("heads-cut-by-a-plain-split", lambda: Transformer(dim=72, n_heads=9, n_kv_heads=9), {"plan": attention_plan(9, 9, **{"layers.*.attn.wq": tp.ColwiseParallel()})}, ValueError, "layers.0.attn.wq (ColwiseParallel()) splits its 72 features as [0:36] | [36:72], cutting across the 9 query heads of 8 features that the Heads entry at layers.0.attn places as [0:40] | [40:72]. Use blocks=('q',)"),
     Case("fused-output-without-blocks", FusedMLP, {"plan": {"gate_up": tp.ColwiseParallel(), "down": tp.RowwiseParallel()}}, ValueError, "gate_up has 24 output features, 2 times the 12 that down reads: it fuses 2 outputs"),
@@ -195,11 +195,11 @@ def test_an_output_left_split_unevenly_is_caught_at_the_call(gen):
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("tensorshard.engines.validate").addHandler(handler)
+    logging.getLogger("tensorshard.plans.validate").addHandler(handler)
     try:
         split = tp.tensor_parallel(model, ["cpu"] * 2, plan={"0": tp.ColwiseParallel()})
     finally:
-        logging.getLogger("tensorshard.engines.validate").removeHandler(handler)
+        logging.getLogger("tensorshard.plans.validate").removeHandler(handler)
     assert any("leaves its output split and no row-parallel layer after it reads it" in w for w in warnings)
     with pytest.raises(RuntimeError, match=r"output leaf 0 has shape \(2, 8\) on cpu\[0\] but \(2, 7\) on cpu\[1\]: the plan leaves an output split"):
         split(torch.randn(2, 8, generator=gen))

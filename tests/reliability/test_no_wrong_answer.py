@@ -55,7 +55,7 @@ def test_dropout_on_shared_cpu_slots_is_warned_about():
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("tensorshard.engines.inprocess")
+    logger = logging.getLogger("tensorshard.engines.inprocess.engine")
     logger.addHandler(handler)
     try:
         plan = {"0": tp.ColwiseParallel(), "2": tp.RowwiseParallel()}

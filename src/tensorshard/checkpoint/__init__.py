@@ -2,7 +2,7 @@
 
 - gathered (unsplit) saves: `save_tensor_parallel`, `gathered_state_dict`, `save_gathered` (gather.py);
 - sharded saves that reload at any device count, with optimizer state: `save_sharded`, `load_sharded`;
-- streaming loads straight into the devices: `from_pretrained` (streaming.py);
+- streaming loads straight into the devices: `load_pretrained` (streaming.py), behind `tensorshard.from_pretrained`;
 - the `tensor_parallel` package's hand-loading helpers: `convert_state_dict`, `infer_sharded_device_map`
   (dispatch.py).
 
@@ -10,16 +10,15 @@ Each works for the in-process engine (`TensorParallel`) and, collectively, for a
 `parallelize` under torchrun (torchrun.py: the layout of one rank, and how the processes agree).
 """
 
+from .dispatch import convert_state_dict, infer_sharded_device_map
 from .gather import gathered_state_dict, save_gathered, save_tensor_parallel
 from .index import read_index
 from .sharded import load_sharded, save_sharded
-from .dispatch import convert_state_dict, infer_sharded_device_map
-from .streaming import empty_weights, from_pretrained
+from .streaming import empty_weights
 
 __all__ = [
     "convert_state_dict",
     "empty_weights",
-    "from_pretrained",
     "gathered_state_dict",
     "infer_sharded_device_map",
     "load_sharded",

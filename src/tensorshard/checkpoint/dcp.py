@@ -14,10 +14,15 @@ Only model tensors are read here: restore optimizer state from such folders unde
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader, load
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .layout import Box
 from .sources import Source, Target
@@ -25,9 +30,6 @@ from .sources import Source, Target
 
 class DCPSource(Source):
     def __init__(self, folder: Path) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self.folder = Path(folder)
         self.description = f"torch.distributed.checkpoint folder {self.folder}"
         self.reader_class = FileSystemReader
@@ -85,10 +87,6 @@ class DCPSource(Source):
         self.read_all([(name, targets)], lambda _: None)
 
     def read_all(self, requests: Iterable[tuple[str, Sequence[Target]]], done: Callable[[str], None]) -> None:
-        import warnings
-
-        from torch.distributed.checkpoint import load
-
         requests = {self.prefix + name: list(targets) for name, targets in requests}
         planner = _BoxPlanner(requests, self.all)
         with warnings.catch_warnings():
@@ -99,8 +97,6 @@ class DCPSource(Source):
 
 
 def _box_planner_base():
-    from torch.distributed.checkpoint.planner import LoadPlanner
-
     return LoadPlanner
 
 
@@ -115,10 +111,6 @@ class _BoxPlanner(_box_planner_base()):
         pass
 
     def create_local_plan(self):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
         items = []
         for key, targets in self.requests.items():
             chunks = [ChunkStorageMetadata(torch.Size(box.offsets), torch.Size(box.sizes)) for box, _ in targets]

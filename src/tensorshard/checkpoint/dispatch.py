@@ -16,32 +16,16 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Mapping
 
 import torch
 from torch import nn
 
-from ..plans.plan import Plan
+from ..plans import resolve_plan
+from ..plans.plan import BoundPlan, Plan
+from ..plans.sharding import shard_plan
 from .layout import is_split_model, placements
 from .sources import describe_names
-
-
-class BoundPlan(Plan):
-    """The plan of a split model, still knowing the model: ``model.tensor_parallel_config`` returns one, so
-    `convert_state_dict` can compute every tensor's slices from it. Equal to the plain plan."""
-
-    def __init__(self, plan: Plan, model: nn.Module) -> None:
-        super().__init__(list(plan.items()))
-        self._model = weakref.ref(model)
-
-    @property
-    def model(self) -> nn.Module | None:
-        return self._model()
-
-
-def bound_plan(model: nn.Module) -> BoundPlan:
-    return BoundPlan(model.plan, model)
 
 
 def convert_state_dict(
@@ -107,15 +91,8 @@ def _layout_of(model: nn.Module, plan, world_size: int | None):
         return placements(model), model.world_size
     if plan is None or world_size is None:
         raise ValueError("with an unsplit model=, pass plan= and world_size= too")
-    from ..engines.sharding import direct_tensors, shard_plan
-    from ..plans import resolve_plan
-
     sharded = shard_plan(model, resolve_plan(model, plan, world_size), world_size)
-    where = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for _, tname, t in direct_tensors(module):
-            where[f"{module_name}.{tname}" if module_name else tname] = sharded.split_of(t)
-    return where, world_size
+    return sharded.slice_map(model), world_size
 
 
 def infer_sharded_device_map(model: nn.Module) -> dict[str, torch.device]:

@@ -31,9 +31,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..layers import is_transformers_model
+from ..plans.slices import after_split
 from .atomic import atomic_write, fsync_dir, publish, write_into_folder
+from .describe import model_layout
 from .files import FileEntry, write_safetensors
-from .layout import ModelLayout, TensorEntry, is_split_model, model_layout
+from .layout import ModelLayout, TensorEntry, is_split_model
 from .sources import HF_INDEX_NAME, HF_SINGLE_NAME
 from .torchrun import TorchrunJob, is_parallelized, job_of
 
@@ -80,34 +83,26 @@ def save_tensor_parallel(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, ``model.state_dict()`` returns the unsplit model's state dict (as the
     tensor_parallel package's context of the same name does). Under torchrun every process gets it (a
     collective: call ``state_dict()`` on every process)."""
-    if is_parallelized(model):
-        own = model.__dict__.get("state_dict")
+    _require_split(model, "save_tensor_parallel")
+    own = model.__dict__.get("state_dict")
 
-        def state_dict(*args, destination=None, prefix: str = "", keep_vars: bool = False):
-            out = destination if destination is not None else {}
-            for key, value in gathered_state_dict(model):
-                out[prefix + key] = value
-            return out
+    def state_dict(*args, destination=None, prefix: str = "", keep_vars: bool = False):
+        if args:  # nn.Module.state_dict's old positional form: (destination, prefix, keep_vars)
+            destination, prefix = args[0], (args[1] if len(args) > 1 else prefix)
+        out = destination if destination is not None else {}
+        for key, value in gathered_state_dict(model):
+            out[prefix + key] = value
+        return out
 
-        model.__dict__["state_dict"] = state_dict  # this instance only; DCP and Lightning see DTensors outside
-        try:
-            yield model
-        finally:
-            if own is None:
-                model.__dict__.pop("state_dict", None)
-            else:
-                model.__dict__["state_dict"] = own
-        return
-    if getattr(model, "splits", None) is None:
-        raise TypeError(
-            f"save_tensor_parallel needs a model split by tensorshard (a TensorParallel from tensor_parallel(), or a "
-            f"module split by parallelize() under torchrun); got {type(model).__name__}"
-        )
-    model._gather_state_dict = True
+    # This instance only, for the block: torch.distributed.checkpoint and Lightning see DTensors outside it.
+    model.__dict__["state_dict"] = state_dict
     try:
         yield model
     finally:
-        model._gather_state_dict = False
+        if own is None:
+            model.__dict__.pop("state_dict", None)
+        else:
+            model.__dict__["state_dict"] = own
 
 
 def save_gathered(
@@ -318,3 +313,10 @@ def _parse_size(size: int | str) -> int:
             if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
                 return int(float(text[: -len(unit)]) * factor)
     raise ValueError(f"max_shard_size={size!r}: use a positive number of bytes or a string like '500MB' or '5GB'")
+
+
+@after_split
+def _install_gathering_save_pretrained(module: nn.Module) -> None:
+    """A transformers model split by `parallelize` saves the unsplit weights, not DTensor pieces."""
+    if is_transformers_model(module):
+        module.save_pretrained = gathering_save_pretrained(module)

@@ -22,14 +22,20 @@ from .layout import Box
 from .sources import Source, Target
 
 
+def _libraries():
+    """The gguf reader and transformers (its GGUF helpers), imported on first use: only GGUF loads need them."""
+    import gguf  # deferred: optional heavy dependency (the [hf] extra)
+    import transformers.modeling_gguf_pytorch_utils  # deferred: optional heavy dependency (the [hf] extra)
+
+    return gguf, transformers
+
+
 def gguf_config(path: Path):
     """A transformers config built from the GGUF metadata (what from_pretrained(gguf_file=...) uses)."""
-    from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+    _, transformers = _libraries()
+    config = dict(transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint(str(path), return_tensors=False)["config"])
     model_type = config.pop("model_type")
-    return AutoConfig.for_model(model_type, **config)
+    return transformers.AutoConfig.for_model(model_type, **config)
 
 
 class GGUFSource(Source):
@@ -37,21 +43,15 @@ class GGUFSource(Source):
     on the meta device)."""
 
     def __init__(self, path: Path, hf_model) -> None:
-        from gguf import GGUFReader
-        from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS,
-            TensorProcessor,
-            get_gguf_hf_weights_map,
-            read_field,
-        )
-
+        gguf, transformers = _libraries()
+        hf_gguf = transformers.modeling_gguf_pytorch_utils
         self.path = Path(path)
         self.description = f"GGUF file {self.path}"
-        self.reader = GGUFReader(str(self.path))
-        arch = read_field(self.reader, "general.architecture")[0]
+        self.reader = gguf.GGUFReader(str(self.path))
+        arch = hf_gguf.read_field(self.reader, "general.architecture")[0]
         self.config = hf_model.config.to_dict()
-        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.config)
-        self.mapping = get_gguf_hf_weights_map(hf_model, self.processor)
+        self.processor = hf_gguf.TENSOR_PROCESSORS.get(arch, hf_gguf.TensorProcessor)(config=self.config)
+        self.mapping = hf_gguf.get_gguf_hf_weights_map(hf_model, self.processor)
         self.tensors = {}
         for t in self.reader.tensors:
             name = self.mapping.get(t.name)
@@ -69,10 +69,9 @@ class GGUFSource(Source):
         return tuple(int(n) for n in reversed(t.shape)), torch.float32
 
     def read(self, name: str, targets: Sequence[Target]) -> None:
-        from gguf import dequantize
-
+        gguf, _ = _libraries()
         t = self.tensors[name]
-        weights = dequantize(t.data, t.tensor_type)
+        weights = gguf.dequantize(t.data, t.tensor_type)
         parsed = {"tensors": {}, "config": self.config}
         result = self.processor.process(weights=weights, name=t.name, tensor_key_mapping=self.mapping, parsed_parameters=parsed)
         # F32 tensors come back as read-only views of the mapped file; copy those (quantized ones are new arrays)

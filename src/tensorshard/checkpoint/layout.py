@@ -10,7 +10,7 @@ Checkpoint files store *chunks*: boxes of the global tensor (``offsets``, ``size
 boxes its placement names, and reads the part of every saved chunk that overlaps them. Nothing depends on
 the device count the checkpoint was saved at, so any count loads any other, bit for bit.
 
-`model_layout(model)` lists the tensors of a `TensorParallel`, of a module split by `parallelize` under
+`model_layout(model)` (describe.py) lists the tensors of a `TensorParallel`, of a module split by `parallelize` under
 torchrun (torchrun.py), or of a plain module (one rank) once each, tied weights under one canonical name
 with their aliases, with each rank's local tensor.
 """
@@ -19,14 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from ..partition import Partition
-
-Placement = Optional[tuple[int, Partition]]  # None: whole on every rank
+from ..plans.slices import Placement, split_layout
 
 
 @dataclass(frozen=True)
@@ -239,37 +237,23 @@ def _find(root: nn.Module, name: str) -> torch.Tensor:
 
 def placements(model: nn.Module) -> dict[str, Placement]:
     """Original name -> placement, ZeRO-3 partitions included (for a TensorParallel model)."""
-    splits = getattr(model, "splits", None)
-    if splits is None:
+    split = split_layout(model)
+    if split is None or split.engine != "inprocess":
         raise TypeError(f"expected a TensorParallel model; got {type(model).__name__}")
-    zero = getattr(model, "zero_splits", {})
-    return {name: zero.get(name, split) for name, split in splits.items()}
+    return split.placements
 
 
 def is_split_model(model: object) -> bool:
-    return isinstance(model, nn.Module) and getattr(model, "splits", None) is not None and hasattr(model, "module_shards")
+    """True for a model split in one process (a TensorParallel)."""
+    split = split_layout(model)
+    return split is not None and split.engine == "inprocess"
 
 
-def model_layout(model: nn.Module) -> ModelLayout:
-    """The layout of a TensorParallel model, of a model split by `parallelize` under torchrun (this
-    process's rank), or of a plain module (one rank, every tensor whole)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"expected an nn.Module; got {type(model).__name__}")
-    from .torchrun import is_parallelized, torchrun_layout
-
-    if is_parallelized(model):
-        return torchrun_layout(model)
-    if any(hasattr(p, "to_local") for p in model.parameters()):
-        raise NotImplementedError(
-            f"this {type(model).__name__} holds DTensors that tensorshard.parallelize did not make (torch's "
-            "parallelize_module or fully_shard alone?); save and load it with torch.distributed.checkpoint, "
-            "whose folders tp.load_sharded reads. See docs/checkpoints.md."
-        )
-    if is_split_model(model):
-        shards = list(model.module_shards)
-        where = placements(model)
-        zero = sorted(getattr(model, "zero_splits", {}))
-        plan, devices, engine = model.plan, list(getattr(model, "_placement", model.devices)), "inprocess"
+def inprocess_layout(model: nn.Module) -> ModelLayout:
+    """The layout of a TensorParallel model, or of a plain module (one rank, every tensor whole)."""
+    split = split_layout(model)
+    if split is not None:
+        shards, where, zero, plan, devices, engine = split.shards, split.placements, split.zero, split.plan, split.devices, "inprocess"
     else:
         shards, where, zero, plan, engine = [model], None, [], None, "plain"
         devices = [next((t.device for t in list(model.parameters()) + list(model.buffers())), torch.device("cpu"))]

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .files import FileEntry, dtype_name
+from .files import DTYPES_BY_NAME, FileEntry, dtype_name
 from .layout import Box, ModelLayout, TensorEntry, local_view, rank_pieces, saved_pieces
 from .sources import Source, describe_names
 
@@ -237,8 +237,6 @@ def _to_json(key: str, value: Any, owner: str) -> Any:
 
 def _from_json(value: Any) -> Any:
     if isinstance(value, dict) and "__tensor__" in value:
-        from .files import DTYPES_BY_NAME
-
         return torch.tensor(value["__tensor__"], dtype=DTYPES_BY_NAME[value["dtype"]])
     if isinstance(value, dict) and "__tuple__" in value:
         return tuple(_from_json(v) for v in value["__tuple__"])

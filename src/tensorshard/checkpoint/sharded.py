@@ -38,13 +38,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..plans.plan import Plan
 from .atomic import fsync_dir, is_temp_name, publish
+from .describe import model_layout
 from .files import FileEntry, dtype_name, write_safetensors
+from .folders import open_folder
 from .index import DATA_FILE, FORMAT, data_file_name, previous_generation, read_index, write_index
-from .layout import ModelLayout, local_view, model_layout, saved_pieces
+from .layout import ModelLayout, local_view, saved_pieces
 from .loader import fill, match_tensors
 from .optimizer import check_optimizer_section, load_optimizer, optimizer_files
-from .sources import INDEX_NAME, SafetensorsSource, open_folder
+from .sources import INDEX_NAME, SafetensorsSource
 from .torchrun import job_of
 
 logger = logging.getLogger(__name__)
@@ -313,8 +316,6 @@ def _report_plan(layout: ModelLayout, index: dict | None, folder: Path, log: boo
         return
     saved = index["plan"]
     if saved != layout.plan.to_dict():
-        from ..plans.plan import Plan
-
         try:
             Plan.from_dict(saved)
         except (ValueError, TypeError) as e:

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from .files import DCP_SHARDING_INFO, DTYPE_CODES, DTYPES_BY_CODE, DTYPES_BY_NAME, check_file
+from .files import DCP_SHARDING_INFO, DTYPES_BY_CODE, DTYPES_BY_NAME, DTYPE_CODES, check_file
 from .layout import Box
 
 logger = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class SafetensorsSource(Source):
         return out
 
     def read(self, name: str, targets: Sequence[Target]) -> None:
-        from safetensors import safe_open
+        from safetensors import safe_open  # deferred: optional heavy dependency (the [hf] extra)
 
         info = self.tensors[name]
         handles: dict[Path, object] = {}
@@ -244,33 +244,6 @@ class SafetensorsSource(Source):
                     raise RuntimeError(f"{name}: the checkpoint holds only {filled} of the {box.numel} elements asked for")
         finally:
             handles.clear()  # unmaps the files: their pages no longer count against this process
-
-
-def open_folder(path: Path) -> tuple[Source, dict | None]:
-    """The source for a checkpoint folder or file, and the tensorshard index when there is one."""
-    path = Path(path)
-    if path.is_dir() and (path / INDEX_NAME).exists():
-        from .index import read_index
-
-        index = read_index(path)
-        model_files = [f for f in index["files"] if not f.startswith("optimizer/")]
-        return SafetensorsSource.from_index(path, index["tensors"], f"tensorshard checkpoint {path}", model_files), index
-    if path.is_dir() and (path / ".metadata").exists():
-        from .dcp import DCPSource
-
-        return DCPSource(path), None
-    if path.is_dir():
-        return SafetensorsSource.from_hf_folder(path), None
-    if path.suffix == ".safetensors":
-        return SafetensorsSource.from_files([path], f"safetensors file {path}"), None
-    if path.suffix == ".gguf":
-        raise ValueError(f"{path} is a GGUF file: load it with tensorshard.from_pretrained(...)")
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    raise ValueError(
-        f"{path} is not a checkpoint tensorshard reads: use a folder of safetensors files (with "
-        f"{HF_INDEX_NAME} or {INDEX_NAME}), a .safetensors or .gguf file, or a torch.distributed.checkpoint folder"
-    )
 
 
 def describe_names(names: Sequence[str], limit: int = 8) -> str:

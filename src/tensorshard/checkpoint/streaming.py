@@ -26,72 +26,40 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..plans.plan import Plan
-from .layout import model_layout
+from .describe import model_layout
+from .folders import open_folder
+from .gguf import GGUFSource, gguf_config
+from .index import read_index
 from .loader import fill, match_tensors, still_meta
-from .sources import INDEX_NAME, describe_names, open_folder
+from .sources import INDEX_NAME, describe_names
+from .torchrun import job_of
 
 logger = logging.getLogger(__name__)
 
 
-# --- from_pretrained --------------------------------------------------------------------------------------
+# --- loading a pretrained model --------------------------------------------------------------------------------------
 
 
-def from_pretrained(
+def load_pretrained(
     path: str | os.PathLike,
-    device_ids: Sequence | None = None,
+    split: Callable[[nn.Module, Any], nn.Module],
     *,
-    mesh: Any = None,
+    in_place: bool = False,
     model: nn.Module | Callable[[], nn.Module] | None = None,
     plan: Plan | dict | None = None,
     dtype: torch.dtype | None = None,
-    sharded: bool | None = None,
-    sharded_param_names: Sequence[str] | None = None,
     gguf_file: str | None = None,
-    output_device: Any = None,
-    timeout: float | None = None,
     progress: bool = True,
 ) -> nn.Module:
-    """Build a tensor-parallel model and stream its weights from `path` into the devices.
-
-    Args:
-        path: a folder of safetensors files (Hugging Face layout with ``config.json``, a tensorshard sharded
-            checkpoint, or a torch.distributed.checkpoint folder), a ``.safetensors`` file, or a ``.gguf`` file.
-        device_ids: the devices, as for `tensor_parallel` (the in-process engine).
-        mesh: under torchrun, the 1-D tensor-parallel DeviceMesh (instead of `device_ids`): every process
-            calls ``from_pretrained(path, mesh=mesh, ...)``, the model is split in place by `parallelize` and
-            returned as the module itself; each process reads only its rank's slices.
-        model: the model to fill: a module (ideally built on the meta device, e.g. under
-            ``tp.checkpoint.empty_weights()``) or a function that builds one (called under it). Default: the
-            transformers model that ``config.json`` (or the GGUF metadata) describes, in eval mode, as
-            transformers' from_pretrained returns it.
-        plan: as for `tensor_parallel` (default: the plan a tensorshard checkpoint was saved with, else a
-            preset, else an inferred plan). A stored plan that does not fit the model is an error naming
-            the patterns that match nothing.
-        dtype: dtype of the floating-point weights (default: the checkpoint's for transformers models; the
-            model's own otherwise). Weights are cast on the way in.
-        sharded, sharded_param_names: ZeRO-3 for replicated parameters, as for `tensor_parallel` (in-process
-            only; under torchrun use FSDP2 on a data-parallel mesh, docs/checkpoints.md).
-        gguf_file: the GGUF file's name inside the folder `path` (or give the file as `path`).
-        output_device, timeout: as for `tensor_parallel` (in-process only).
-        progress: show a tqdm progress bar (under torchrun: on global rank 0).
-
-    Peak host memory: see the module docstring (one device's share plus the largest tensor).
-    """
-    if mesh is not None:
-        given = [k for k, v in (("device_ids", device_ids), ("sharded", sharded), ("sharded_param_names",
-                 sharded_param_names), ("output_device", output_device), ("timeout", timeout)) if v]
-        if given:
-            raise ValueError(
-                f"from_pretrained(mesh=...) loads under torchrun, one process per device; {', '.join(given)} "
-                "belong to the in-process engine. Drop them (ZeRO-3 under torchrun is FSDP2's fully_shard on a "
-                "data-parallel mesh, applied after loading)."
-            )
+    """Build the model empty, ``split(module, plan)`` it, and stream its weights from `path` (what
+    `tensorshard.from_pretrained` does; the front door passes the engine as `split`). `in_place`: `split`
+    splits the module in place under torchrun (every process calls this; each reads its rank's slices)."""
     path = Path(path)
     gguf_path = _gguf_path(path, gguf_file)
     if plan is None and gguf_path is None and (path / INDEX_NAME).exists():
@@ -99,18 +67,11 @@ def from_pretrained(
     module = _build(path, model, dtype, gguf_path)
     source = None
     if gguf_path is not None:
-        from .gguf import GGUFSource
-
         source, index = GGUFSource(gguf_path, module), None  # maps names on the unsplit module
-    if mesh is not None:
-        return _load_torchrun(module, mesh, plan, path, source, progress)
-    from ..api import tensor_parallel
-
+    if in_place:
+        return _load_torchrun(module, split, plan, path, source, progress)
     training = module.training
-    split = tensor_parallel(
-        module, device_ids, output_device=output_device, plan=plan, sharded=sharded,
-        sharded_param_names=sharded_param_names, timeout=timeout,
-    )
+    split = split(module, plan)
     split.train(training)  # the wrapper starts in train mode; follow the model (eval for transformers models)
     if source is None:
         source, index = open_folder(path)
@@ -123,12 +84,9 @@ def from_pretrained(
     return split
 
 
-def _load_torchrun(module: nn.Module, mesh, plan, path: Path, source, progress: bool) -> nn.Module:
-    """Split the empty `module` in place over `mesh` and fill this process's slices (every process)."""
-    from ..engines.torchrun import parallelize
-    from .torchrun import job_of
-
-    parallelize(module, mesh, plan, src_data_rank=None)  # meta stays meta: nothing to broadcast
+def _load_torchrun(module: nn.Module, split, plan, path: Path, source, progress: bool) -> nn.Module:
+    """Split the empty `module` in place and fill this process's slices (every process)."""
+    split(module, plan)
     layout = model_layout(module)
     job = job_of(layout)
     found: dict = {"source": source}
@@ -168,8 +126,6 @@ def _refuse_empty(layout, source) -> None:
 
 def _stored_plan(folder: Path) -> Plan | None:
     """The plan a tensorshard checkpoint was saved with (used when from_pretrained gets no plan)."""
-    from .index import read_index
-
     data = read_index(folder).get("plan")
     if data is None:
         return None
@@ -239,14 +195,12 @@ def _build(path: Path, model, dtype: torch.dtype | None, gguf_path: Path | None)
 
 def _build_transformers(path: Path, dtype: torch.dtype | None, gguf_path: Path | None) -> nn.Module:
     try:
-        import transformers
+        import transformers  # deferred: optional heavy dependency (the [hf] extra)
     except ImportError as e:
         raise ImportError(
             f"building the model from {path} needs transformers (pip install tensorshard[hf]); or pass model=..."
         ) from e
     if gguf_path is not None:
-        from .gguf import gguf_config
-
         config = gguf_config(gguf_path)
         dtype = dtype or torch.float32  # dequantized weights are float32
     else:

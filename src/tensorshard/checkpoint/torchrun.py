@@ -2,7 +2,7 @@
 
 A process of a torchrun job holds one tensor-parallel rank of the model: DTensors whose local tensors
 are this rank's slices, stored in the engine's "chunk" layout or its zero-padded "stacked" layout
-(engines/layout.py). `TorchrunLayout` gives the checkpoint code the same view as one process holding
+(comm/dtensor.py). `TorchrunLayout` gives the checkpoint code the same view as one process holding
 every rank: placements come from the engine's own `Partition`s and `local(entry, rank)` is the true
 slice, a view of the DTensor's local tensor without the padding, so files hold the pieces of the real
 tensors (never the padding) and a load writes straight into the DTensors.
@@ -24,16 +24,19 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..comm.dist import gather_partition
+from ..comm.dtensor import mesh_device
+from ..plans.slices import split_layout
 from .layout import ModelLayout, TensorEntry, _find, _owner, _state_dict_names, collect_entries
 
 
 def is_parallelized(model: object) -> bool:
     """True for a module split in place by `tensorshard.parallelize` (the torchrun engine)."""
-    from ..engines.torchrun import TorchrunState
-
-    return isinstance(getattr(model, "tensorshard", None), TorchrunState)
+    split = split_layout(model)
+    return split is not None and split.engine == "torchrun"
 
 
 def _is_dtensor(t: object) -> bool:
@@ -43,7 +46,6 @@ def _is_dtensor(t: object) -> bool:
 @dataclass
 class TorchrunLayout(ModelLayout):
     """The layout of a `parallelize`d module as seen from one process: it holds rank `rank` only."""
-
     module: nn.Module = None
     state: Any = None  # the engine's TorchrunState (plan, mesh, comm, splits, layouts)
     rank: int = 0
@@ -80,15 +82,13 @@ class TorchrunLayout(ModelLayout):
         return self._true(entry, value) if _is_dtensor(value) else value
 
     def new_local(self, entry: TensorEntry, rank: int, dtype: torch.dtype | None = None):
-        from ..engines.torchrun import mesh_device
-
         stored = self._stored(entry)
         shape = list(entry.shape)
         if stored.dim is None:
             holder = torch.empty(shape, dtype=dtype or entry.dtype, device=mesh_device(self.state.mesh))
             return holder, holder
         shape[stored.dim] = stored.stored
-        # zeros: the padding of the stacked layout must stay zero (engines/layout.py)
+        # zeros: the padding of the stacked layout must stay zero (comm/dtensor.py)
         make = torch.zeros if stored.padded else torch.empty
         holder = make(shape, dtype=dtype or entry.dtype, device=mesh_device(self.state.mesh))
         return holder, stored.view(holder)
@@ -111,8 +111,6 @@ class TorchrunLayout(ModelLayout):
 
     def gather(self, entry: TensorEntry, device: torch.device | str = "cpu") -> torch.Tensor:
         """The whole tensor on every rank of the tensor-parallel group (an all-gather for split ones)."""
-        from ..comm.dist import gather_partition
-
         local = self.local(entry, self.rank)
         if entry.placement is None:
             return local.to(device, copy=True)
@@ -126,11 +124,8 @@ class TorchrunLayout(ModelLayout):
 
 def torchrun_layout(module: nn.Module) -> TorchrunLayout:
     """The layout of a module split by `parallelize`, for this process's rank."""
-    import torch.distributed as dist
 
-    from ..engines.torchrun import mesh_device
-
-    state = module.tensorshard
+    state = split_layout(module).state  # the torchrun engine's TorchrunState
     for name, p in module.named_parameters():
         if _is_dtensor(p) and p.device_mesh != state.mesh:
             raise NotImplementedError(
@@ -160,7 +155,6 @@ def torchrun_layout(module: nn.Module) -> TorchrunLayout:
 
 class Job:
     """The processes that save or load together: one (in-process and plain models) or the torchrun job."""
-
     distributed = False
     coordinator = True  # writes the index, picks the generation
     rank = 0
@@ -172,12 +166,9 @@ class Job:
 
 class TorchrunJob(Job):
     """Every process of the default process group."""
-
     distributed = True
 
     def __init__(self) -> None:
-        import torch.distributed as dist
-
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.coordinator = self.rank == 0
@@ -185,7 +176,6 @@ class TorchrunJob(Job):
     def agree(self, what: str, fn: Callable[[], Any]) -> list[Any]:
         """Run `fn` on every process; if it raised anywhere, raise on every process. Returns the results
         of every process (by global rank)."""
-        import torch.distributed as dist
 
         try:
             result, error = fn(), None

@@ -36,16 +36,18 @@ from __future__ import annotations
 import pickle
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Function, Variable
+from torch.distributed.tensor import DTensor
 
 from ..partition import Partition
 from .base import Comm
 from .counter import record
 from .dist_guard import collective, guard_for
+from .dtensor import as_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -294,8 +296,6 @@ class PartialGradBucket:
 
 
 def _accumulate(param, grad: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor
-
     if param.grad is None:
         local = grad.clone()
         param.grad = DTensor.from_local(local, param.device_mesh, param.placements) if isinstance(param, DTensor) else local
@@ -435,8 +435,6 @@ class DistComm(Comm):
     # -- loss parallelism ------------------------------------------------------------------------------------
 
     def as_sharded(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = ""):
-        from ..engines.layout import as_dtensor
-
         return as_dtensor(x, dim % x.dim(), partition, self.mesh, where=where)
 
 

@@ -4,7 +4,7 @@ Every collective tensorshard runs on a process group goes through that group's `
 
 - **Bounded.** The guard sets the group's own timeout (torch's process-group timeout: gloo applies it to
   each operation, NCCL's watchdog to each collective) to tensorshard's limit: `parallelize(...,
-  timeout=S)`, else TENSORSHARD_TIMEOUT, else 300 s (engines/timeout.py). A gloo operation that times out
+  timeout=S)`, else TENSORSHARD_TIMEOUT, else 300 s (comm/timeout.py). A gloo operation that times out
   fails by itself, so nothing stays pending and the process can exit.
 - **Failures travel.** A rank whose forward raises writes a report to the group's store (the rendezvous
   key-value store torch already has). On CPU a rank waiting at a collective wakes every 50-500 ms to read
@@ -39,8 +39,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..engines.timeout import resolve_timeout
 from .rendezvous import CollectiveAborted
+from .timeout import resolve_timeout
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.cuda.nccl as nccl
 from torch.autograd import Function
 
 from ..partition import Partition
@@ -47,8 +48,6 @@ def sum_to_all(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device])
     """Sum over devices; every device gets its own copy of the (bit-identical) result."""
     if _distinct_gpus(tensors):
         try:
-            import torch.cuda.nccl as nccl
-
             if nccl.is_available(list(tensors)):
                 outs = [torch.empty_like(t) for t in tensors]
                 nccl.all_reduce([t.contiguous() for t in tensors], outputs=outs)

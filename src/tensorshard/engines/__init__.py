@@ -1,1 +1,6 @@
-"""Engines: how split shards run (in one process over threads, or under torchrun), and what they share."""
+"""Engines: how split shards run. Each takes a module and a resolved Plan and reports a `SplitLayout`
+(plans/slices.py: which slice of which original tensor each device or rank holds).
+
+- inprocess/: one process, a list of devices, one thread per shard (`TensorParallel`).
+- torchrun/: one process per device under torchrun, shards as DTensors (`parallelize`).
+"""

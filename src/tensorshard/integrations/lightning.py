@@ -27,6 +27,7 @@ from typing import Any, Callable
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..engines.torchrun import TorchrunState, parallelize
 from ..plans.plan import Plan
@@ -96,7 +97,6 @@ def check_configure_model(module: nn.Module, device_mesh, strategy: str = "Model
 def _split_over(module: nn.Module, tp_mesh) -> bool:
     """True when tensorshard parallelized a submodule, or a parameter is a DTensor on the TP mesh (torch's
     own tensor parallelism; FSDP2 on top makes it a 2-D DTensor with a tensor-parallel dimension)."""
-    from torch.distributed.tensor import DTensor
 
     if any(isinstance(getattr(m, "tensorshard", None), TorchrunState) for m in module.modules()):
         return True

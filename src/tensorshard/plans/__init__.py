@@ -1,26 +1,50 @@
-"""Plans: which style each module gets. `Plan` is the data; presets and inference produce Plans."""
+"""Plans: which style each module gets. `Plan` is the data; presets and inference produce Plans.
+
+`resolve_plan` turns what a user passes (a Plan, a dict, a JSON path, or nothing) into the Plan an engine
+splits by. Inferring a plan and self-checking one live a layer up (tensorshard.inference, whose self-check
+runs an engine); that package registers both here when it is imported (`register_inference`), so the
+engines resolve plans without importing the layer above them.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Callable
 
 from torch import nn
 
 from .plan import Plan, match_pattern
 
-__all__ = ["Plan", "match_pattern", "resolve_plan"]
+__all__ = ["Plan", "match_pattern", "register_inference", "resolve_plan"]
+
+AutoPlan = Callable[..., Plan]  # (module, world_size, *, check) -> Plan: a preset, else an inferred plan
+CheckPlan = Callable[[nn.Module, Plan, int], Plan]  # (module, plan, world_size) -> the plan, failing regions whole
+
+_inference: dict[str, Callable] = {}
+
+
+def register_inference(*, auto_plan: AutoPlan, check_plan: CheckPlan) -> None:
+    """Install the automatic plan and the self-check (tensorshard.inference does, on import)."""
+    _inference.update(auto_plan=auto_plan, check_plan=check_plan)
+
+
+def _inferred(name: str) -> Callable:
+    if name not in _inference:
+        raise RuntimeError(
+            f"no {name} is registered: import tensorshard (or tensorshard.inference) before splitting a model "
+            "without a plan or with check=True"
+        )
+    return _inference[name]
 
 
 def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None = None) -> Plan:
     """The plan to use: the one given (a Plan, a {pattern: style} dict or a JSON file), else an automatic one.
 
-    `check`: self-check the plan numerically before splitting (selfcheck.py). None: only inferred plans.
+    `check`: self-check the plan numerically before splitting (inference/selfcheck.py). None: only inferred plans.
     """
     if plan is None:
-        from .auto import auto_plan
-
-        return auto_plan(module, world_size, check=check)
+        return _inferred("auto_plan")(module, world_size, check=check)
     if isinstance(plan, Plan):
         resolved = plan
     elif isinstance(plan, Mapping):
@@ -32,7 +56,5 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
             f"plan must be a tensorshard Plan, a {{pattern: style}} dict or a path to a plan JSON file; got {type(plan).__name__}"
         )
     if check:
-        from .selfcheck import check_plan
-
-        resolved = check_plan(module, resolved, world_size)
+        resolved = _inferred("check_plan")(module, resolved, world_size)
     return resolved

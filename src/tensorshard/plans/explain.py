@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..engines.sharding import direct_tensors, shard_plan
 from ..layers import layer_kind
 from ..styles import ColwiseParallel, EmbeddingParallel, RowwiseParallel, ShardParams, SumGradients
 from .plan import Plan
+from .sharding import direct_tensors, shard_plan
 
 Cost = tuple[str, int]  # (collective, bytes per device)
 

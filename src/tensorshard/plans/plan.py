@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -204,3 +205,16 @@ def _match(pats: list[str], parts: list[str]) -> bool:
     if pats[0] == "**":
         return any(_match(pats[1:], parts[i:]) for i in range(len(parts) + 1))
     return bool(parts) and fnmatchcase(parts[0], pats[0]) and _match(pats[1:], parts[1:])
+
+
+class BoundPlan(Plan):
+    """The plan of a split model, still knowing the model: ``model.tensor_parallel_config`` returns one, so
+    `convert_state_dict` can compute every tensor's slices from it. Equal to the plain plan."""
+
+    def __init__(self, plan: Plan, model: nn.Module) -> None:
+        super().__init__(list(plan.items()))
+        self._model = weakref.ref(model)
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model()

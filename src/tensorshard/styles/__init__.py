@@ -1,5 +1,6 @@
 """Parallel styles: how one module is split across devices. See base.py for the contract."""
 
+from .attention_heads import AttentionHeads
 from .base import STYLES, ShardContext, Style
 from .column import ColwiseParallel
 from .embedding import EmbeddingParallel
@@ -8,10 +9,11 @@ from .replicate import Replicate
 from .row import RowwiseParallel
 from .sequence import RowwiseToSequence, SequenceParallel
 from .shard_params import ShardParams
-from .vocab_head import VocabParallelHead
 from .sum_gradients import SumGradients
+from .vocab_head import VocabParallelHead
 
 __all__ = [
+    "AttentionHeads",
     "STYLES",
     "ColwiseParallel",
     "EmbeddingParallel",

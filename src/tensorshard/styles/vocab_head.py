@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..engines.layout import chunk_partition
+from ..comm.dtensor import chunk_partition
 from ..layers import CONV1D_HF, LINEAR, require_kind
 from .base import ShardContext, Splits, feature_dim, register, wrap_forward
 from .column import ColwiseParallel

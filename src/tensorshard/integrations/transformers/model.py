@@ -32,18 +32,17 @@ import functools
 import inspect
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-
 from transformers.cache_utils import Cache
 
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import WEIGHT_FILES, check_save_pretrained_options, gathered_state_dict
 from ...engines.inprocess import TensorParallel
+from ...layers import is_transformers_model
 from .cache import ShardedCache, shard_cache, sharded
 
 logger = logging.getLogger(__name__)
@@ -54,12 +53,6 @@ class _RankCache:
 
 
 _RANK_CACHE = _RankCache()
-
-
-def is_transformers_model(module: Any) -> bool:
-    """True for a transformers PreTrainedModel (without importing transformers when nobody has)."""
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
 
 
 def tensor_parallel_pretrained(module: nn.Module, device_ids=None, **kwargs) -> "TransformersTensorParallel":

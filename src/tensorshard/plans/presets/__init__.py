@@ -24,6 +24,7 @@ from torch import nn
 
 from ...styles import ColwiseParallel, EmbeddingParallel, ShardParams, Style
 from ..plan import Plan, match_pattern
+from .translate import translate_tp_plan
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,6 @@ def preset_for(module: nn.Module) -> Plan | None:
     if model_type in PRESETS:
         plan, source = PRESETS[model_type](config), "preset"
     elif getattr(config, "base_model_tp_plan", None):
-        from .translate import translate_tp_plan
-
         plan, source = translate_tp_plan(dict(config.base_model_tp_plan), config, base), "translated"
         logger.warning(
             "no hand-written preset for model_type %r; using a plan translated from its config's "

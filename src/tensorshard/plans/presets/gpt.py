@@ -16,9 +16,9 @@ folds it into the attention mask): each device keeps its own heads' slice (`Atte
 from __future__ import annotations
 
 from ...styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel
+from ...styles.attention_heads import AttentionHeads
 from ..plan import Plan
 from . import preset
-from .styles import AttentionHeads
 
 
 def _pair(first: str, second: str) -> dict:

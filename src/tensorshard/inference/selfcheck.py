@@ -25,9 +25,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..styles import Style
-from .plan import Plan
-from .trace import Trace
+from ..engines.inprocess import TensorParallel
+from ..plans.plan import Plan
+from ..styles import ColwiseParallel, Heads, Replicate, Style
+from .groups import find_groups, shared_path
+from .inputs import as_inputs, synthetic_inputs
+from .trace import Trace, output_tensors, trace_model
 
 TOLERANCE = 1e-4  # relative (norm) error, fp32; a wrong split is off by O(1)
 
@@ -62,7 +65,6 @@ def check_entries(
 def _whole_outputs(trace: Trace, region: str, entries: dict[str, Style]) -> list[bool]:
     """Which outputs of the region are whole under `entries` (not features of a column they split without
     gathering, such as attention weights returned next to the attention's output): the ones to compare."""
-    from ..styles import ColwiseParallel
 
     split = [trace.layers[n].out_ids for n, s in entries.items()
              if isinstance(s, ColwiseParallel) and not s.gather_output and n in trace.layers and trace.layers[n].out_ids is not None]
@@ -81,8 +83,6 @@ class _Outputs(nn.Module):
         self.inner, self.keep = inner, keep
 
     def forward(self, *args, **kwargs):
-        from .trace import output_tensors
-
         outs = output_tensors(self.inner(*args, **kwargs))
         if len(outs) != len(self.keep):
             return tuple(outs)
@@ -94,8 +94,6 @@ def _inner(name: str) -> str:
 
 
 def _region(trace: Trace, names: list[str]) -> str:
-    from .groups import shared_path
-
     common = shared_path(names)
     while common and trace.captures.get(".".join(common)) is None:
         common.pop()
@@ -109,8 +107,6 @@ def _relative(name: str, region: str) -> str:
 
 
 def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dict], world_size: int, region: str) -> str | None:
-    from ..engines.inprocess import TensorParallel  # late: the engine imports plans
-
     gen = torch.Generator().manual_seed(1234)
     ref = _Outputs(scratch_copy(sub.inner, gen), sub.keep)
     work = copy.deepcopy(ref)
@@ -219,8 +215,6 @@ def _leaves(inputs: tuple[tuple, dict]) -> list[torch.Tensor]:
 
 
 def _floats(out: Any) -> list[torch.Tensor]:
-    from .trace import output_tensors
-
     return [t for t in output_tensors(out) if t.is_floating_point()]
 
 
@@ -237,7 +231,7 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 @contextmanager
 def _quiet():
     """Keep the engine's per-split log line out of the user's log while checking."""
-    engine = logging.getLogger("tensorshard.engines.inprocess")
+    engine = logging.getLogger("tensorshard.engines.inprocess.engine")
     level = engine.level
     engine.setLevel(logging.WARNING)
     try:
@@ -253,10 +247,6 @@ def check_plan(module: nn.Module, plan: Plan, world_size: int, *, example_inputs
     the Heads entry they use. Returns the plan itself when everything passes, else the plan with
     ``Replicate()`` entries in front for the failed regions (logged, one line each).
     """
-    from ..styles import Heads, Replicate
-    from .groups import find_groups
-    from .inputs import as_inputs, synthetic_inputs
-    from .trace import trace_model
 
     if world_size < 2:
         return plan

@@ -8,7 +8,7 @@ The same plans and styles as the in-process engine, applied in place to this pro
 
 1. `shard_plan` validates the plan against the whole model before anything changes.
 2. Every tensor is broadcast from TP rank `src_data_rank` (so ranks need not share a seed), then this rank
-   keeps only its slice: split parameters become `Shard` DTensors on the mesh (see engines/layout.py for
+   keeps only its slice: split parameters become `Shard` DTensors on the mesh (see comm/dtensor.py for
    uneven and fused splits), replicated ones `Replicate` DTensors, so `fully_shard` (FSDP2) and
    `torch.distributed.checkpoint` compose with the model.
 3. Each style attaches its collectives, taken from a `DistComm` on the mesh's process group.
@@ -17,7 +17,7 @@ The same plans and styles as the in-process engine, applied in place to this pro
    and the collectives are ours, not DTensor's: a transformer block costs 2 all-reduces each way.
 
 The root module's forward also resets the per-call collective cache, moves input tensors to this rank's
-device, for its first `check_inputs` calls checks that every TP rank got the same inputs (see data.py),
+device, for its first `check_inputs` calls checks that every TP rank got the same inputs (see engines/torchrun/data.py),
 and, when it raises, tells the other ranks to stop (comm/dist_guard.py: every collective is bounded by
 `timeout` and stops when another rank failed).
 
@@ -31,7 +31,6 @@ import hashlib
 import inspect
 import logging
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,16 +39,22 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..comm.dist import DistComm, gather_objects
-from ..comm.dist_guard import collective
-from ..partition import Partition
-from ..plans.plan import Plan
-from ..styles.base import original_forward, wrap_forward
-from .layout import Layout
-from .sharding import ShardedModel, direct_tensors, shard_plan
-from .timeout import resolve_timeout
+from ...comm.dist import DistComm, gather_objects
+from ...comm.dist_guard import collective
+from ...comm.dtensor import Layout, mesh_device
+from ...comm.timeout import resolve_timeout
+from ...devices import as_device
+from ...partition import Partition
+from ...plans import resolve_plan
+from ...plans.plan import Plan
+from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
+from ...plans.slices import SplitLayout, register_engine, run_after_split
+from ...styles.base import original_forward, wrap_forward
+from .data import check_same_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +98,6 @@ def parallelize(
         check: self-check the plan numerically before splitting (every rank runs the same seeded check, so
             all reach the same plan); default: on for inferred plans only (docs/automatic-plans.md).
     """
-    from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize() splits an nn.Module; got {type(module).__name__}")
@@ -125,13 +129,12 @@ def parallelize(
     if src_data_rank is not None and not 0 <= src_data_rank < world:
         raise ValueError(f"src_data_rank={src_data_rank} is not a rank of the {world}-rank mesh; use 0..{world - 1} or None")
 
-    from ..plans import resolve_plan  # late import: presets and inference import the styles
 
     plan = resolve_plan(module, plan, world, check=check)
     comm = DistComm(device_mesh, timeout)
     _check_same_plan(plan, comm)  # first: a plan error below would otherwise stop only the ranks that have it
     sharded = shard_plan(module, plan, world)  # raises on any plan error; the model is untouched
-    state = TorchrunState(plan, device_mesh, comm, {}, {}, check_inputs)
+    state = TorchrunState(plan, device_mesh, comm, sharded.slice_map(module), {}, check_inputs)
     source = None if src_data_rank is None else dist.get_global_rank(comm.group, src_data_rank)
     try:
         held = _distribute(module, sharded, state, mesh_device(device_mesh), source)
@@ -146,10 +149,7 @@ def parallelize(
         raise
     _wrap_root(module, state)
     module.tensorshard = state
-    if _is_transformers_model(module):  # save_pretrained writes the unsplit weights, not DTensor pieces
-        from ..checkpoint.gather import gathering_save_pretrained
-
-        module.save_pretrained = gathering_save_pretrained(module)
+    run_after_split(module)  # e.g. a transformers model's save_pretrained gathers (checkpoint/gather.py)
 
     if dist.get_rank() == 0:
         split = sum(1 for m in sharded.modules.values() if m.splits)
@@ -158,6 +158,15 @@ def parallelize(
             "after %g s", type(module).__name__, world, device_mesh.mesh.tolist(), split, len(plan), timeout,
         )
     return module
+
+
+@register_engine
+def split_layout(module: object) -> SplitLayout | None:
+    """What this engine did to `module` (None if it did not split it): this process's rank only."""
+    state = getattr(module, "tensorshard", None)
+    if not isinstance(state, TorchrunState):
+        return None
+    return SplitLayout("torchrun", state.plan, dict(state.splits), [module], [mesh_device(state.mesh)], state=state)
 
 
 def _check_same_plan(plan: Plan, comm: DistComm) -> None:
@@ -173,20 +182,7 @@ def _check_same_plan(plan: Plan, comm: DistComm) -> None:
         )
 
 
-def _is_transformers_model(module: nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")  # never import it for a plain PyTorch model
-    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
-
-
 # --- building the local shards ------------------------------------------------------------------------
-
-
-def mesh_device(mesh) -> torch.device:
-    """This process's device on `mesh` (the current CUDA device for a "cuda" mesh)."""
-    kind = mesh.device_type
-    if kind == "cpu":
-        return torch.device("cpu")
-    return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
 def _distribute(module: nn.Module, sharded: ShardedModel, state: TorchrunState, device, source: int | None) -> dict:
@@ -200,7 +196,7 @@ def _distribute(module: nn.Module, sharded: ShardedModel, state: TorchrunState, 
             split = sharded.split_of(t)
             layout = Layout.of(split, rank)
             key = f"{mod_name}.{name}" if mod_name else name
-            state.splits[key], state.layouts[key] = split, layout
+            state.layouts[key] = layout
             if id(t) not in made:
                 made[id(t)] = _local_tensor(t, kind, split, layout, state, device, source, key)
             (mod._parameters if kind == "param" else mod._buffers)[name] = made[id(t)]
@@ -229,7 +225,6 @@ def _local_tensor(t, kind: str, split, layout: Layout, state: TorchrunState, dev
 
 def _swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state: TorchrunState) -> None:
     """Make `mod`'s forward see the local tensors of its DTensor parameters/buffers."""
-    from torch.distributed.tensor import DTensor
 
     comm, mesh = state.comm, state.mesh
     entries = [
@@ -264,7 +259,6 @@ def _swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state
 def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     """Around the root forward: the per-call collective cache, inputs moved to this rank's device, the first
     calls' identical-input check, and a failure report to the other ranks when the forward raises."""
-    from ..data import check_same_inputs
 
     inner = root.forward
     try:
@@ -310,8 +304,6 @@ def _inputs_on(device: torch.device, args: tuple, kwargs: dict, signature) -> tu
 
 
 def _is_dtensor(x) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(x, DTensor)
 
 
@@ -363,7 +355,6 @@ def tensor_parallel_distributed(
                 "and several devices, drop distributed=True."
             )
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
-    from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tensor_parallel",))
     return parallelize(module, mesh, plan, timeout=timeout)
@@ -371,7 +362,6 @@ def tensor_parallel_distributed(
 
 def _this_process_device(device_ids: Sequence | None) -> torch.device:
     """The one device this process drives: `device_ids`' only entry, else cuda:LOCAL_RANK, else cpu."""
-    from ..devices import as_device
 
     if device_ids is not None:
         if isinstance(device_ids, (str, int, torch.device)):

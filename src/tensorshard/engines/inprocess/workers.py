@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from ..comm.threads import CollectiveAborted
+from ...comm.threads import CollectiveAborted
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..partition import Partition
+from ...partition import Partition
 
 
 @dataclass

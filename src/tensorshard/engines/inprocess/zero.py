@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from torch.autograd import Function
 
-from ..comm.counter import record
-from ..partition import Partition, split_evenly
+from ...comm.counter import record
+from ...partition import Partition, split_evenly
 
 logger = logging.getLogger(__name__)
 

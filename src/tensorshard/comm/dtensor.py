@@ -24,14 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..partition import Partition
-
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
 
 
 def chunk_sizes(n: int, world: int) -> list[int]:
@@ -94,7 +90,6 @@ class Layout:
     def to_dtensor(self, local: torch.Tensor, mesh) -> "DTensor":
         """This rank's slice as a DTensor (padding it when the layout says so; a `local` that already has
         the stored length, padding included, is used as it is)."""
-        from torch.distributed.tensor import DTensor, Replicate  # lazy: a 0.5 s import
 
         if self.dim is None:
             return DTensor.from_local(local, mesh, (Replicate(),), run_check=False)
@@ -121,10 +116,17 @@ def as_dtensor(x: torch.Tensor, dim: int, partition: Partition, mesh, *, where: 
 
 def _sharded(local: torch.Tensor, mesh, dim: int, global_size: int) -> "DTensor":
     """`local` as this rank's piece of a `Shard(dim)` DTensor `global_size` long along `dim`."""
-    from torch.distributed.tensor import DTensor, Shard
 
     shape = list(local.shape)
     shape[dim] = global_size
     return DTensor.from_local(
         local, mesh, (Shard(dim),), run_check=False, shape=torch.Size(shape), stride=_contiguous_stride(shape)
     )
+
+
+def mesh_device(mesh) -> torch.device:
+    """This process's device on `mesh` (the current CUDA device for a "cuda" mesh)."""
+    kind = mesh.device_type
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())

@@ -31,16 +31,18 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..comm.threads import ThreadComm, ThreadGroup
-from ..devices import as_device, device_labels, resolve_devices
-from ..partition import Partition
-from ..plans.plan import Plan
+from ...comm.threads import ThreadComm, ThreadGroup
+from ...comm.timeout import resolve_timeout
+from ...devices import as_device, device_labels, resolve_devices
+from ...partition import Partition
+from ...plans import resolve_plan
+from ...plans.plan import BoundPlan, Plan
+from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
+from ...plans.slices import SplitLayout, register_engine
 from .boundary import gather_outputs, replicate_inputs, to_device
 from .rollback import Released, restore
-from .zero import choose_params, shard_replicated
-from .sharding import ShardedModel, direct_tensors, shard_plan
-from .timeout import resolve_timeout
 from .workers import ThreadState, WorkerPool
+from .zero import choose_params, shard_replicated
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class TensorParallel(nn.Module):
             variable). See docs/errors.md for what happens when a shard fails.
         debug: run every shard on the first device, one at a time, and check that replicated outputs agree
             (also TENSORSHARD_DEBUG=1): tells a plan bug from an engine bug.
-        sharded: ZeRO-3 for the parameters the plan leaves whole (see engines/zero.py). Off here;
+        sharded: ZeRO-3 for the parameters the plan leaves whole (see engines/inprocess/zero.py). Off here;
             `tensor_parallel()` turns it on by default when training.
         sharded_param_names: which of them to partition (default: every trainable one).
         check: self-check the plan before splitting (see `tensor_parallel`).
@@ -109,7 +111,6 @@ class TensorParallel(nn.Module):
         self.output_device = as_device(output_device, what="output_device") if output_device is not None else devices[0]
         self.timeout = resolve_timeout(timeout)
 
-        from ..plans import resolve_plan  # late import: presets and inference import the engine's styles
 
         world = len(devices)
         self.plan = resolve_plan(module, plan, world, check=check)
@@ -130,11 +131,7 @@ class TensorParallel(nn.Module):
         self._pool = WorkerPool()
         self._call_lock = threading.Lock()  # concurrent callers take turns: the shards share one rendezvous
         # How each tensor of the original is split, by its original state-dict name (for gathered saves).
-        self.splits: dict[str, tuple[int, Partition] | None] = {
-            f"{m}.{t}" if m else t: layout.split_of(tensor)
-            for m, mod in module.named_modules(remove_duplicate=False)
-            for _, t, tensor in direct_tensors(mod)
-        }
+        self.splits: dict[str, tuple[int, Partition] | None] = layout.slice_map(module)
         zero_names = choose_params(module, self.splits, world, sharded_param_names) if sharded else []
         self.module_shards = nn.ModuleList(_build_shards(module, layout, placement, self._group))  # atomic
         self._placement = placement
@@ -156,9 +153,7 @@ class TensorParallel(nn.Module):
     @property
     def tensor_parallel_config(self) -> Plan:
         """The plan, bound to this model (equal to `plan`; `convert_state_dict` reads the layout from it)."""
-        from ..checkpoint.dispatch import bound_plan
-
-        return bound_plan(self)
+        return BoundPlan(self.plan, self)
 
     @property
     def world_size(self) -> int:
@@ -215,16 +210,6 @@ class TensorParallel(nn.Module):
         src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
         return gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
 
-    def state_dict(self, *args, **kwargs):
-        """The shards' state (keys ``module_shards.N...``), or, inside ``tp.save_tensor_parallel(model)``,
-        the unsplit model's state dict."""
-        if getattr(self, "_gather_state_dict", False):
-            from ..checkpoint.gather import gathered_state_dict
-
-            prefix = kwargs.get("prefix", args[1] if len(args) > 1 else "")
-            return {prefix + k: v for k, v in gathered_state_dict(self)}
-        return super().state_dict(*args, **kwargs)
-
     def extra_repr(self) -> str:
         return f"devices={self.labels}, output_device={self.output_device}"
 
@@ -252,6 +237,17 @@ class TensorParallel(nn.Module):
 
 
 # --- building the shards ------------------------------------------------------------------------------
+
+
+@register_engine
+def split_layout(model: object) -> SplitLayout | None:
+    """Which slice of which original tensor each device holds (None for anything but a TensorParallel)."""
+    if not isinstance(model, TensorParallel):
+        return None
+    zero = getattr(model, "zero_splits", {})
+    placements = {name: zero.get(name, split) for name, split in model.splits.items()}
+    devices = list(getattr(model, "_placement", model.devices))
+    return SplitLayout("inprocess", model.plan, placements, list(model.module_shards), devices, sorted(zero))
 
 
 def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.device], group: ThreadGroup) -> list[nn.Module]:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...partition import Partition
-from ...styles.base import ShardContext, Splits, original_forward, register, wrap_forward
-from ...styles.heads import Heads
+from ..partition import Partition
+from .base import ShardContext, Splits, original_forward, register, wrap_forward
+from .heads import Heads
 
 LAYOUTS = ("batch*heads", "heads")
 

@@ -3,7 +3,7 @@
 `shard_plan(module, plan, world_size)` matches the plan, builds the head groups of every `Heads` entry,
 and asks each style how its module's tensors split. It only reads the model: every error about the plan
 (a pattern that matches nothing, a style on the wrong layer type, a dimension with fewer units than
-devices, neighbouring layers that disagree on a split (engines/validate.py), a tied weight split two
+devices, neighbouring layers that disagree on a split (plans/validate.py), a tied weight split two
 different ways) is raised here, before any engine touches the model.
 """
 
@@ -16,9 +16,9 @@ from torch import nn
 
 from ..comm.base import Comm, NoComm
 from ..partition import HeadGroups, Partition
-from ..plans.plan import Plan
 from ..styles.base import ShardContext, Splits, Style
 from ..styles.heads import Heads
+from .plan import Plan
 from .validate import check_layouts
 
 
@@ -46,6 +46,15 @@ class ShardedModel:
 
     def split_of(self, tensor: torch.Tensor) -> tuple[int, Partition] | None:
         return self.tensors.get(id(tensor))
+
+    def slice_map(self, module: nn.Module) -> dict[str, tuple[int, Partition] | None]:
+        """Original state-dict name -> split, for every parameter and buffer of `module` under each of its
+        names (tied tensors appear once per name): the one map from an original tensor to its slices."""
+        return {
+            f"{module_name}.{name}" if module_name else name: self.split_of(tensor)
+            for module_name, mod in module.named_modules(remove_duplicate=False)
+            for _, name, tensor in direct_tensors(mod)
+        }
 
 
 def direct_tensors(module: nn.Module):

@@ -21,8 +21,9 @@ import torch.distributed as dist
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.data import Dataset, DistributedSampler
 
-from .comm.dist import broadcast_object, gather_objects
-from .comm.dist_guard import collective
+from ...comm.dist import broadcast_object, gather_objects
+from ...comm.dist_guard import collective
+from ...comm.dtensor import mesh_device
 
 
 class InputMismatchError(ValueError):
@@ -154,7 +155,6 @@ def broadcast_batch(batch: Any, device_mesh) -> Any:
     leaves, spec = tree_flatten(batch)
     meta = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else ("value", x) for x in leaves]
     spec, meta = broadcast_object((spec, meta), src, group, what=f"broadcast_batch from rank {src}")
-    from .engines.torchrun import mesh_device
 
     device = next((x.device for x in leaves if isinstance(x, torch.Tensor)), None) or mesh_device(device_mesh)
     out = []

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..engines.sharding import shard_plan
 from ..layers import EMBEDDING
+from ..plans.plan import Plan
+from ..plans.sharding import shard_plan
 from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style, SumGradients
-from .plan import Plan
 from .structure import Layout, LayoutError, head_attrs, infer_layout
 from .trace import Poison, Trace
 

@@ -14,16 +14,16 @@ import logging
 
 from torch import nn
 
-from .plan import Plan
+from ..plans.plan import Plan
+from ..plans.presets import PRESETS, preset_for
+from ..plans.sharding import shard_plan
+from .infer import infer_plan
+from .selfcheck import check_plan
 
 logger = logging.getLogger(__name__)
 
 
 def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, example_inputs=None) -> Plan:
-    from .infer import infer_plan
-    from .presets import PRESETS, preset_for
-    from .selfcheck import check_plan
-
     plan = preset_for(module)
     if plan is not None:
         if getattr(getattr(module, "config", None), "model_type", None) in PRESETS:  # hand-written: trusted
@@ -42,8 +42,6 @@ def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, 
 
 def _translated_plan_problem(module: nn.Module, plan: Plan, world_size: int, example_inputs) -> str | None:
     """Why a translated plan cannot be used as it is (it does not apply, or a region fails the self-check)."""
-    from ..engines.sharding import shard_plan
-    from .selfcheck import check_plan
 
     try:
         shard_plan(module, plan, world_size)  # validates every entry; changes nothing

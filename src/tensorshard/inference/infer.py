@@ -25,12 +25,13 @@ from typing import Any
 
 from torch import nn
 
+from ..plans.plan import Plan, match_pattern
 from ..styles import Style
 from .groups import (
     Group, decide, decide_embeddings, escape, find_groups, forget_model, resolve_conflicts, resolve_ties,
 )
 from .inputs import as_inputs, input_candidates
-from .plan import Plan, match_pattern
+from .selfcheck import check_entries
 from .trace import Trace, trace_model
 
 logger = logging.getLogger(__name__)
@@ -107,8 +108,6 @@ def _infer(module: nn.Module, world_size: int, example_inputs: Any, check: bool)
         resolve_ties(module, groups, embeddings)
         retrace = _record_failures(groups, trace, fixed, fallbacks, "structure")
         if not retrace and check:
-            from .selfcheck import check_entries
-
             for g in groups:
                 if g.outcome != "whole":
                     checked += 1

@@ -35,7 +35,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..layers import CONV, EMBEDDING, LayerKind, layer_kind
 from .features import FeatureSet, Ids, compact
-from .oprules import IDENTITY, NO_TRACK, STRUCTURAL, Call, Rules, tensors_of
+from .inputs import synthetic_inputs
+from .oprules import Call, IDENTITY, NO_TRACK, Rules, STRUCTURAL, tensors_of
 
 logger = logging.getLogger(__name__)
 
@@ -422,8 +423,6 @@ def trace_model(
     """
     meta = any(p.is_meta for p in model.parameters())
     if inputs is None:
-        from .inputs import synthetic_inputs
-
         inputs = synthetic_inputs(model)
     args, kwargs = inputs
     modes = {m: m.training for m in model.modules()}

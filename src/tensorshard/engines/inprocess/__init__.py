@@ -1,0 +1,10 @@
+"""The in-process engine: one Python process, one shard per device, one thread per shard (engine.py).
+
+engine.py builds and runs `TensorParallel`; workers.py runs the shards' threads, boundary.py moves inputs
+and outputs across devices, rollback.py undoes a half-built split, zero.py adds ZeRO-3 for the parameters
+the plan leaves whole.
+"""
+
+from .engine import TensorParallel, current_rank
+
+__all__ = ["TensorParallel", "current_rank"]

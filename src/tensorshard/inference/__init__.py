@@ -1,0 +1,19 @@
+"""Plan inference: a plan for a model no preset covers, and the numerical self-check of any plan.
+
+Tracing (trace.py, oprules.py, shadows.py, features.py, inputs.py) follows the features through one
+forward call; structure.py and groups.py turn what was seen into column/row groups and head layouts;
+infer.py assembles the Plan; selfcheck.py verifies each group on a copy with the in-process engine (which
+is why this package sits above the engines); auto.py picks a preset or an inferred plan.
+
+Importing this package registers `auto_plan` and `check_plan` with `tensorshard.plans.resolve_plan`, which
+the engines call.
+"""
+
+from ..plans import register_inference
+from .auto import auto_plan
+from .infer import infer, infer_plan
+from .selfcheck import check_plan
+
+register_inference(auto_plan=auto_plan, check_plan=check_plan)
+
+__all__ = ["auto_plan", "check_plan", "infer", "infer_plan"]

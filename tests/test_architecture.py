@@ -1,0 +1,227 @@
+"""The layering of src/tensorshard, checked from its imports (parsed with `ast`, nothing is imported).
+
+Layers, bottom to top (README, "How it is built"): a module may import its own layer and the layers below,
+never one above; the packages import each other without a cycle; checkpoint/ imports no engine and the two
+engines do not import each other; at most ten imports sit inside functions, each deferring an optional heavy
+dependency, with a comment saying so.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# (layer number, module-name prefixes); a module belongs to the layer of its longest matching prefix.
+LAYERS = [
+    (0, ["tensorshard.partition", "tensorshard.devices", "tensorshard.layers", "tensorshard.memory"]),
+    (1, ["tensorshard.comm"]),
+    (2, ["tensorshard.styles", "tensorshard.loss_parallel"]),
+    (3, ["tensorshard.plans"]),
+    (4, ["tensorshard.engines"]),
+    (5, ["tensorshard.inference"]),
+    (6, ["tensorshard.checkpoint"]),
+    (7, ["tensorshard.integrations"]),
+    (8, ["tensorshard.api", "tensorshard.cli", "tensorshard.demo", "tensorshard.__main__", "tensorshard"]),
+]
+# Pairs of packages on the same layer or below that still must not meet.
+FORBIDDEN = [
+    ("tensorshard.checkpoint", "tensorshard.engines"),  # checkpoint works from plans.slices.SplitLayout
+    ("tensorshard.engines.inprocess", "tensorshard.engines.torchrun"),
+    ("tensorshard.engines.torchrun", "tensorshard.engines.inprocess"),
+]
+# What an import inside a function may defer: optional heavy dependencies (pyproject's extras), and the
+# integration that imports transformers at its top.
+DEFERRABLE = ("transformers", "lightning", "peft", "safetensors", "gguf", "rich", "accelerate", "bitsandbytes",
+              "tensorshard.integrations.transformers")
+MAX_FUNCTION_IMPORTS = 10
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module, e.g. tensorshard.plans.plan
+    target: str  # the imported module (for `from X import y`: X.y when X.y is a module, else X)
+    in_function: bool = False
+    commented: bool = False  # a comment on the line or the line above
+    where: str = ""
+
+
+def _module_name(path: Path, src: Path = SRC) -> tuple[str, bool]:
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        return ".".join(parts[:-1]), True
+    return ".".join(parts), False
+
+
+def collect_imports(src: Path = SRC) -> list[Import]:
+    files = sorted((src / "tensorshard").rglob("*.py"))
+    modules = {_module_name(f, src)[0] for f in files}
+    found = []
+    for f in files:
+        name, is_package = _module_name(f, src)
+        package = name if is_package else name.rpartition(".")[0]
+        lines = f.read_text().splitlines()
+        tree = ast.parse("\n".join(lines))
+
+        def visit(node: ast.AST, in_function: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    if isinstance(child, ast.Import):
+                        targets = [a.name for a in child.names]
+                    else:
+                        base = child.module or ""
+                        if child.level:
+                            up = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                            base = ".".join(up + ([child.module] if child.module else []))
+                        # `from pkg import module` imports the module
+                        targets = sorted({f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in child.names})
+                    line = lines[child.lineno - 1]
+                    above = lines[child.lineno - 2].strip() if child.lineno > 1 else ""
+                    commented = "#" in line or above.startswith("#")
+                    for target in targets:
+                        found.append(Import(name, target, in_function, commented, f"{f.relative_to(src)}:{child.lineno}"))
+                visit(child, inside)
+
+        visit(tree, False)
+    return found
+
+
+def layer_of(module: str) -> int | None:
+    best = None
+    for layer, prefixes in LAYERS:
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > len(best[1]):
+                    best = (layer, prefix)
+    return None if best is None else best[0]
+
+
+def unit_of(module: str, packages: set[str]) -> str:
+    """The package a module belongs to (a top-level module is a unit of its own)."""
+    if module in packages:
+        return module
+    parent = module.rpartition(".")[0]
+    return parent if parent in packages and parent != "tensorshard" else module
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the directed graph, as a list of nodes (first == last), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = dfs(nxt)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            cycle = dfs(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def problems(imports: list[Import], packages: set[str]) -> list[str]:
+    """Every way `imports` breaks the layering (empty: none)."""
+    out = []
+    ours = [i for i in imports if i.target == "tensorshard" or i.target.startswith("tensorshard.")]
+    for i in ours:
+        a, b = layer_of(i.module), layer_of(i.target)
+        if a is None or b is None:
+            out.append(f"{i.where}: {i.module} or {i.target} is on no layer; add it to LAYERS")
+        elif b > a:
+            out.append(f"{i.where}: {i.module} (layer {a}) imports {i.target} (layer {b}), which is above it")
+        for low, high in FORBIDDEN:
+            if (i.module == low or i.module.startswith(low + ".")) and (i.target == high or i.target.startswith(high + ".")):
+                out.append(f"{i.where}: {i.module} imports {i.target}; {low} must not import {high}")
+    edges: dict[str, set[str]] = {}
+    for i in ours:
+        a, b = unit_of(i.module, packages), unit_of(i.target, packages)
+        if a != b:
+            edges.setdefault(a, set()).add(b)
+    cycle = find_cycle(edges)
+    if cycle:
+        out.append("import cycle between packages: " + " -> ".join(cycle))
+    deferred = [i for i in imports if i.in_function]
+    if len(deferred) > MAX_FUNCTION_IMPORTS:
+        out.append(f"{len(deferred)} imports inside functions (at most {MAX_FUNCTION_IMPORTS}): " + ", ".join(i.where for i in deferred))
+    for i in deferred:
+        if not any(i.target == d or i.target.startswith(d + ".") for d in DEFERRABLE):
+            out.append(f"{i.where}: {i.module} imports {i.target} inside a function; import it at the top (only optional heavy dependencies may wait)")
+        elif not i.commented:
+            out.append(f"{i.where}: the deferred import of {i.target} needs a comment saying why it waits")
+    return out
+
+
+def _packages(src: Path = SRC) -> set[str]:
+    return {_module_name(f, src)[0] for f in (src / "tensorshard").rglob("__init__.py")}
+
+
+def test_the_source_follows_the_layers():
+    imports = collect_imports()
+    assert len(imports) > 200  # the parser sees the real tree
+    found = problems(imports, _packages())
+    assert not found, "\n".join(found)
+
+
+def test_every_module_is_on_a_layer():
+    modules = {_module_name(f)[0] for f in (SRC / "tensorshard").rglob("*.py")}
+    assert [m for m in sorted(modules) if layer_of(m) is None] == []
+
+
+PACKAGES = {"tensorshard", "tensorshard.comm", "tensorshard.plans", "tensorshard.engines", "tensorshard.engines.inprocess",
+            "tensorshard.checkpoint"}
+
+
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        # an import running up the layers: comm (1) importing the engines (4)
+        ([Import("tensorshard.comm.dist", "tensorshard.engines.inprocess.engine", where="x.py:1")], "which is above it"),
+        # a cycle between packages of one layer
+        (
+            [Import("tensorshard.plans.a", "tensorshard.plans.presets.b", where="a.py:1"),
+             Import("tensorshard.plans.presets.b", "tensorshard.plans.a", where="b.py:1")],
+            "import cycle between packages",
+        ),
+        # checkpoint reaching into an engine (allowed by the layer order alone)
+        ([Import("tensorshard.checkpoint.layout", "tensorshard.engines.torchrun.engine", where="c.py:1")],
+         "must not import tensorshard.engines"),
+        # a function-level import hiding a cycle instead of an optional dependency
+        ([Import("tensorshard.plans.plan", "tensorshard.styles.base", in_function=True, commented=True, where="p.py:9")],
+         "import it at the top"),
+        # an optional dependency deferred without a comment
+        ([Import("tensorshard.cli", "rich.table", in_function=True, where="cli.py:3")], "needs a comment"),
+        # too many deferred imports
+        ([Import("tensorshard.cli", "rich", in_function=True, commented=True, where=f"cli.py:{n}") for n in range(11)],
+         "11 imports inside functions"),
+    ],
+)
+def test_the_check_catches_a_bad_import_graph(bad, expected):
+    packages = PACKAGES | {"tensorshard.plans.presets", "tensorshard.engines.torchrun"}
+    found = problems(bad, packages)
+    assert any(expected in p for p in found), found
+
+
+def test_a_clean_graph_passes():
+    good = [
+        Import("tensorshard.engines.inprocess.engine", "tensorshard.plans.plan"),
+        Import("tensorshard.plans.plan", "tensorshard.styles.base"),
+        Import("tensorshard.checkpoint.gguf", "gguf", in_function=True, commented=True),
+    ]
+    assert problems(good, PACKAGES) == []
