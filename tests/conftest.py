@@ -1,22 +1,21 @@
 """Fixtures of the whole suite: a private random generator, and the session's torchrun process pools.
 
-The pools (tests/distributed/harness.py) are gloo process groups of 2, 3 or 4 ranks, spawned once, when a
-test first asks for one, and shared by every folder: tests/distributed, tests/checkpoint (3 ranks: uneven
-splits such as 59/59/58 features) and tests/reliability. Fault tests that end a rank spawn their own.
-"""
+The folders mirror src/tensorshard (core, plans, engines/inprocess, engines/torchrun, inference, checkpoint,
+integrations, cli), plus reliability/ and property/ across them; what the tests share (models, plans,
+helpers, the process harness) is the `support` package, importable because pyproject's pytest settings put
+tests/ on the path. Child processes get the same path from `support.harness.child_env()`.
 
-import os
-import sys
+The pools (support/harness.py) are gloo process groups of 2, 3 or 4 ranks, spawned once, when a test first
+asks for one, and shared by every folder: engines/torchrun, checkpoint (3 ranks: uneven splits such as
+59/59/58 features) and reliability. Fault tests that end a rank spawn their own.
+"""
 
 import pytest
 import torch
 
-HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "distributed"))  # the harness, and helpers its workers import
-torch.set_num_threads(1)  # two cores: keep the simulated devices from fighting over threads
+from support.harness import shared_pool
 
-from harness import shared_pool  # noqa: E402
+torch.set_num_threads(1)  # two cores: keep the simulated devices from fighting over threads
 
 
 @pytest.fixture

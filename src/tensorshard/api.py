@@ -81,7 +81,6 @@ def tensor_parallel(
         # deferred: the integration imports transformers, an optional heavy dependency (loaded already here)
         from .integrations.transformers import tensor_parallel_pretrained
 
-
         model = tensor_parallel_pretrained(module, device_ids, **options)
     else:
         model = TensorParallel(module, device_ids, **options)
@@ -127,7 +126,7 @@ def from_pretrained(
         output_device, timeout: as for `tensor_parallel` (in-process only).
         progress: show a tqdm progress bar (under torchrun: on global rank 0).
 
-    Peak host memory: see the module docstring (one device's share plus the largest tensor).
+    Peak host memory: one device's share plus the largest tensor (see checkpoint/streaming.py).
     """
     if mesh is not None:
         given = [k for k, v in (("device_ids", device_ids), ("sharded", sharded), ("sharded_param_names",
@@ -138,8 +137,9 @@ def from_pretrained(
                 "belong to the in-process engine. Drop them (ZeRO-3 under torchrun is FSDP2's fully_shard on a "
                 "data-parallel mesh, applied after loading)."
             )
-    if mesh is not None:  # under torchrun: split in place; meta stays meta, so nothing to broadcast
-        split = lambda module, plan: parallelize(module, mesh, plan, src_data_rank=None)  # noqa: E731
+    if mesh is not None:
+        def split(module: nn.Module, plan) -> nn.Module:  # in place; meta stays meta, so nothing to broadcast
+            return parallelize(module, mesh, plan, src_data_rank=None)
     else:
         def split(module: nn.Module, plan) -> nn.Module:
             return tensor_parallel(

@@ -10,19 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-import plans_for_tests as plans
 import tensorshard as tp
-from models import FeedForward
+from support import plans
+from support.harness import child_env
+from support.models import FeedForward
 
 pytestmark = pytest.mark.timeout(90)
 
 # Saves generation after generation, every weight set to the generation number, until killed.
 CHILD = r"""
 import sys, torch
-sys.path.insert(0, sys.argv[2])
 import tensorshard as tp
-import plans_for_tests as plans
-from models import FeedForward
+from support import plans
+from support.models import FeedForward
 torch.set_num_threads(1)
 model = tp.tensor_parallel(FeedForward(1024, 8192), ["cpu"] * 2, plan=plans.FEED_FORWARD)
 generation = 0
@@ -49,10 +49,7 @@ def committed_generation(folder: Path) -> int:
 def test_killing_a_save_half_way_leaves_the_previous_checkpoint_loadable(tmp_path):
     folder = tmp_path / "ckpt"
     (tmp_path / "notes.txt").write_text("not ours")
-    tests = str(Path(__file__).resolve().parents[1])
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder), tests], env=env, stderr=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder)], env=child_env(), stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         caught = None

@@ -19,15 +19,15 @@ from typing import Callable
 import pytest
 import torch
 
-import plans_for_tests as plans
 import tensorshard as tp
-from checkpoint_models import build, gathered
-from helpers import rel_err
-from models import FeedForward, Transformer
+from support import ROOT, plans
+from support.checkpoints import build, gathered
+from support.helpers import rel_err
+from support.models import FeedForward, Transformer
 
 pytestmark = pytest.mark.timeout(60)
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
+DOCS = ROOT / "docs" / "errors.md"
 PLAN = plans.transformer(8, 2)
 RANK1 = "model-g000001-rank00001-of-00002.safetensors"
 
@@ -255,7 +255,7 @@ def test_a_read_error_during_the_load_says_what_was_loaded(good, tmp_path, monke
 def failed_save_task(folder: str) -> dict:
     """Generation 1 is saved; rank 1 cannot put its file of generation 2 in place (a directory has its name)."""
     import torch.distributed as dist
-    from harness import world_mesh
+    from support.harness import world_mesh
 
     folder = Path(folder)
     model = tp.parallelize(build(), world_mesh(), plan=PLAN)
@@ -293,7 +293,7 @@ def failed_save_task(folder: str) -> dict:
 def failed_load_task(good: str, broken: str) -> dict:
     """Rank 1 sees a checkpoint without one of its files (as a node with an incomplete copy would)."""
     import torch.distributed as dist
-    from harness import world_mesh
+    from support.harness import world_mesh
 
     model = tp.parallelize(build(seed=1), world_mesh(), plan=PLAN)
     before = gathered(model)

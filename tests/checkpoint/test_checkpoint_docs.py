@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import tensorshard as tp
-from harness import world_mesh
+from support import ROOT
+from support.harness import world_mesh
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "checkpoints.md"
 
 

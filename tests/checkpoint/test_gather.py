@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
-import plans_for_tests as plans
 import tensorshard as tp
-from helpers import rel_err
-from models import Transformer
+from support import plans
+from support.helpers import rel_err
+from support.models import Transformer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-import plans_for_tests as plans
 import tensorshard as tp
-from checkpoint_models import gathered
-from helpers import rel_err
-from models import FeedForward, Transformer
+from support import plans
+from support.checkpoints import gathered
+from support.helpers import rel_err
+from support.models import FeedForward, Transformer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import plans_for_tests as plans
 import tensorshard as tp
-from helpers import rel_err
-from models import Transformer
+from support import plans
+from support.helpers import rel_err
+from support.models import Transformer
 
 pytestmark = pytest.mark.timeout(120)
 

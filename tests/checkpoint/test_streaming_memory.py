@@ -9,11 +9,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from checkpoint_models import write_stack_checkpoint
+from support.checkpoints import write_stack_checkpoint
+from support.harness import child_env
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -24,7 +24,7 @@ CHILD = r"""
 import functools, json, os, sys
 import torch
 import tensorshard as tp
-from models import ResidualStack
+from support.models import ResidualStack
 
 torch.set_num_threads(1)
 DIM, HIDDEN, LAYERS = {dim}, {hidden}, {layers}
@@ -61,9 +61,7 @@ print(json.dumps({{"before": before, "peak": peak, "held": held, "same": same}})
 def test_a_1gb_checkpoint_streams_into_4_slots_with_bounded_extra_memory(tmp_path):
     total, largest = write_stack_checkpoint(tmp_path, layers=LAYERS, dim=DIM, hidden=HIDDEN, files=FILES, scale=1.0)
     assert total > 1e9
-    root = Path(__file__).resolve().parents[2]
-    paths = [str(root / "src"), str(root / "tests"), os.environ.get("PYTHONPATH", "")]  # tensorshard, models.py
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    env = child_env()
     script = CHILD.format(dim=DIM, hidden=HIDDEN, layers=LAYERS)
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env, timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]

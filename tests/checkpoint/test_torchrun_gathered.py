@@ -11,12 +11,12 @@ import copy
 import pytest
 import torch
 
-import plans_for_tests as plans
 import tensorshard as tp
-from checkpoint_models import build, differ, gathered, probe
-from harness import world_mesh
-from helpers import rel_err
-from models import Transformer
+from support import plans
+from support.checkpoints import build, differ, gathered, probe
+from support.harness import world_mesh
+from support.helpers import rel_err
+from support.models import Transformer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,7 +62,7 @@ def streaming_task(hf_folder: str, sharded_folder: str, tied_folder: str, expect
 
 
 def transformers_task(folder: str, gguf_path: str) -> dict:
-    import tiny_llama
+    from support import tiny_llama
 
     ref = tiny_llama.build()
     mesh = world_mesh()
@@ -118,8 +118,8 @@ def test_from_pretrained_under_torchrun_streams_each_ranks_slices(pool3, tmp_pat
 
 def test_transformers_save_pretrained_and_from_pretrained_under_torchrun(pool4, tmp_path):
     transformers = pytest.importorskip("transformers")
-    import tiny_gguf
-    import tiny_llama
+    from support import tiny_gguf
+    from support import tiny_llama
 
     ref = tiny_llama.build()
     gguf_path = tiny_gguf.write_gguf(ref, tmp_path / "tiny.gguf")

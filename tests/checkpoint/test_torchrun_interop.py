@@ -17,11 +17,11 @@ import os
 import pytest
 import torch
 
-import plans_for_tests as plans
 import tensorshard as tp
-from checkpoint_models import build, gathered
-from harness import world_mesh
-from models import Transformer
+from support import plans
+from support.checkpoints import build, gathered
+from support.harness import world_mesh
+from support.models import Transformer
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import tensorshard as tp
-from checkpoint_models import write_stack_checkpoint
-from harness import world_mesh
-from models import ResidualMLP, ResidualStack
+from support.checkpoints import write_stack_checkpoint
+from support.harness import world_mesh
+from support.models import ResidualMLP, ResidualStack
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

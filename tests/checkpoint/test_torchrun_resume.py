@@ -16,11 +16,11 @@ rounding), as in test_sharded.py.
 import pytest
 import torch
 
-import plans_for_tests as plans
 import tensorshard as tp
-from checkpoint_models import build, differ, gathered, probe
-from harness import world_mesh
-from helpers import rel_err
+from support import plans
+from support.checkpoints import build, differ, gathered, probe
+from support.harness import world_mesh
+from support.helpers import rel_err
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -23,12 +23,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 from torch import nn
 
 import tensorshard as tp
-from helpers import rel_err
+from support.helpers import rel_err
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,6 @@ import logging
 import re
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -19,15 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import plans_for_tests as plans
 import tensorshard as tp
-from models import FeedForward, Transformer
 from tensorshard.partition import block_partition
-from workers_state import assert_unchanged, snapshot
+from support import ROOT, plans
+from support.models import FeedForward, Transformer
+from support.workers_state import assert_unchanged, snapshot
 
 pytestmark = pytest.mark.timeout(60)
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
+DOCS = ROOT / "docs" / "errors.md"
 FF_PLAN = plans.FEED_FORWARD
 
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import tensorshard as tp
-from helpers import rel_err
-from workers_state import busy_workers
+from support.helpers import rel_err
+from support.workers_state import busy_workers
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import tensorshard as tp
-from helpers import check_training_parity, rel_err
+from support.helpers import check_training_parity, rel_err
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -18,14 +17,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-import plans_for_tests as plans
 import tensorshard as tp
-from models import FeedForward
-from workers_state import assert_unchanged, snapshot
+from support import ROOT, plans
+from support.models import FeedForward
+from support.workers_state import assert_unchanged, snapshot
 
 pytestmark = pytest.mark.timeout(120)
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
+DOCS = ROOT / "docs" / "errors.md"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -165,7 +164,7 @@ def test_torchrun_rejected_on_every_rank(index, pool2):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_inputs_on_another_device_are_moved(monkeypatch):
     """One process, a 1-rank CUDA mesh: CPU inputs are moved to the rank's GPU (as DDP and FSDP2 do)."""
-    from harness import free_port
+    from support.harness import free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

@@ -19,30 +19,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-import spawned
 import tensorshard as tp
-from harness import PG_TIMEOUT
+from support import plans, spawned
+from support.harness import PG_TIMEOUT, child_env
+from support.models import TwoBlocks
 
 pytestmark = pytest.mark.timeout(90)
 
 HERE = os.path.dirname(__file__)
-PLAN = {"a[12]": tp.ColwiseParallel(), "b[12]": tp.RowwiseParallel()}
-
-
-class TwoBlocks(nn.Module):
-    """Two column -> row pairs: the forward all-reduces at b1, then at b2."""
-
-    def __init__(self):
-        super().__init__()
-        self.a1, self.b1 = nn.Linear(8, 16), nn.Linear(16, 8)
-        self.a2, self.b2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.b2(self.a2(self.b1(self.a1(x))))
 
 
 def split(group, **kwargs) -> nn.Module:
-    return tp.parallelize(TwoBlocks(), DeviceMesh.from_group(group, "cpu"), plan=PLAN, **kwargs)
+    return tp.parallelize(TwoBlocks(), DeviceMesh.from_group(group, "cpu"), plan=plans.TWO_BLOCKS, **kwargs)
 
 
 def step(model, gen) -> None:
@@ -180,7 +168,7 @@ def time_limits_task() -> list[float]:
         limits += [group_timeout(group), model.tensorshard.comm.guard.timeout]
     # tensor_parallel(distributed=True): the job's default group is the tensor-parallel group.
     world = dist.group.WORLD
-    model = tp.tensor_parallel(TwoBlocks(), plan=PLAN, distributed=True, timeout=20)
+    model = tp.tensor_parallel(TwoBlocks(), plan=plans.TWO_BLOCKS, distributed=True, timeout=20)
     limits += [group_timeout(world), model.tensorshard.comm.guard.timeout]
     model.tensorshard.comm.guard.set_timeout(PG_TIMEOUT)  # back to the pool's own limit for later tasks
     return limits
@@ -199,9 +187,7 @@ def test_the_time_limit_goes_into_the_process_group(pool2):
 def test_torchrun_kill_one_of_two_ranks_mid_step(tmp_path):
     """`torchrun --nproc_per_node=2`, rank 1 SIGKILLed inside a step: the job ends within 30 s, torchrun
     naming rank 1 and the signal; rank 0 never finishes its steps."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(HERE, "..", "..", "src"), HERE, os.path.join(HERE, "..", "distributed")])
-    env["OMP_NUM_THREADS"] = "1"
+    env = child_env(OMP_NUM_THREADS="1")
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

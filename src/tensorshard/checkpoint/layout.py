@@ -2,17 +2,17 @@
 
 A *placement* says which part of a global tensor each rank holds: ``None`` (the whole tensor, on every
 rank) or ``(dim, Partition)`` (rank r holds the ranges ``partition.ranges[r]`` of dimension `dim`,
-concatenated in that order). Tensor-parallel splits come from the plan (`TensorParallel.splits`); ZeRO-3
-adds dim-0 partitions of the parameters the plan leaves whole (`TensorParallel.zero_splits`).
+concatenated in that order). Placements come from the engine that split the model, as a `SplitLayout`
+(plans/slices.py): the plan's splits, plus ZeRO-3's dim-0 partitions of the parameters the plan leaves whole.
 
 Checkpoint files store *chunks*: boxes of the global tensor (``offsets``, ``sizes`` per dimension, as in
 `torch.distributed.checkpoint`). Resharding is box arithmetic: a rank of the model being loaded needs the
 boxes its placement names, and reads the part of every saved chunk that overlaps them. Nothing depends on
 the device count the checkpoint was saved at, so any count loads any other, bit for bit.
 
-`model_layout(model)` (describe.py) lists the tensors of a `TensorParallel`, of a module split by `parallelize` under
-torchrun (torchrun.py), or of a plain module (one rank) once each, tied weights under one canonical name
-with their aliases, with each rank's local tensor.
+`model_layout(model)` (describe.py) lists the tensors of a `TensorParallel`, of a module split by
+`parallelize` under torchrun (torchrun.py), or of a plain module (one rank) once each, tied weights under
+one canonical name with their aliases, with each rank's local tensor.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from .torchrun import job_of
 logger = logging.getLogger(__name__)
 
 
-# --- loading a pretrained model --------------------------------------------------------------------------------------
+# --- loading a pretrained model ---------------------------------------------------------------------------
 
 
 def load_pretrained(
@@ -71,17 +71,17 @@ def load_pretrained(
     if in_place:
         return _load_torchrun(module, split, plan, path, source, progress)
     training = module.training
-    split = split(module, plan)
-    split.train(training)  # the wrapper starts in train mode; follow the model (eval for transformers models)
+    wrapped = split(module, plan)
+    wrapped.train(training)  # the wrapper starts in train mode; follow the model (eval for transformers models)
     if source is None:
         source, index = open_folder(path)
-    layout = model_layout(split)
+    layout = model_layout(wrapped)
     pairs = match_tensors(layout, source, aliases=(index or {}).get("aliases", {}), strict=False, exact_dtype=False)
     fill(layout, pairs, source, progress=progress, desc=f"loading {path.name}")
     source.close()
     _refuse_empty(layout, source)
     logger.info("loaded %s into %d device(s): %d tensors", path, layout.world_size, len(pairs))
-    return split
+    return wrapped
 
 
 def _load_torchrun(module: nn.Module, split, plan, path: Path, source, progress: bool) -> nn.Module:

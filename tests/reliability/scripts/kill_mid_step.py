@@ -10,7 +10,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import tensorshard as tp
-from test_torchrun_faults import PLAN, TwoBlocks
+from support import plans
+from support.models import TwoBlocks
 
 
 def kill_self(*_):
@@ -21,7 +22,7 @@ def kill_self(*_):
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = tp.parallelize(TwoBlocks(), init_device_mesh("cpu", (dist.get_world_size(),)), plan=PLAN)
+    model = tp.parallelize(TwoBlocks(), init_device_mesh("cpu", (dist.get_world_size(),)), plan=plans.TWO_BLOCKS)
     gen = torch.Generator().manual_seed(0)
     for i in range(4):
         if i == 2 and rank == 1:

@@ -1,0 +1,103 @@
+"""The benchmark suite's measuring and reporting tools (benchmarks/suite), on tiny inputs: no timings here.
+
+The benchmarks themselves run with `make bench`; these tests keep their arithmetic honest: which bytes count
+as activations, parameters, gradients and optimizer state; which targets a result meets; how errors are read
+from a failed job's output.
+"""
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from support import ROOT
+
+
+def _load_suite() -> None:
+    """benchmarks/suite as the package `suite` (its modules import each other by that name), without putting
+    benchmarks/ on sys.path (its coverage.py would shadow the coverage package)."""
+    folder = ROOT / "benchmarks" / "suite"
+    spec = importlib.util.spec_from_file_location("suite", folder / "__init__.py", submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["suite"] = module
+    spec.loader.exec_module(module)
+
+
+_load_suite()
+
+from suite import measure  # noqa: E402
+from suite.config import canonical_name, is_split_weight  # noqa: E402
+from suite.launch import last_error  # noqa: E402
+from suite.targets import TARGETS  # noqa: E402
+
+
+def test_saved_activations_count_each_saved_storage_once_and_skip_parameters():
+    layer = nn.Linear(8, 16, bias=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    acts = measure.SavedActivations(exclude=list(layer.parameters()))
+    with acts.hooks():
+        y = layer(x)  # saves x (its weight is a parameter: excluded)
+        z = torch.relu(y)  # saves its output z
+        (z * z).sum().backward()  # mul saves z twice: one storage
+    assert acts.bytes == (4 * 8 + 4 * 16) * 4
+
+
+def test_state_bytes_counts_parameters_gradients_and_adamw_state_of_the_selected_names():
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    named = list(model.named_parameters())
+    every = measure.state_bytes(named, opt)
+    n = sum(p.numel() for p in model.parameters())
+    assert every == {"params": 4 * n, "grads": 4 * n, "optim": 8 * n}  # exp_avg and exp_avg_sq; step counters skipped
+    linear = measure.state_bytes(named, opt, lambda name: name.startswith("0."))
+    assert linear["params"] == 4 * (4 * 6 + 6)
+
+
+def test_split_weight_names_are_read_through_every_wrapper():
+    assert canonical_name("module_shards.3.model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert canonical_name("wrapped_model.module_shards.1.model.layers.0.mlp.tp_wrapped_module.down_proj.weight").endswith(
+        "model.layers.0.mlp.down_proj.weight")
+    assert is_split_weight("llama", "model.layers.2.mlp.gate_proj.weight")
+    assert is_split_weight("llama", "lm_head.weight")
+    assert not is_split_weight("llama", "model.layers.2.input_layernorm.weight")
+    assert is_split_weight("ff", "w2.weight")
+
+
+def test_last_error_finds_the_exception_of_a_traceback():
+    output = "\n".join([
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "RuntimeError: Error(s) in loading state_dict for LlamaForCausalLM:",
+        '\tUnexpected key(s) in state_dict: "model.layers.1.mlp.up_proj.weight".',
+        "[rank0]: something else",
+    ])
+    assert last_error(output) == (
+        'RuntimeError: Error(s) in loading state_dict for LlamaForCausalLM: Unexpected key(s) in state_dict: '
+        '"model.layers.1.mlp.up_proj.weight".'
+    )
+    assert last_error("all fine\n") == ""
+
+
+def _speed(plain_step: float, one: float, two: float) -> dict:
+    def v(system, world, step):
+        return {"system": system, "world": world, "step": {"median": step}}
+    return {"train": [v("plain", 1, plain_step), v("ours-torchrun", 1, one), v("ours-torchrun", 2, two)], "infer": []}
+
+
+@pytest.mark.parametrize("two, met", [(0.5, True), (0.6, False)])
+def test_the_torchrun_training_target_is_a_speed_up_of_1_8x(two, met):
+    target = next(t for t in TARGETS if t.key == "torchrun-train")
+    result = target.check(_speed(1.0, 1.0, two))
+    assert result["met"] is met
+    assert result["value"] == pytest.approx(1.0 / two)
+
+
+def test_overhead_targets_compare_one_device_with_the_unsplit_model():
+    target = next(t for t in TARGETS if t.key == "overhead-ours-torchrun-step")
+    assert target.check(_speed(1.0, 1.02, 0.5))["met"] is True
+    assert target.check(_speed(1.0, 1.05, 0.5))["met"] is False
+    assert target.check({"train": [], "infer": []})["value"] is None  # a failed run is reported, not judged

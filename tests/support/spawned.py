@@ -1,0 +1,88 @@
+"""Ranks in fresh processes, for fault tests that kill a rank, lose one, or leave a process group unusable.
+
+    result = spawned.run(scenario, world=2)      # scenario(rank) on each rank, gloo over a file:// rendezvous
+    result.exit_codes, result.exit_times         # per rank (time.monotonic(), comparable across processes)
+    result.events[rank]                          # what scenario(rank) reported: spawned.report(key, value)
+
+A scenario that raises is reported as event "raised" (type, message, notes, time) and then ends its process
+with exit code 1, as an uncaught error ends a training script. The shared process pool of
+tests/engines/torchrun cannot host these tests: a killed rank, or a group left out of step, ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+_events = None  # in a spawned rank: the queue to the parent
+
+
+def report(key: str, value: Any) -> None:
+    """From a rank: hand `value` to the test (picklable)."""
+    _events.put((int(os.environ["RANK"]), key, value))
+
+
+def describe(error: BaseException) -> dict:
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "notes": list(getattr(error, "__notes__", [])),
+        "time": time.monotonic(),
+    }
+
+
+def _main(fn: Callable, rank: int, world: int, init_file: str, events) -> None:
+    global _events
+    import torch
+    import torch.distributed as dist
+
+    _events = events
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=30))
+    try:
+        fn(rank)
+    except BaseException as e:
+        report("raised", describe(e))
+        raise
+
+
+@dataclass
+class Result:
+    exit_codes: list[int | None]
+    exit_times: list[float | None]
+    events: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def run(fn: Callable[[int], Any], world: int = 2, timeout: float = 60) -> Result:
+    """`fn(rank)` in `world` new processes; waits until all exit (or `timeout`, then kills them)."""
+    ctx = mp.get_context("spawn")
+    events = ctx.SimpleQueue()  # put() writes at once: a rank may kill itself right after reporting
+    with tempfile.TemporaryDirectory(prefix="tensorshard-spawned-") as folder:
+        init = os.path.join(folder, "rendezvous")
+        procs = [ctx.Process(target=_main, args=(fn, r, world, init, events), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        exit_times: list[float | None] = [None] * world
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(t is None for t in exit_times):
+            for r, p in enumerate(procs):
+                if exit_times[r] is None and not p.is_alive():
+                    exit_times[r] = time.monotonic()
+            time.sleep(0.02)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    result = Result([p.exitcode for p in procs], exit_times, {r: {} for r in range(world)})
+    while not events.empty():
+        rank, key, value = events.get()
+        result.events[rank][key] = value
+    return result
