@@ -190,7 +190,7 @@ def _warn_unmapped_counts(name: str, module: nn.Module, style: Heads, heads: Hea
     most models keep counts there that their forward never reads."""
     local = [heads.local(r) for r in range(heads.world_size)]
     for attr, value in vars(module).items():
-        if attr in style.attrs or isinstance(value, bool) or not isinstance(value, int):
+        if attr in style.attrs or attr in getattr(style, "values", ()) or isinstance(value, bool) or not isinstance(value, int):
             continue
         if not _COUNT_NAME.search(attr) or _NOT_COUNT.search(attr) or (type(module), attr) in seen:
             continue

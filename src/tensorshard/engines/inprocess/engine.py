@@ -155,6 +155,18 @@ class TensorParallel(nn.Module):
         """The plan, bound to this model (equal to `plan`; `convert_state_dict` reads the layout from it)."""
         return BoundPlan(self.plan, self)
 
+    def apply_sharding(self, sharded_param_names: Sequence[str] | None = None) -> list[str]:
+        """ZeRO-3, after splitting, of the parameters the plan leaves whole (what ``sharded=True`` does at split
+        time; call it once the weights of a model split on the meta device are loaded). Names are the unsplit
+        model's (default: every trainable one with at least as many rows as devices). Returns those partitioned."""
+        if getattr(self, "zero_splits", None):
+            raise RuntimeError(
+                "ZeRO-3 is already applied to this model (sharded=True when it was split, or an earlier "
+                "apply_sharding()); split with sharded=False to choose the parameters later"
+            )
+        _check_loaded(self)
+        return shard_replicated(self, choose_params(self.module_shards[0], self.splits, self.world_size, sharded_param_names))
+
     @property
     def world_size(self) -> int:
         return len(self.devices)

@@ -1,0 +1,455 @@
+"""From a tensor_parallel `Config` to a tensorshard `Plan`: what each rule combination means, and what is refused.
+
+The original applies its rules literally: each device gets its piece of every matched tensor, and the
+input/output actions run around the matched modules. tensorshard's styles say the same thing per layer,
+with collectives whose backward is exact. The translation reads the rules per module of the model:
+
+    state rule on a layer's weight          + output rule              -> tensorshard style
+    ---------------------------------------   ------------------------   ------------------------------------------
+    split along output features (Linear 0,     none (a row layer reads    ColwiseParallel()
+      Conv1D 1, Conv 0), bias split alike      it, split)
+                                              "gather <feature dim>"     ColwiseParallel(gather_output=True)
+    split along input features (Linear 1,      "sum" here or on a parent  RowwiseParallel(); an input rule
+      Conv1D 0, Conv 1), bias "scale"d         module                     "split -1" is implied (whole inputs)
+    Embedding split 1 (embedding dim)          "gather -1"                EmbeddingParallel(split="embedding")
+    Embedding split 0 (vocabulary)             "sum"                      EmbeddingParallel(split="vocab")
+
+SplitInChunks / SplitInGroupedChunks cut on chunk boundaries: the layer's blocks become head units
+(``blocks=("q",)``, ``("q", "q", "q")`` for grouped q|k|v), and its parent module gets a `Heads` entry with
+that many units (two chunk counts in one parent: query and key/value heads). A row layer's "scale"d bias
+is kept whole and added once after the sum, which is the same forward and keeps training exact (a bias
+divided by N on every device would train N times too fast). Attribute rules ("scale_int", or a callable
+``f(value, rank=r)``) are evaluated for every device at translation time (styles.py).
+
+Refused, by rule, before the model changes (`UntranslatableConfig` lists every problem): callables as
+state, input or output rules (including the KV-cache plumbing of the original's presets: tensorshard
+keeps each device's cache itself), splits of modules other than Linear / Conv1D / Conv / Embedding, a
+row layer whose partial output no "sum" covers (or two do), a "sum" over nothing split, "gather" or
+"split" anywhere else than above, "scale" on anything but a row layer's bias.
+
+Finally the plan is checked against the config itself: every split tensor must give each device exactly
+the rows the config's own action gives it (e.g. grouped-query heads split so that a device's query heads
+and KV heads no longer match are refused rather than rearranged).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..layers import CONV, EMBEDDING, layer_kind
+from ..partition import HeadGroups
+from ..plans.plan import Plan, match_pattern
+from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style
+from .actions import Rule, read_action
+from .config import Config
+from .styles import HeadsWithValues, PerDeviceValues
+
+logger = logging.getLogger(__name__)
+
+
+class UntranslatableConfig(ValueError):
+    """A tensor_parallel config with rules tensorshard cannot run as written; the message lists them."""
+
+
+@dataclass
+class _Module:
+    """What the config's rules say about one module."""
+
+    name: str
+    module: nn.Module
+    tensors: dict[str, Rule] = field(default_factory=dict)  # own tensor name -> state rule
+    inputs: dict[Any, Any] = field(default_factory=dict)
+    outputs: dict[Any, Any] = field(default_factory=dict)
+    attrs: dict[str, Any] = field(default_factory=dict)
+    role: str = ""  # "column" | "row" | "vocab" | "embedding" once classified
+    units: int = 0  # head units per block, for chunked splits
+
+
+def translate(config: Config, model: nn.Module, world_size: int) -> Plan:
+    if not isinstance(config, Config):
+        raise TypeError(f"expected a tensorshard.compat.Config; got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"translate a config for an nn.Module; got {type(model).__name__}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    problems: list[str] = []
+    mods = _read_rules(config, model, world_size, problems)
+    if world_size == 1:
+        _raise(problems)
+        return Plan()
+    styles: dict[str, Style] = {}
+    for m in mods.values():
+        if m.tensors:
+            style = _layer_style(m, problems)
+            if style is not None:
+                styles[m.name] = style
+        else:
+            _unsplit_module(m, problems)
+    _check_sums(mods, problems)
+    _heads_and_attrs(mods, styles, world_size, problems)
+    _raise(problems)
+    plan = Plan(_globs(styles, model))
+    _check_against_config(config, model, plan, world_size)
+    logger.info("tensor_parallel config translated to a plan of %d entries over %d devices", len(plan), world_size)
+    return plan
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise UntranslatableConfig(
+            f"{len(problems)} rule(s) of the tensor_parallel config have no tensorshard equivalent; nothing was "
+            "changed:\n" + "\n".join(f"  - {p}" for p in problems)
+            + "\nFix or drop these rules, or write a tensorshard Plan (docs/migrating.md, docs/plans.md)."
+        )
+
+
+# --- reading the rules -------------------------------------------------------------------------------------
+
+
+def _read_rules(config: Config, model: nn.Module, world_size: int, problems: list[str]) -> dict[str, _Module]:
+    # A tensor's rule comes from its first name, as the original matches named_parameters() (tied weights
+    # appear once): an output head tied to the embedding follows the embedding's rule.
+    rule_of: dict[int, tuple[str, Rule]] = {}
+    used: set[str] = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        hit = config.state_rule(name)
+        if hit is None or id(t) in rule_of:
+            continue
+        pattern, action = hit
+        used.add(pattern)
+        rule = read_action(action, world_size)
+        if isinstance(rule, str):
+            problems.append(f"state_rules[{pattern!r}] (matches {name}): {rule}")
+            continue
+        rule_of[id(t)] = (name, rule)
+    unused = [p for p in config.state_rules if p not in used]
+    if unused:
+        logger.warning("state rules that match no parameter or buffer: %s", unused)
+
+    mods: dict[str, _Module] = {}
+    for name, module in model.named_modules():
+        m = _Module(name, module)
+        for tname, t in list(module._parameters.items()) + list(module._buffers.items()):
+            if t is not None and id(t) in rule_of:
+                m.tensors[tname] = rule_of[id(t)][1]
+        for table, into in (("input_rules", m.inputs), ("output_rules", m.outputs), ("attr_rules", m.attrs)):
+            merged, conflicts = config.module_rules(table, name)
+            problems.extend(conflicts)
+            into.update(merged)
+        for table, actions in (("input_rules", m.inputs), ("output_rules", m.outputs)):
+            for key, action in actions.items():
+                if not isinstance(action, str) and _as_split(action) is None:
+                    problems.append(
+                        f"{table} for {name!r}, argument {key!r}: {action!r} is a Python callable, which tensorshard.compat "
+                        "cannot translate. If it passes the KV cache between devices (select_kv_for_rank, gather_kv), "
+                        "delete it: each device keeps the cache of its own heads. Else write a tensorshard Plan."
+                    )
+        if m.tensors or m.inputs or m.outputs or m.attrs:
+            mods[name] = m
+    return mods
+
+
+def _as_split(action: Any) -> str | None:
+    """An input action given as a Split object (the original's automatic config does so): its string form."""
+    if type(action).__name__ == "Split" and hasattr(action, "dim"):
+        return f"split {action.dim}"
+    return None
+
+
+def _text(action: Any) -> str:
+    return action if isinstance(action, str) else (_as_split(action) or repr(action))
+
+
+def _parse(action: Any) -> tuple[str, int | None]:
+    """'gather -1' -> ('gather', -1); 'sum' -> ('sum', None)."""
+    kind, *opts = _text(action).split()
+    return kind, (int(opts[0]) if opts and opts[0].lstrip("-").isdigit() else None)
+
+
+# --- one split layer -----------------------------------------------------------------------------------------
+
+
+def _layer_style(m: _Module, problems: list[str]) -> Style | None:
+    kind = layer_kind(m.module)
+    where = f"{m.name} ({type(m.module).__name__})"
+    weight = m.tensors.get("weight")
+    others = sorted(set(m.tensors) - {"weight", "bias"})
+    if kind is None or weight is None or others or (kind is CONV and m.module.groups != 1):
+        problems.append(
+            f"state rules split {where}'s {', '.join(sorted(m.tensors))}: tensorshard.compat translates splits of the "
+            "weight (and bias) of Linear, transformers' Conv1D, Conv1d/2d/3d with groups=1, Embedding and EmbeddingBag. "
+            "Write a tensorshard Plan for this module (ShardParams for custom parameters)."
+        )
+        return None
+    if weight.kind != "split":
+        problems.append(f"{where}: weight rule {weight.text} divides the weight on every device; only a bias may be scaled")
+        return None
+    ndim = m.module.weight.dim()
+    dim = weight.dim % ndim
+    size = m.module.weight.shape[dim]
+    bias = m.tensors.get("bias")
+    has_bias = getattr(m.module, "bias", None) is not None
+    out0 = m.outputs.get(0)
+    out_kind, out_dim = _parse(out0) if out0 is not None else (None, None)
+    feature = kind.feature_dim
+    extra_out = sorted(k for k in m.outputs if k != 0)
+    if extra_out:
+        problems.append(f"{where}: output rules for outputs {extra_out}; a layer has one output")
+
+    if kind is EMBEDDING:
+        if weight.chunk != 1 or weight.groups != 1 or m.inputs:
+            problems.append(f"{where}: an embedding is split by rows or columns only, with no input rules")
+            return None
+        if dim == 1 and out_kind == "gather" and out_dim in (-1, ndim - 1):
+            m.role = "embedding"
+            return EmbeddingParallel(split="embedding")
+        if dim == 0 and out_kind == "sum":
+            m.role = "vocab"
+            return EmbeddingParallel(split="vocab")
+        need = "'gather -1' on its output" if dim == 1 else "'sum' on its output"
+        problems.append(f"{where}: weight {weight.text} needs {need}; got {_text(out0) if out0 is not None else 'none'}")
+        return None
+
+    blocks = _blocks(m, weight, size, where, problems)
+    if blocks is False:
+        return None
+    if dim == kind.weight_out_dim:  # column: each device computes some output features
+        m.role = "column"
+        if has_bias and (bias is None or (bias.kind, bias.dim in (0, -1), bias.chunk, bias.groups) != ("split", True, weight.chunk, weight.groups)):
+            problems.append(
+                f"{where}: the weight is split by output features ({weight.text}) but the bias by "
+                f"{bias.text if bias else 'nothing (kept whole)'}; split the bias alike (dim 0, same chunks)"
+            )
+        if m.inputs:
+            problems.append(f"{where}: input rules {m.inputs} on a layer split by output features; it reads its whole input")
+        if out_kind is None:
+            return ColwiseParallel(blocks=blocks)
+        if out_kind == "gather" and out_dim == feature:
+            return ColwiseParallel(gather_output=True, blocks=blocks)
+        problems.append(
+            f"{where}: output rule {_text(out0)!r} on a layer split by output features; use 'gather {feature}' "
+            "(whole output on every device) or no rule (a layer split by input features reads it)"
+        )
+        return None
+    if dim == kind.weight_in_dim:  # row: each device multiplies its input features; partial sums
+        m.role = "row"
+        if has_bias and (bias is None or bias.kind != "scale"):
+            problems.append(
+                f"{where}: the weight is split by input features ({weight.text}) but the bias is "
+                f"{bias.text if bias else 'kept whole'}; with a 'sum' after it, the original adds it once per device. "
+                "Give the bias 'scale' (tensorshard then adds it once, after the sum)"
+            )
+        for key, action in m.inputs.items():
+            kind_, d = _parse(action)
+            if not (key == 0 and kind_ == "split" and d == feature):
+                problems.append(
+                    f"{where}: input rule {key!r}: {_text(action)!r}; a layer split by input features accepts only "
+                    f"'split {feature}' on its first input"
+                )
+        if out0 is not None and out_kind != "sum":
+            problems.append(f"{where}: output rule {_text(out0)!r} on a layer split by input features; it needs 'sum'")
+        return RowwiseParallel(blocks=blocks)
+    problems.append(f"{where}: {weight.text} splits weight dim {dim}, neither output ({kind.weight_out_dim}) nor input features")
+    return None
+
+
+def _blocks(m: _Module, rule: Rule, size: int, where: str, problems: list[str]):
+    """The style's `blocks` for a chunked split (None: plain; False: refused)."""
+    if size % rule.groups or (size // rule.groups) % rule.chunk:
+        problems.append(f"{where}: {rule.text} does not fit the dimension's {size} features")
+        return False
+    if rule.chunk == 1:
+        return None if rule.groups == 1 else (size // rule.groups,) * rule.groups
+    m.units = size // rule.groups // rule.chunk
+    return ("q",) * rule.groups  # "q" for now; _heads_and_attrs may make it "kv"
+
+
+def _unsplit_module(m: _Module, problems: list[str]) -> None:
+    for key, action in m.inputs.items():
+        problems.append(f"input rule {key!r}: {_text(action)!r} on {m.name!r}, which the state rules do not split")
+    for key, action in m.outputs.items():
+        kind, _ = _parse(action)
+        if key == 0 and kind == "sum":
+            continue  # a sum over the row-split layers inside: _check_sums
+        problems.append(
+            f"output rule {key!r}: {_text(action)!r} on {m.name!r}, which the state rules do not split"
+            + ("; put 'gather' on the split layer itself" if kind == "gather" else "")
+        )
+
+
+def _inside(name: str, parent: str) -> bool:
+    return parent == "" or name == parent or name.startswith(parent + ".")
+
+
+def _check_sums(mods: dict[str, _Module], problems: list[str]) -> None:
+    """Every row-split layer (or vocabulary-split embedding) has exactly one 'sum' on itself or a parent."""
+    sums = [m.name for m in mods.values() if m.outputs.get(0) is not None and _parse(m.outputs[0])[0] == "sum"]
+    partial = [m.name for m in mods.values() if m.role in ("row", "vocab")]
+    for name in sums:
+        if not any(_inside(p, name) for p in partial):
+            problems.append(f"output rule 'sum' on {name!r}: nothing inside it is split by input features, so there is nothing to sum")
+    for name in partial:
+        covering = [s for s in sums if _inside(name, s)]
+        if len(covering) != 1:
+            problems.append(
+                f"{name!r} is split by input features, so each device holds a partial sum; "
+                + ("no output rule 'sum' covers it (add {0: 'sum'} for it or its parent)" if not covering
+                   else f"'sum' is applied {len(covering)} times ({', '.join(map(repr, covering))}); keep one")
+            )
+
+
+# --- heads and attributes ----------------------------------------------------------------------------------
+
+
+def _heads_and_attrs(mods: dict[str, _Module], styles: dict[str, Style], world: int, problems: list[str]) -> None:
+    units_by_parent: dict[str, list[_Module]] = defaultdict(list)
+    for m in mods.values():
+        if m.units and m.name in styles:
+            units_by_parent[m.name.rpartition(".")[0]].append(m)
+    geometry: dict[str, tuple[int, int]] = {}
+    for parent, layers in units_by_parent.items():
+        counts = sorted({m.units for m in layers})
+        if len(counts) > 2 or counts[-1] % counts[0]:
+            problems.append(
+                f"layers inside {parent or '<root>'!r} are split in chunks of {', '.join(f'{m.name}: {m.units}' for m in layers)} "
+                "units; tensorshard needs one head count, or query and key/value head counts where one divides the other"
+            )
+            continue
+        geometry[parent] = (counts[-1], counts[0])
+        for m in layers:
+            if m.units != counts[-1]:  # the smaller count: key/value heads
+                style = styles[m.name]
+                styles[m.name] = type(style)(**{**style.options(), "blocks": ("kv",) * len(style.blocks)})
+        if parent in styles:
+            problems.append(f"{parent!r} is itself split and holds chunk-split layers; tensorshard cannot nest them")
+
+    for m in mods.values():
+        values = _attr_values(m, world, problems)
+        if m.role:  # a split layer: its style sets its own sizes (in_features, nf, embedding_dim...)
+            if m.attrs:
+                logger.debug("%s: attribute rules %s skipped; the layer's style sets its sizes", m.name, sorted(m.attrs))
+            continue
+        if m.name in geometry:
+            heads, kv = geometry.pop(m.name)
+            attrs = _as_quantities(values, heads, kv, world)  # values that are the local head counts
+            values = {a: v for a, v in values.items() if a not in attrs}
+            kv_heads = kv if kv != heads else None
+            styles[m.name] = (
+                HeadsWithValues(num_heads=heads, num_kv_heads=kv_heads, attrs=attrs, values=values) if values
+                else Heads(num_heads=heads, num_kv_heads=kv_heads, attrs=attrs)
+            )
+        elif values:
+            styles[m.name] = PerDeviceValues(values=values)
+    for parent, (heads, kv) in geometry.items():  # parents without attribute rules
+        styles[parent] = Heads(num_heads=heads, num_kv_heads=kv if kv != heads else None)
+
+
+def _as_quantities(values: dict[str, tuple], heads: int, kv: int, world: int) -> dict[str, str]:
+    """Attributes whose per-device values are a `Heads` quantity (local query heads, KV heads, group size)."""
+    try:
+        local = [HeadGroups.build(heads, kv, world).local(r) for r in range(world)]
+    except ValueError:
+        return {}  # the geometry itself is refused when the plan is checked
+    out = {}
+    for attr, per_rank in values.items():
+        for quantity in ("heads", "kv_heads", "groups"):
+            if tuple(l[quantity] for l in local) == tuple(per_rank):
+                out[attr] = quantity
+                break
+    return out
+
+
+def _attr_values(m: _Module, world: int, problems: list[str]) -> dict[str, tuple]:
+    out = {}
+    for attr, action in m.attrs.items():
+        where = f"attr_rules for {m.name!r}, {attr!r}"
+        if not hasattr(m.module, attr):
+            problems.append(f"{where}: {type(m.module).__name__} has no attribute {attr!r}")
+            continue
+        value = getattr(m.module, attr)
+        if action == "scale_int":
+            if not isinstance(value, int) or value % world:
+                problems.append(f"{where}: 'scale_int' divides {value!r} by {world}, which leaves a remainder; use a callable")
+                continue
+            out[attr] = (value // world,) * world
+        elif callable(action):
+            try:
+                out[attr] = tuple(action(value, rank=r) for r in range(world))
+            except Exception as e:  # noqa: BLE001 - the user's function; report it with the rule
+                problems.append(f"{where}: calling {action!r}({value!r}, rank=...) raised {type(e).__name__}: {e}")
+        else:
+            problems.append(f"{where}: {action!r} is not an attribute rule ('scale_int' or a callable f(value, rank=))")
+    return out
+
+
+# --- plan entries, and the check against the config ----------------------------------------------------------
+
+
+def _globs(styles: dict[str, Style], model: nn.Module) -> list[tuple[str, Style]]:
+    """Entries by exact module name, with numbered segments folded into ``*`` where the glob matches
+    exactly the modules that share the style (``layers.*.mlp.fc1``)."""
+    names = [n for n, _ in model.named_modules()]
+    order = {n: i for i, n in enumerate(names)}
+    entries: dict[str, Style] = {}
+    for name, style in sorted(styles.items(), key=lambda item: order[item[0]]):
+        glob = re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
+        if glob in entries:
+            continue
+        matched = [n for n in names if match_pattern(glob, n)]
+        if glob != name and all(styles.get(n) == style for n in matched):
+            entries[glob] = style
+        else:
+            entries[name] = style
+    return list(entries.items())
+
+
+def _check_against_config(config: Config, model: nn.Module, plan: Plan, world: int) -> None:
+    """Each split tensor: the rows tensorshard gives every device == the rows the config's action gives."""
+    from ..engines.sharding import shard_plan
+
+    layout = shard_plan(model, plan, world)
+    problems = []
+    seen: set[int] = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        hit = config.state_rule(name)
+        if hit is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        rule = read_action(hit[1], world)
+        if isinstance(rule, str) or rule.kind != "split":
+            continue
+        dim = rule.dim % t.dim()
+        split = layout.split_of(t)
+        shape = [1] * t.dim()
+        shape[dim] = t.shape[dim]
+        index = torch.arange(t.shape[dim]).view(shape)
+        action = rule.action(world)
+        expected = [action(index, r).flatten().tolist() for r in range(world)]
+        got = None
+        if split is not None and split[0] == dim:
+            got = [[i for a, b in split[1].ranges[r] for i in range(a, b)] for r in range(world)]
+        if got != expected:
+            problems.append(
+                f"{name}: the config's {rule.text} gives the devices {_rows(expected)} along dim {dim}; tensorshard's "
+                f"split would give {_rows(got) if got else 'no split'}"
+            )
+    if problems:
+        raise UntranslatableConfig(
+            "the translated plan would not split these tensors as the tensor_parallel config does (with grouped-query "
+            "attention, a device's query heads must read its own KV heads):\n" + "\n".join(f"  - {p}" for p in problems)
+            + "\nUse a device count that divides the head counts, or tensorshard's preset (tensor_parallel_config=None)."
+        )
+
+
+def _rows(per_rank: list[list[int]]) -> str:
+    def span(ix: list[int]) -> str:
+        return f"{ix[0]}..{ix[-1]}" if ix and ix == list(range(ix[0], ix[-1] + 1)) else f"{len(ix)} rows"
+
+    return "[" + ", ".join(span(ix) for ix in per_rank) + "]"
