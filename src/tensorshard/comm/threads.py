@@ -7,10 +7,11 @@ autograd engine calls that node once with every device's gradient, and it reduce
 is what makes `backward()` exact and unable to deadlock, on CPU (where autograd runs in one thread) as on
 GPUs (one autograd thread per device).
 
-Reductions: CUDA tensors on distinct GPUs go through NCCL (`torch.cuda.nccl`) when it is available, else
-through peer copies to the first device; CPU tensors are summed in memory. Every device receives its own
-copy of a result, so a shard may modify it in place. Sums run in rank order, so every shard gets a
-bit-identical result and replicated activations never drift apart.
+Reductions: CUDA tensors on distinct GPUs go through NCCL (`torch.cuda.nccl`) when it is available and
+TENSOR_PARALLEL_USE_NATIVE is not set, else through peer copies to the first device; CPU tensors are
+summed in memory. Every device receives its own copy of a result, so a shard may modify it in place.
+Sums run in rank order, so every shard gets a bit-identical result and replicated activations never
+drift apart.
 
 Shards meet at each collective through a `ThreadGroup` (comm/rendezvous.py), which bounds every wait
 and stops all shards of a call when one fails.
@@ -18,6 +19,7 @@ and stops all shards of a call when one fails.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -44,9 +46,15 @@ def _distinct_gpus(tensors: Sequence[torch.Tensor]) -> bool:
     return all(d.type == "cuda" for d in devs) and len(set(devs)) == len(devs)
 
 
+def native_collectives() -> bool:
+    """TENSOR_PARALLEL_USE_NATIVE=1 (the tensor_parallel package's switch): plain PyTorch copies and sums
+    instead of NCCL, to tell an NCCL problem from a model problem. "0", "false" or unset: off."""
+    return os.environ.get("TENSOR_PARALLEL_USE_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def sum_to_all(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> list[torch.Tensor]:
     """Sum over devices; every device gets its own copy of the (bit-identical) result."""
-    if _distinct_gpus(tensors):
+    if _distinct_gpus(tensors) and not native_collectives():
         try:
             if nccl.is_available(list(tensors)):
                 outs = [torch.empty_like(t) for t in tensors]
