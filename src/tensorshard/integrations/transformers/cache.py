@@ -83,8 +83,9 @@ def sharded(per_rank: list[Cache]) -> Cache:
     return cache
 
 
-def shard_cache(cache: Any, world_size: int) -> Cache:
-    """Turn the caller's empty Cache into a sharded one, in place (a sharded cache is returned as is)."""
+def shard_cache(cache: Any, world_size: int, split_filled: Callable[[Cache], list[Cache]] | None = None) -> Cache:
+    """Turn the caller's Cache into a sharded one, in place (a sharded cache is returned as is). A cache
+    that already holds tokens (filled by the unsplit model) is divided by `split_filled` (unsplit_cache.py)."""
     if isinstance(cache, ShardedCache):
         held = len(rank_caches(cache))
         if held != world_size:
@@ -104,12 +105,15 @@ def shard_cache(cache: Any, world_size: int) -> Cache:
             "device's heads. Use the default dynamic cache (generate(..., cache_implementation=None))."
         )
     if _seq_length(cache) > 0:
-        raise ValueError(
-            f"past_key_values already holds {_seq_length(cache)} tokens computed by another model; a split model "
-            "keeps each device's heads in its own cache. Start from an empty cache (or None) and reuse the "
-            "past_key_values this model returns."
-        )
-    ranks = [copy.deepcopy(cache) for _ in range(world_size)]
+        if split_filled is None:
+            raise ValueError(
+                f"past_key_values already holds {_seq_length(cache)} tokens computed by another model; a split model "
+                "keeps each device's heads in its own cache. Start from an empty cache (or None) and reuse the "
+                "past_key_values this model returns."
+            )
+        ranks = split_filled(cache)
+    else:
+        ranks = [copy.deepcopy(cache) for _ in range(world_size)]
     object.__setattr__(cache, _RANKS, ranks)
     cache.__class__ = _sharded_class(type(cache))
     return cache

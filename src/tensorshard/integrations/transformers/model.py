@@ -13,7 +13,8 @@ constructor never runs: the instance takes the original's ``config``, ``generati
 attributes, and its ``forward`` (with the model's own signature, which ``generate`` inspects) runs the
 shards. What differs from the unsplit model:
 
-- the KV cache is sharded: each device caches its own heads (cache.py);
+- the KV cache is sharded: each device caches its own heads (cache.py); a cache filled by the unsplit
+  model is divided by heads on first use (unsplit_cache.py);
 - ``get_input_embeddings()``, ``get_output_embeddings()``, ``get_encoder()`` return views that run that part
   of every shard (T5's ``generate`` runs the encoder through one);
 - ``save_pretrained`` gathers the unsplit weights (on the CPU, one tensor at a time, then the whole state
@@ -44,6 +45,7 @@ from ...checkpoint.gather import WEIGHT_FILES, check_save_pretrained_options, ga
 from ...engines.inprocess import TensorParallel
 from ...layers import is_transformers_model
 from .cache import ShardedCache, shard_cache, sharded
+from .unsplit_cache import split_filled_cache
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +110,8 @@ class TransformersTensorParallel(TensorParallel):
             kwargs["use_cache"] = getattr(self.config, "use_cache", None)  # the shards' configs are copies
         for key, value in kwargs.items():  # any cache argument: past_key_values, Mamba's cache_params, ...
             if isinstance(value, Cache) or (key == "past_key_values" and value is not None):
-                kwargs[key] = shard_cache(value, self.world_size)  # (past_key_values: refuses legacy tuples)
+                # (past_key_values: refuses legacy tuples; one filled by the unsplit model is divided by heads)
+                kwargs[key] = shard_cache(value, self.world_size, functools.partial(split_filled_cache, model=self))
         if self.training and not self._warned_dropout and _uses_dropout(self.config):
             object.__setattr__(self, "_warned_dropout", True)
             logger.warning(

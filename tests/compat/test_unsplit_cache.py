@@ -1,0 +1,51 @@
+"""A KV cache built by the unsplit model, passed to the split one (``past_key_values=`` from a reference
+run): divided by heads on first use, so the split model continues exactly where the unsplit one stopped."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import tensorshard.compat as tp
+from helpers import rel_err
+from hf.configs import VOCAB, tiny_config, tiny_model
+from tensorshard.integrations.transformers import rank_caches
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize("family, devices, local_kv", [
+    ("llama", 2, [2, 1]),  # 3 KV heads over 2 devices
+    ("gemma", 2, [1, 1]),  # 1 KV head, held by both devices
+    ("gemma2", 3, [1, 1, 1]),  # sliding-window layers
+])
+def test_a_cache_filled_by_the_unsplit_model_continues_on_the_split_one(family, devices, local_kv, gen):
+    ref = tiny_model(family)
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * devices)
+    prompt = torch.randint(1, VOCAB, (2, 6), generator=gen)
+    with torch.no_grad():
+        first = ref(prompt, use_cache=True)
+        past = first.past_key_values  # filled by the unsplit model: all KV heads of every layer
+        ref_past = copy.deepcopy(past)
+        token = first.logits[:, -1:].argmax(-1)
+        for _ in range(3):  # greedy steps from the unsplit model's cache
+            want = ref(token, past_key_values=ref_past).logits
+            assert rel_err(model(token, past_key_values=past).logits, want) < 1e-5
+            token = want[:, -1:].argmax(-1)
+    caches = rank_caches(past)  # converted in place: one cache per device, each with its heads
+    assert [c.layers[0].keys.shape[1] for c in caches] == local_kv
+    assert past.get_seq_length() == 6 + 3
+
+
+def test_a_cache_of_another_geometry_is_refused_with_what_to_do(gen):
+    ref = tiny_model("llama")  # 3 KV heads
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu", "cpu"])
+    other = tiny_config("llama")
+    other.num_key_value_heads = 9
+    past = tiny_model("llama", other)(torch.randint(1, VOCAB, (1, 4), generator=gen), use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"layer 0 has keys of shape \(1, 9, 4, 8\); model.layers.0.self_attn has 3 KV "
+                       r"heads.*Start the split model from an empty cache"):
+        model(torch.ones(1, 1, dtype=torch.long), past_key_values=past)
