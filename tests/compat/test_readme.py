@@ -117,3 +117,29 @@ def test_dispatch_with_a_config_needs_no_model(gen):
     converted = tp.convert_state_dict(sd, tensor_parallel_config=config, world_size=2, for_pretrained=True)
     assert converted["module_shards.1.mlp.fc1.weight"].shape == (25, 24)
     assert torch.equal(converted["module_shards.1.mlp.fc2.bias"], sd["mlp.fc2.bias"])  # 'scale'd: kept whole
+
+
+def opt_config(world: int, heads: int = 8, head_dim: int = 8) -> tp.Config:
+    """A tensor_parallel config for OPT written as the original's presets are (it had none for OPT)."""
+    return tp.Config(
+        state_rules={
+            r".*self_attn\.[qkv]_proj\.(weight|bias)$": tp.SplitInChunks(world_size=world, dim=0, chunk_size=head_dim),
+            r".*self_attn\.out_proj\.weight$": tp.SplitInChunks(world_size=world, dim=1, chunk_size=head_dim),
+            r".*self_attn\.out_proj\.bias$": tp.Scale(world_size=world),
+            r".*fc1\.(weight|bias)$": tp.Split(world_size=world, dim=0),
+            r".*fc2\.weight$": tp.Split(world_size=world, dim=1),
+            r".*fc2\.bias$": tp.Scale(world_size=world),
+        },
+        input_rules={},
+        output_rules={r".*self_attn$": {0: "sum"}, r".*fc2$": {0: "sum"}},
+        attr_rules={r".*self_attn$": {"num_heads": "scale_int"}},
+    )
+
+
+def test_generate_with_beams_through_a_config_on_a_transformers_model(gen):
+    ref = tiny_model("opt")  # 8 heads of 8
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu", "cpu"], tensor_parallel_config=opt_config(2))
+    assert isinstance(model, T.OPTForCausalLM)
+    assert model.plan["model.decoder.layers.*.self_attn"].attrs == {"num_heads": "heads"}
+    inputs = torch.randint(1, VOCAB, (1, 5), generator=gen)
+    assert torch.equal(model.generate(inputs, num_beams=5, max_new_tokens=8), ref.generate(inputs, num_beams=5, max_new_tokens=8))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from typing import Any, Collection, Sequence
 
 import torch
@@ -125,9 +126,8 @@ class TensorParallelPreTrainedModel(metaclass=_Alias):
         sharded_param_names: Collection[str] | None = None,
         **kwargs: Any,
     ):
-        from ..integrations.transformers.model import is_transformers_model
-
-        if not is_transformers_model(module):
+        transformers = sys.modules.get("transformers")
+        if transformers is None or not isinstance(module, transformers.PreTrainedModel):
             raise TypeError(
                 f"TensorParallelPreTrainedModel splits a transformers PreTrainedModel; got {type(module).__name__}. "
                 "Use TensorParallel(...) or tensor_parallel(...) for other modules."
