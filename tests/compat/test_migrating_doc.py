@@ -1,0 +1,22 @@
+"""The examples of docs/migrating.md run as written (```python blocks, in order, one namespace)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
+
+
+def test_migrating_doc_examples_run(capsys):
+    blocks = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
+    assert len(blocks) >= 5
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, str(DOC), "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert "TensorParallelOPTForCausalLM True" in printed
+    assert re.search(r"fc1\s+ColwiseParallel\(\)\nfc2\s+RowwiseParallel\(\)", printed)
+    assert "no output rule 'sum' covers it" in printed
