@@ -258,7 +258,7 @@ REFUSED = {
     ),
     "scaled weight": (
         tp.Config({r"norm\.weight$": "scale"}, {}, {}, {}),
-        r"norm \(LayerNorm\)'s weight.*translates splits of the weight",
+        r"state rules on norm \(LayerNorm\) \(weight: 'scale'\): tensorshard.compat translates splits of the weight",
     ),
     "gather on a parent": (
         tp.Config({r"head\.weight$": "split 0"}, {}, {r"^$": {0: "gather -1"}}, {}),

@@ -141,9 +141,9 @@ def read_action(action: Any, world_size: int) -> Rule | str:
     if isinstance(action, str):
         kind, *opts = action.split()
         if kind == "split" and len(opts) == 1 and opts[0].lstrip("-").isdigit():
-            return Rule("split", action, dim=int(opts[0]))
+            return Rule("split", repr(action), dim=int(opts[0]))
         if kind == "scale" and not opts:
-            return Rule("scale", action)
+            return Rule("scale", repr(action))
         return f"{action!r} is not a state rule (use 'split <dim>', 'scale', Split, SplitInChunks, SplitInGroupedChunks or Scale)"
     name = type(action).__name__
     if name not in _KNOWN or (isinstance(action, StateAction) and type(action) is not _KNOWN[name]):

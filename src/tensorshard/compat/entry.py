@@ -179,6 +179,8 @@ def _split(module, device_ids, config, sharded, names, *, output_device=None, ou
         if not 0 <= output_device_index < len(devices):
             raise ValueError(f"output_device_index={output_device_index}, but there are {len(devices)} devices")
         output_device = devices[output_device_index]
+    if sharded is False and names:
+        raise ValueError("sharded_param_names lists parameters for ZeRO-3, but sharded=False turns it off; drop one")
     plan = _plan(config, module, len(devices))
     names = original_names(names)
     if sharded is not False and _on_meta(module):  # ZeRO-3 of empty weights would leave nothing to load into

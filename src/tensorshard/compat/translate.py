@@ -182,10 +182,12 @@ def _layer_style(m: _Module, problems: list[str]) -> Style | None:
     weight = m.tensors.get("weight")
     others = sorted(set(m.tensors) - {"weight", "bias"})
     if kind is None or weight is None or others or (kind is CONV and m.module.groups != 1):
+        rules = ", ".join(f"{t}: {r.text}" for t, r in sorted(m.tensors.items()))
         problems.append(
-            f"state rules split {where}'s {', '.join(sorted(m.tensors))}: tensorshard.compat translates splits of the "
-            "weight (and bias) of Linear, transformers' Conv1D, Conv1d/2d/3d with groups=1, Embedding and EmbeddingBag. "
-            "Write a tensorshard Plan for this module (ShardParams for custom parameters)."
+            f"state rules on {where} ({rules}): tensorshard.compat translates splits of the weight (with its bias) "
+            "of Linear, transformers' Conv1D, Conv1d/2d/3d with groups=1, Embedding and EmbeddingBag, and 'scale' on "
+            "the bias of one split by input features. Write a tensorshard Plan for this module (ShardParams for "
+            "custom parameters)."
         )
         return None
     if weight.kind != "split":
