@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers as T
 
+import tensorshard as ts
 import tensorshard.compat as tp
 from helpers import rel_err
 from hf.configs import VOCAB, tiny_config, tiny_model
@@ -143,3 +144,58 @@ def test_generate_with_beams_through_a_config_on_a_transformers_model(gen):
     assert model.plan["model.decoder.layers.*.self_attn"].attrs == {"num_heads": "heads"}
     inputs = torch.randint(1, VOCAB, (1, 5), generator=gen)
     assert torch.equal(model.generate(inputs, num_beams=5, max_new_tokens=8), ref.generate(inputs, num_beams=5, max_new_tokens=8))
+
+
+def _local(n: int, *, rank: int, world: int, unit: int = 1) -> int:
+    """What the original's split_num_heads / split_inner_dim computed: rank's share of n // unit units, times unit."""
+    return torch.empty(n // unit).tensor_split(world)[rank].numel() * unit
+
+
+def gpt2_config(world: int, heads: int, head_dim: int) -> tp.Config:
+    """The original package's GPT-2 preset, less its KV-cache callables (tensorshard keeps each device's cache):
+    transformers' Conv1D weights are (in, out), so dim 1 is output features; the embeddings split by dimension."""
+    inner = lambda n, rank: _local(n, rank=rank, world=world, unit=head_dim)  # noqa: E731
+    return tp.Config(
+        state_rules={
+            r".*c_attn\.weight$": tp.SplitInGroupedChunks(world_size=world, dim=1, num_groups=3, chunk_size=head_dim),
+            r".*c_attn\.bias$": tp.SplitInGroupedChunks(world_size=world, dim=0, num_groups=3, chunk_size=head_dim),
+            r".*attn\.c_proj\.weight$": tp.SplitInChunks(world_size=world, dim=0, chunk_size=head_dim),
+            r".*attn\.c_proj\.bias$": tp.Scale(world_size=world),
+            r".*c_fc\.weight$": tp.Split(world_size=world, dim=1),
+            r".*c_fc\.bias$": tp.Split(world_size=world, dim=0),
+            r".*mlp\.c_proj\.weight$": tp.Split(world_size=world, dim=0),
+            r".*mlp\.c_proj\.bias$": tp.Scale(world_size=world),
+            r".*wte\.weight$": tp.Split(world_size=world, dim=1),
+            r".*wpe\.weight$": tp.Split(world_size=world, dim=1),
+            r".*lm_head\.weight$": tp.Split(world_size=world, dim=1),
+        },
+        input_rules={r".*lm_head$": {0: "split -1"}},
+        output_rules={
+            r".*[0-9]\.attn$": {0: "sum"},
+            r".*mlp$": {0: "sum"},
+            r".*wte$": {0: "gather -1"},
+            r".*wpe$": {0: "gather -1"},
+            r".*lm_head$": {0: "sum"},
+        },
+        attr_rules={
+            r".*attn\.c_attn$": {"nf": lambda n, rank: 3 * inner(n // 3, rank)},
+            r".*mlp\.c_fc$": {"nf": lambda n, rank: _local(n, rank=rank, world=world)},
+            r".*[0-9]\.attn$": {"embed_dim": inner, "num_heads": lambda n, rank: _local(n, rank=rank, world=world),
+                                "split_size": inner},
+        },
+    )
+
+
+def test_the_originals_gpt2_preset_as_a_config_generates_as_the_unsplit_model(gen):
+    ref = tiny_model("gpt2")  # 9 heads of 8: 5 + 4 on 2 devices
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu", "cpu"], tensor_parallel_config=gpt2_config(2, 9, 8))
+    plan = model.plan
+    assert plan["transformer.h.*.attn.c_attn"] == ts.ColwiseParallel(blocks=("q", "q", "q"))
+    assert plan["transformer.wte"] == ts.EmbeddingParallel(split="embedding")
+    assert plan["lm_head"] == ts.RowwiseParallel()  # tied to wte: split by input features, summed
+    assert plan["transformer.h.*.attn"].attrs == {"num_heads": "heads"}
+    assert plan["transformer.h.*.attn"].values == {"embed_dim": (40, 32), "split_size": (40, 32)}
+    inputs = torch.randint(1, VOCAB, (1, 5), generator=gen)
+    assert torch.equal(model.generate(inputs, num_beams=5, max_new_tokens=8), ref.generate(inputs, num_beams=5, max_new_tokens=8))
+    ids = torch.randint(1, VOCAB, (2, 7), generator=gen)
+    assert rel_err(model(ids).logits, ref(ids).logits) < 1e-5
