@@ -308,3 +308,23 @@ def test_bad_patterns_and_tables_fail_at_construction():
         tp.Config({"(": "split 0"}, {}, {}, {})
     with pytest.raises(TypeError, match=r"output_rules\['x'\] must map arguments to actions"):
         tp.Config({}, {}, {"x": "sum"}, {})
+
+
+def test_attribute_rules_on_a_module_without_chunked_layers_set_per_device_values(gen):
+    """Attention split with plain 'split 0' / 'split 1' (even head counts): no head geometry, so the head
+    counts are set as the rules compute them (PerDeviceValues)."""
+    torch.manual_seed(0)
+    ref = Transformer(n_heads=8, n_kv_heads=4)
+    config = tp.Config(
+        {r"attn\.w[qkv]\.weight$": "split 0", r"attn\.wo\.weight$": "split 1"},
+        {}, {r"attn\.wo$": {0: "sum"}},
+        {r"\.attn$": {"n_heads": "scale_int", "n_kv_heads": lambda n, rank: n // W}},
+    )
+    plan = config.to_plan(ref, W)
+    assert plan["layers.*.attn"] == tp.PerDeviceValues(values={"n_heads": (4, 4), "n_kv_heads": (2, 2)})
+    assert ts.Plan.from_json(plan.to_json()) == plan
+    model = split(ref, config)
+    x = ids(gen, vocab=96)
+    assert rel_err(model(x), ref(x)) < TOL
+    with pytest.raises(ValueError, match=r"n_heads has values for 2 devices \(4, 4\), but the model is split over 3"):
+        ts.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 3, plan=ts.Plan({"layers.*.attn": plan["layers.*.attn"]}))

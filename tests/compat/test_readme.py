@@ -195,6 +195,7 @@ def test_the_originals_gpt2_preset_as_a_config_generates_as_the_unsplit_model(ge
     assert plan["lm_head"] == ts.RowwiseParallel()  # tied to wte: split by input features, summed
     assert plan["transformer.h.*.attn"].attrs == {"num_heads": "heads"}
     assert plan["transformer.h.*.attn"].values == {"embed_dim": (40, 32), "split_size": (40, 32)}
+    assert ts.Plan.from_json(plan.to_json()) == plan  # per-device values survive JSON
     inputs = torch.randint(1, VOCAB, (1, 5), generator=gen)
     assert torch.equal(model.generate(inputs, num_beams=5, max_new_tokens=8), ref.generate(inputs, num_beams=5, max_new_tokens=8))
     ids = torch.randint(1, VOCAB, (2, 7), generator=gen)

@@ -17,7 +17,7 @@ from .config import Config
 from .dispatch import convert_state_dict, infer_sharded_device_map
 from .entry import Sharded, TensorParallel, TensorParallelPreTrainedModel, tensor_parallel
 from .styles import HeadsWithValues, PerDeviceValues
-from .translate import UntranslatableConfig
+from .check import UntranslatableConfig
 
 __all__ = [
     "Config",

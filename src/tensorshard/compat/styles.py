@@ -20,6 +20,13 @@ from ..styles.base import ShardContext, Splits, Style, register
 from ..styles.heads import Heads
 
 
+def _normalise(style: Style) -> None:
+    """``{"n_heads": [5, 4]}`` (as read from JSON) -> ``{"n_heads": (5, 4)}``, so plans compare equal."""
+    if not isinstance(style.values, dict) or not all(isinstance(v, (list, tuple)) for v in style.values.values()):
+        raise TypeError(f"{type(style).__name__}(values=...) maps attribute names to one value per device; got {style.values!r}")
+    object.__setattr__(style, "values", {k: tuple(v) for k, v in style.values.items()})
+
+
 def _check(values: dict[str, Any], ctx: ShardContext, module: nn.Module) -> None:
     for attr, per_rank in values.items():
         if len(per_rank) != ctx.world_size:
@@ -47,6 +54,9 @@ class PerDeviceValues(Style):
 
     values: dict[str, tuple] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        _normalise(self)
+
     @classmethod
     def _from_json(cls, name, value):
         return value
@@ -65,6 +75,10 @@ class HeadsWithValues(Heads):
     """`Heads` (geometry for the projections inside, head-count attrs) plus per-device attribute values."""
 
     values: dict[str, tuple] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _normalise(self)
 
     def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
         _check(self.values, ctx, module)

@@ -27,9 +27,7 @@ keeps each device's cache itself), splits of modules other than Linear / Conv1D 
 row layer whose partial output no "sum" covers (or two do), a "sum" over nothing split, "gather" or
 "split" anywhere else than above, "scale" on anything but a row layer's bias.
 
-Finally the plan is checked against the config itself: every split tensor must give each device exactly
-the rows the config's own action gives it (e.g. grouped-query heads split so that a device's query heads
-and KV heads no longer match are refused rather than rearranged).
+Finally the plan is checked against the config itself (check.py).
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..layers import CONV, EMBEDDING, layer_kind
@@ -48,14 +45,11 @@ from ..partition import HeadGroups
 from ..plans.plan import Plan, match_pattern
 from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style
 from .actions import Rule, read_action
+from .check import UntranslatableConfig, check_against_config
 from .config import Config
 from .styles import HeadsWithValues, PerDeviceValues
 
 logger = logging.getLogger(__name__)
-
-
-class UntranslatableConfig(ValueError):
-    """A tensor_parallel config with rules tensorshard cannot run as written; the message lists them."""
 
 
 @dataclass
@@ -96,7 +90,7 @@ def translate(config: Config, model: nn.Module, world_size: int) -> Plan:
     _heads_and_attrs(mods, styles, world_size, problems)
     _raise(problems)
     plan = Plan(_globs(styles, model))
-    _check_against_config(config, model, plan, world_size)
+    check_against_config(config, model, plan, world_size)
     logger.info("tensor_parallel config translated to a plan of %d entries over %d devices", len(plan), world_size)
     return plan
 
@@ -116,11 +110,11 @@ def _raise(problems: list[str]) -> None:
 def _read_rules(config: Config, model: nn.Module, world_size: int, problems: list[str]) -> dict[str, _Module]:
     # A tensor's rule comes from its first name, as the original matches named_parameters() (tied weights
     # appear once): an output head tied to the embedding follows the embedding's rule.
-    rule_of: dict[int, tuple[str, Rule]] = {}
+    rule_of: dict[int, Rule] = {}
     used: set[str] = set()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         hit = config.state_rule(name)
-        if hit is None or id(t) in rule_of:
+        if hit is None:
             continue
         pattern, action = hit
         used.add(pattern)
@@ -128,7 +122,7 @@ def _read_rules(config: Config, model: nn.Module, world_size: int, problems: lis
         if isinstance(rule, str):
             problems.append(f"state_rules[{pattern!r}] (matches {name}): {rule}")
             continue
-        rule_of[id(t)] = (name, rule)
+        rule_of[id(t)] = rule
     unused = [p for p in config.state_rules if p not in used]
     if unused:
         logger.warning("state rules that match no parameter or buffer: %s", unused)
@@ -138,7 +132,7 @@ def _read_rules(config: Config, model: nn.Module, world_size: int, problems: lis
         m = _Module(name, module)
         for tname, t in list(module._parameters.items()) + list(module._buffers.items()):
             if t is not None and id(t) in rule_of:
-                m.tensors[tname] = rule_of[id(t)][1]
+                m.tensors[tname] = rule_of[id(t)]
         for table, into in (("input_rules", m.inputs), ("output_rules", m.outputs), ("attr_rules", m.attrs)):
             merged, conflicts = config.module_rules(table, name)
             problems.extend(conflicts)
@@ -391,7 +385,7 @@ def _attr_values(m: _Module, world: int, problems: list[str]) -> dict[str, tuple
     return out
 
 
-# --- plan entries, and the check against the config ----------------------------------------------------------
+# --- plan entries ------------------------------------------------------------------------------------------------
 
 
 def _globs(styles: dict[str, Style], model: nn.Module) -> list[tuple[str, Style]]:
@@ -410,48 +404,3 @@ def _globs(styles: dict[str, Style], model: nn.Module) -> list[tuple[str, Style]
         else:
             entries[name] = style
     return list(entries.items())
-
-
-def _check_against_config(config: Config, model: nn.Module, plan: Plan, world: int) -> None:
-    """Each split tensor: the rows tensorshard gives every device == the rows the config's action gives."""
-    from ..engines.sharding import shard_plan
-
-    layout = shard_plan(model, plan, world)
-    problems = []
-    seen: set[int] = set()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        hit = config.state_rule(name)
-        if hit is None or id(t) in seen:
-            continue
-        seen.add(id(t))
-        rule = read_action(hit[1], world)
-        if isinstance(rule, str) or rule.kind != "split":
-            continue
-        dim = rule.dim % t.dim()
-        split = layout.split_of(t)
-        shape = [1] * t.dim()
-        shape[dim] = t.shape[dim]
-        index = torch.arange(t.shape[dim]).view(shape)
-        action = rule.action(world)
-        expected = [action(index, r).flatten().tolist() for r in range(world)]
-        got = None
-        if split is not None and split[0] == dim:
-            got = [[i for a, b in split[1].ranges[r] for i in range(a, b)] for r in range(world)]
-        if got != expected:
-            problems.append(
-                f"{name}: the config's {rule.text} gives the devices {_rows(expected)} along dim {dim}; tensorshard's "
-                f"split would give {_rows(got) if got else 'no split'}"
-            )
-    if problems:
-        raise UntranslatableConfig(
-            "the translated plan would not split these tensors as the tensor_parallel config does (with grouped-query "
-            "attention, a device's query heads must read its own KV heads):\n" + "\n".join(f"  - {p}" for p in problems)
-            + "\nUse a device count that divides the head counts, or tensorshard's preset (tensor_parallel_config=None)."
-        )
-
-
-def _rows(per_rank: list[list[int]]) -> str:
-    def span(ix: list[int]) -> str:
-        return f"{ix[0]}..{ix[-1]}" if ix and ix == list(range(ix[0], ix[-1] + 1)) else f"{len(ix)} rows"
-
-    return "[" + ", ".join(span(ix) for ix in per_rank) + "]"
