@@ -10,12 +10,17 @@ heads miss their KV heads, for one.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from ..engines.sharding import shard_plan
 from ..plans.plan import Plan
 from .actions import read_action
-from .config import Config
+
+if TYPE_CHECKING:  # for annotations only: config.py imports this module
+    from .config import Config
 
 
 class UntranslatableConfig(ValueError):
@@ -24,8 +29,6 @@ class UntranslatableConfig(ValueError):
 
 def check_against_config(config: Config, model: nn.Module, plan: Plan, world: int) -> None:
     """Each split tensor: the rows tensorshard gives every device == the rows the config's action gives."""
-    from ..engines.sharding import shard_plan
-
     layout = shard_plan(model, plan, world)
     problems = []
     seen: set[int] = set()

@@ -23,6 +23,8 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from .translate import translate
+
 
 class Config:
     """The tensor_parallel package's ``Config(state_rules, input_rules, output_rules, attr_rules)``."""
@@ -60,8 +62,6 @@ class Config:
         Only reads the model (it may be on the meta device). Raises `UntranslatableConfig`, naming every
         rule that has no equivalent, before anything changes.
         """
-        from .translate import translate
-
         return translate(self, model, world_size)
 
     # -- matching, as the original does it --------------------------------------------------------------

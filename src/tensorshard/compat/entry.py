@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import tensorshard as ts
+from ..devices import resolve_devices
 from .config import Config
 
 logger = logging.getLogger(__name__)
@@ -66,10 +67,10 @@ class _Alias(type):
     """A class standing for a tensorshard class: calling it splits a model, isinstance checks the target."""
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return isinstance(obj, cls._target())
+        return cls._is_one(type(obj))
 
     def __subclasscheck__(cls, sub: type) -> bool:
-        return issubclass(sub, cls._target())
+        return cls._is_one(sub)
 
 
 class TensorParallel(metaclass=_Alias):
@@ -81,8 +82,8 @@ class TensorParallel(metaclass=_Alias):
     """
 
     @staticmethod
-    def _target() -> type:
-        return ts.TensorParallel
+    def _is_one(cls: type) -> bool:
+        return issubclass(cls, ts.TensorParallel)
 
     def __new__(
         cls,
@@ -110,10 +111,8 @@ class TensorParallelPreTrainedModel(metaclass=_Alias):
     level does not exist)."""
 
     @staticmethod
-    def _target() -> type:
-        from ..integrations.transformers.model import TransformersTensorParallel  # imports transformers
-
-        return TransformersTensorParallel
+    def _is_one(cls: type) -> bool:  # a split transformers model (without importing transformers here)
+        return issubclass(cls, ts.TensorParallel) and _is_transformers_class(cls)
 
     def __new__(
         cls,
@@ -126,8 +125,7 @@ class TensorParallelPreTrainedModel(metaclass=_Alias):
         sharded_param_names: Collection[str] | None = None,
         **kwargs: Any,
     ):
-        transformers = sys.modules.get("transformers")
-        if transformers is None or not isinstance(module, transformers.PreTrainedModel):
+        if not _is_transformers_class(type(module)):
             raise TypeError(
                 f"TensorParallelPreTrainedModel splits a transformers PreTrainedModel; got {type(module).__name__}. "
                 "Use TensorParallel(...) or tensor_parallel(...) for other modules."
@@ -172,7 +170,7 @@ def _split(module, device_ids, config, sharded, names, *, output_device=None, ou
     if not isinstance(module, nn.Module):
         raise TypeError(f"tensor_parallel() splits an nn.Module; got {type(module).__name__}")
     kwargs.pop("delay_init", None)
-    devices = _devices(device_ids)
+    devices = resolve_devices(device_ids)
     if output_device is not None and output_device_index is not None:
         raise ValueError("pass output_device or output_device_index, not both")
     if output_device_index is not None:
@@ -196,10 +194,9 @@ def _split(module, device_ids, config, sharded, names, *, output_device=None, ou
     return ts.tensor_parallel(module, devices, **options)
 
 
-def _devices(device_ids) -> list[torch.device]:
-    from ..devices import resolve_devices
-
-    return resolve_devices(device_ids)
+def _is_transformers_class(cls: type) -> bool:
+    transformers = sys.modules.get("transformers")  # a model of it means it is imported
+    return transformers is not None and issubclass(cls, transformers.PreTrainedModel)
 
 
 def _plan(config, module: nn.Module, world: int):

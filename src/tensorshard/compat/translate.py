@@ -36,7 +36,7 @@ import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -46,8 +46,10 @@ from ..plans.plan import Plan, match_pattern
 from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style
 from .actions import Rule, read_action
 from .check import UntranslatableConfig, check_against_config
-from .config import Config
 from .styles import HeadsWithValues, PerDeviceValues
+
+if TYPE_CHECKING:  # for annotations only: config.py imports this module
+    from .config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +69,6 @@ class _Module:
 
 
 def translate(config: Config, model: nn.Module, world_size: int) -> Plan:
-    if not isinstance(config, Config):
-        raise TypeError(f"expected a tensorshard.compat.Config; got {type(config).__name__}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"translate a config for an nn.Module; got {type(model).__name__}")
     if not isinstance(world_size, int) or world_size < 1:
