@@ -14,7 +14,8 @@ cache is the caller's Cache object turned, in place, into a dispatcher over one 
 It stays an instance of its original class (a DynamicCache is still a DynamicCache, an EncoderDecoderCache
 still an EncoderDecoderCache), so transformers' isinstance checks hold. Sliding-window layers (gemma2) and
 encoder-decoder caches (t5) work because each device's cache is a deep copy of the empty original, built by
-transformers' own code. Static caches pre-allocate with the full head count and are refused.
+transformers' own code. Static caches pre-allocate with the full head count and are refused; a cache already
+filled by the unsplit model is divided by heads (unsplit_cache.py).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def sharded(per_rank: list[Cache]) -> Cache:
     return cache
 
 
-def shard_cache(cache: Any, world_size: int, split_filled: Callable[[Cache], list[Cache]] | None = None) -> Cache:
+def shard_cache(cache: Any, world_size: int, split_filled: Callable[[Cache], list[Cache]]) -> Cache:
     """Turn the caller's Cache into a sharded one, in place (a sharded cache is returned as is). A cache
     that already holds tokens (filled by the unsplit model) is divided by `split_filled` (unsplit_cache.py)."""
     if isinstance(cache, ShardedCache):
@@ -104,16 +105,7 @@ def shard_cache(cache: Any, world_size: int, split_filled: Callable[[Cache], lis
             f"{type(cache).__name__} pre-allocates keys and values for every head; a split model keeps only each "
             "device's heads. Use the default dynamic cache (generate(..., cache_implementation=None))."
         )
-    if _seq_length(cache) > 0:
-        if split_filled is None:
-            raise ValueError(
-                f"past_key_values already holds {_seq_length(cache)} tokens computed by another model; a split model "
-                "keeps each device's heads in its own cache. Start from an empty cache (or None) and reuse the "
-                "past_key_values this model returns."
-            )
-        ranks = split_filled(cache)
-    else:
-        ranks = [copy.deepcopy(cache) for _ in range(world_size)]
+    ranks = split_filled(cache) if _seq_length(cache) > 0 else [copy.deepcopy(cache) for _ in range(world_size)]
     object.__setattr__(cache, _RANKS, ranks)
     cache.__class__ = _sharded_class(type(cache))
     return cache
