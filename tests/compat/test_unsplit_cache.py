@@ -46,6 +46,22 @@ def test_a_cache_of_another_geometry_is_refused_with_what_to_do(gen):
     other = tiny_config("llama")
     other.num_key_value_heads = 9
     past = tiny_model("llama", other)(torch.randint(1, VOCAB, (1, 4), generator=gen), use_cache=True).past_key_values
-    with pytest.raises(ValueError, match=r"layer 0 has keys of shape \(1, 9, 4, 8\); model.layers.0.self_attn has 3 KV "
+    with pytest.raises(ValueError, match=r"cache layer 0 has keys of shape \(1, 9, 4, 8\); model.layers.0.self_attn has 3 KV "
                        r"heads.*Start the split model from an empty cache"):
         model(torch.ones(1, 1, dtype=torch.long), past_key_values=past)
+
+
+def test_a_filled_recurrent_cache_is_refused_with_what_to_do(gen):
+    import transformers as T
+
+    config = T.Mamba2Config(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16,
+                            expand=2, n_groups=1, state_size=16, chunk_size=16, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = T.AutoModelForCausalLM.from_config(config).eval()
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu", "cpu"])
+    ids = torch.randint(1, 96, (1, 5), generator=gen)
+    with torch.no_grad():
+        state = ref(ids, use_cache=True).cache_params  # the unsplit model's recurrent state
+    with pytest.raises(ValueError, match=r"cache layer 0 is a \w+, which holds no per-head keys and values.*Start the split "
+                       r"model from an empty cache"):
+        model(ids[:, -1:], cache_params=state)

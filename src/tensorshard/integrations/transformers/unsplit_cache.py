@@ -53,7 +53,7 @@ def split_filled_cache(cache: Cache, model: nn.Module) -> list[Cache]:
     layers = getattr(cache, "layers", None)
     if layers is None or hasattr(cache, "self_attention_cache"):
         raise ValueError(
-            f"past_key_values is a {type(cache).__name__} filled by another model; only DynamicCaches of attention "
+            f"the cache is a {type(cache).__name__} filled by another model; only DynamicCaches of attention "
             f"layers are converted to the split model's per-device heads. {_HOW}"
         )
     heads = kv_heads_by_layer(model)
@@ -61,7 +61,7 @@ def split_filled_cache(cache: Cache, model: nn.Module) -> list[Cache]:
     for i, layer in enumerate(layers):
         if not isinstance(layer, DynamicLayer) or type(layer).__name__ == "DynamicIndexedLayer":
             raise ValueError(
-                f"past_key_values layer {i} is a {type(layer).__name__}, which holds no per-head keys and values that "
+                f"cache layer {i} is a {type(layer).__name__}, which holds no per-head keys and values that "
                 f"could be divided among the devices. {_HOW}"
             )
         if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0:
@@ -69,13 +69,13 @@ def split_filled_cache(cache: Cache, model: nn.Module) -> list[Cache]:
             continue
         if i not in heads:
             raise ValueError(
-                f"past_key_values layer {i}: no attention module with layer_idx={i} under a Heads entry of the plan, "
+                f"cache layer {i}: no attention module with layer_idx={i} under a Heads entry of the plan, "
                 f"so which device holds which of its heads is unknown. {_HOW}"
             )
         name, style, groups = heads[i]
         if layer.keys.dim() != 4 or layer.keys.shape[1] != style.kv:
             raise ValueError(
-                f"past_key_values layer {i} has keys of shape {tuple(layer.keys.shape)}; {name} has {style.kv} KV heads "
+                f"cache layer {i} has keys of shape {tuple(layer.keys.shape)}; {name} has {style.kv} KV heads "
                 f"(expected (batch, {style.kv}, tokens, head_dim)): it was built by another model. {_HOW}"
             )
         tensors.append((layer.keys, layer.values, groups))
