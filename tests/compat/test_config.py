@@ -163,8 +163,13 @@ def test_split_in_chunks_by_heads_with_scale_int_attributes(gen):
     assert plan["layers.*.attn.wk"] == ts.ColwiseParallel(blocks=("kv",))
     model = split(ref, config)
     x = ids(gen, vocab=96)
-    assert rel_err(model(x), ref(x)) < TOL
+    with ts.count_collectives() as c:
+        out = model(x)
+        out.pow(2).mean().backward()
+    assert rel_err(out, ref(x)) < TOL
     assert model.module_shards[1].layers[0].attn.n_heads == 4
+    # Each 'sum' is one all-reduce forward; each block's input read by split layers one backward: 2 + 2 per layer.
+    assert c.forward == {"all_reduce": 4} and c.backward == {"all_reduce": 4}
 
 
 def test_split_in_grouped_chunks_with_a_callable_attribute_rule(gen):
