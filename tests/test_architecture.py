@@ -27,6 +27,7 @@ LAYERS = [
     (6, ["tensorshard.checkpoint"]),
     (7, ["tensorshard.integrations"]),
     (8, ["tensorshard.api", "tensorshard.cli", "tensorshard.demo", "tensorshard.__main__", "tensorshard"]),
+    (9, ["tensorshard.compat"]),  # the tensor_parallel package's API, on top of the front door
 ]
 # Pairs of packages on the same layer or below that still must not meet.
 FORBIDDEN = [

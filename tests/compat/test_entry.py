@@ -12,9 +12,9 @@ from torch import nn
 
 import tensorshard as ts
 import tensorshard.compat as tp
-from helpers import rel_err
-from hf.configs import VOCAB, tiny_model
-from test_config import MLP_RULES, Net, ids
+from support.helpers import rel_err
+from support.hf_configs import VOCAB, tiny_model
+from support.compat import MLP_RULES, Net, ids
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,8 +12,9 @@ import transformers as T
 
 import tensorshard as ts
 import tensorshard.compat as tp
-from helpers import rel_err
-from hf.configs import VOCAB, tiny_config, tiny_model
+from support.compat import MLP_RULES, Net, ids
+from support.helpers import rel_err
+from support.hf_configs import VOCAB, tiny_config, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,8 +105,6 @@ def test_dispatch_with_a_config_needs_no_model(gen):
     """convert_state_dict(state_dict, tensor_parallel_config=<a Config>, world_size=2), as the original: each
     tensor cut by its rule; the model built from the same config holds exactly those pieces."""
     accelerate = pytest.importorskip("accelerate")
-    from test_config import MLP_RULES, Net, ids
-
     torch.manual_seed(0)
     ref = Net()
     config = tp.Config(MLP_RULES, {}, {r"mlp$": {0: "sum"}}, {})

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..engines.sharding import shard_plan
+from ..plans.sharding import shard_plan
 from ..plans.plan import Plan
 from .actions import read_action
 

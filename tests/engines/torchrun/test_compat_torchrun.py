@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from helpers import rel_err
-from models import Transformer
+from support.helpers import rel_err
+from support.models import Transformer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -79,7 +79,7 @@ def test_caches_it_cannot_use_are_refused(llama, gen):
     ref, model = llama
     ids = torch.randint(1, VOCAB, (1, 4), generator=gen)
     foreign = ref(ids, use_cache=True).past_key_values  # keys of all 3 KV heads: divided by heads, not refused
-    model(ids, past_key_values=foreign)  # (tests/compat/test_unsplit_cache.py checks the numbers and refusals)
+    model(ids, past_key_values=foreign)  # (test_unsplit_cache.py checks the numbers and refusals)
     assert foreign.get_seq_length() == 8
     with pytest.raises(NotImplementedError, match="pre-allocates"):
         model(ids, past_key_values=StaticCache(config=ref.config, max_cache_len=16))

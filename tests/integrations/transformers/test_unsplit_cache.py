@@ -7,11 +7,10 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-import tensorshard.compat as tp
-from helpers import rel_err
-from hf.configs import VOCAB, tiny_config, tiny_model
+import tensorshard as tp
+from support.helpers import rel_err
+from support.hf_configs import VOCAB, tiny_config, tiny_model
 from tensorshard.integrations.transformers import rank_caches
 
 pytestmark = pytest.mark.timeout(120)
