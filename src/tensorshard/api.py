@@ -47,7 +47,8 @@ def tensor_parallel(
         device_ids: devices for the shards (default: all visible GPUs, else one CPU slot).
         output_device: where outputs land (default: the first device).
         plan: a `Plan` or ``{pattern: style}`` dict; default: a preset, else an inferred plan.
-        tensor_parallel_config: the tensor_parallel package's name for `plan`.
+        tensor_parallel_config: the tensor_parallel package's name for `plan`; also takes its rules, as a
+            `tensorshard.compat.Config` (docs/migrating.md).
         distributed: run under torchrun, one process per device (see `tensorshard.parallelize`).
         sharded: ZeRO-3 for the parameters the plan leaves whole (norms, biases, small layers): each device
             keeps 1/N of them, of their gradients and of their optimizer state; they are gathered once per

@@ -94,3 +94,14 @@ def test_tensor_parallel_use_native_means_plain_pytorch_collectives(monkeypatch,
     model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu", "cpu"], tensor_parallel_config=CONFIG)
     x = ids(gen)
     assert rel_err(model(x), ref(x)) < 1e-5
+
+
+def test_plain_tensorshard_takes_a_config_too(gen):
+    """`import tensorshard as tp` code that passes tensor_parallel_config=<a compat Config> (or plan=) gets it
+    translated for the model and device count, as tensorshard.compat does."""
+    torch.manual_seed(0)
+    ref = Net()
+    model = ts.tensor_parallel(copy.deepcopy(ref), ["cpu", "cpu"], tensor_parallel_config=CONFIG, sharded=False)
+    assert model.plan == CONFIG.to_plan(ref, 2)
+    x = ids(gen)
+    assert rel_err(model(x), ref(x)) < 1e-5

@@ -44,14 +44,11 @@ def convert_state_dict(
     """
     if not isinstance(for_pretrained, bool):
         raise TypeError(f"for_pretrained must be True or False; got {for_pretrained!r}")
-    if not isinstance(tensor_parallel_config, Config):
+    if not isinstance(tensor_parallel_config, Config) or model is not None:  # the layout from a model
         return ts.convert_state_dict(input_state_dict, tensor_parallel_config=tensor_parallel_config,
                                      world_size=world_size, model=model)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"convert_state_dict needs world_size=<number of devices>; got {world_size!r}")
-    if model is not None:
-        plan = tensor_parallel_config.to_plan(model, world_size)
-        return ts.convert_state_dict(input_state_dict, plan, world_size, model=model)
     out: dict[str, torch.Tensor] = {}
     for rank in range(world_size):
         for name, tensor in input_state_dict.items():

@@ -16,7 +16,6 @@ the device count first (translate.py); a tensorshard `Plan` is accepted as is.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 from typing import Any, Collection, Sequence
@@ -56,10 +55,8 @@ def tensor_parallel(
     """
     if distributed is None:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed:
-        world = _distributed_world()
-        plan = _plan(tensor_parallel_config, module, world)
-        return ts.tensor_parallel(module, device_ids, plan=plan, distributed=True, sharded=sharded, **kwargs)
+    if distributed:  # a Config is translated for the job's world size by the torchrun engine
+        return ts.tensor_parallel(module, device_ids, plan=tensor_parallel_config, distributed=True, sharded=sharded, **kwargs)
     return _split(module, device_ids, tensor_parallel_config, sharded, sharded_param_names, **kwargs)
 
 
@@ -179,7 +176,6 @@ def _split(module, device_ids, config, sharded, names, *, output_device=None, ou
         output_device = devices[output_device_index]
     if sharded is False and names:
         raise ValueError("sharded_param_names lists parameters for ZeRO-3, but sharded=False turns it off; drop one")
-    plan = _plan(config, module, len(devices))
     names = original_names(names)
     if sharded is not False and _on_meta(module):  # ZeRO-3 of empty weights would leave nothing to load into
         if sharded:
@@ -188,7 +184,8 @@ def _split(module, device_ids, config, sharded, names, *, output_device=None, ou
                 "call model.apply_sharding() then", type(module).__name__,
             )
         sharded, names = False, None
-    options = dict(output_device=output_device, plan=plan, sharded=sharded, sharded_param_names=names, **kwargs)
+    # A Config is translated for the device count when the engine resolves the plan, before the model changes.
+    options = dict(output_device=output_device, plan=config, sharded=sharded, sharded_param_names=names, **kwargs)
     if engine is not None:  # the class: a plain TensorParallel even for a transformers model, as the original
         return engine(module, devices, **{**options, "sharded": bool(sharded)})
     return ts.tensor_parallel(module, devices, **options)
@@ -199,23 +196,5 @@ def _is_transformers_class(cls: type) -> bool:
     return transformers is not None and issubclass(cls, transformers.PreTrainedModel)
 
 
-def _plan(config, module: nn.Module, world: int):
-    if isinstance(config, Config):
-        return config.to_plan(module, world)
-    return config
-
-
 def _on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
-
-
-def _distributed_world() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    raw = os.environ.get("WORLD_SIZE")
-    if raw is None or not raw.isdigit():
-        raise RuntimeError(
-            "tensor_parallel(..., distributed=True) runs one process per device: launch the script with "
-            "`torchrun --nproc_per_node=N script.py`. WORLD_SIZE is not set and no process group is initialised."
-        )
-    return int(raw)

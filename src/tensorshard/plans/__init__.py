@@ -1,7 +1,7 @@
 """Plans: which style each module gets. `Plan` is the data; presets and inference produce Plans.
 
-`resolve_plan` turns what a user passes (a Plan, a dict, a JSON path, or nothing) into the Plan an engine
-splits by. Inferring a plan and self-checking one live a layer up (tensorshard.inference, whose self-check
+`resolve_plan` turns what a user passes (a Plan, a dict, a JSON path, rules with a ``to_plan`` method, or
+nothing) into the Plan an engine splits by. Inferring a plan and self-checking one live a layer up (tensorshard.inference, whose self-check
 runs an engine); that package registers both here when it is imported (`register_inference`), so the
 engines resolve plans without importing the layer above them.
 """
@@ -39,7 +39,8 @@ def _inferred(name: str) -> Callable:
 
 
 def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None = None) -> Plan:
-    """The plan to use: the one given (a Plan, a {pattern: style} dict or a JSON file), else an automatic one.
+    """The plan to use: the one given (a Plan, a {pattern: style} dict, a JSON file, or an object with a
+    ``to_plan(module, world_size)`` method such as a tensorshard.compat.Config), else an automatic one.
 
     `check`: self-check the plan numerically before splitting (inference/selfcheck.py). None: only inferred plans.
     """
@@ -47,6 +48,10 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
         return _inferred("auto_plan")(module, world_size, check=check)
     if isinstance(plan, Plan):
         resolved = plan
+    elif callable(getattr(plan, "to_plan", None)):  # rules that become a plan for this model and device count
+        resolved = plan.to_plan(module, world_size)  # (tensorshard.compat.Config, the tensor_parallel package's)
+        if not isinstance(resolved, Plan):
+            raise TypeError(f"{type(plan).__name__}.to_plan() returned {type(resolved).__name__}, not a Plan")
     elif isinstance(plan, Mapping):
         resolved = Plan(plan)
     elif isinstance(plan, (str, os.PathLike)):
