@@ -95,13 +95,14 @@ def _layout_of(model: nn.Module, plan, world_size: int | None):
     return sharded.slice_map(model), world_size
 
 
-def infer_sharded_device_map(model: nn.Module) -> dict[str, torch.device]:
+def infer_sharded_device_map(model: nn.Module) -> dict[str, str]:
     """``{name: device}`` for every shard module, parameter and buffer of a TensorParallel model
-    (``module_shards.1.layers.0.attn.wq.weight`` -> the second device)."""
+    (``module_shards.1.layers.0.attn.wq.weight`` -> ``"cuda:1"``). Devices are strings, which accelerate's
+    ``set_module_tensor_to_device`` takes (some of its versions refuse ``torch.device`` values)."""
     if not is_split_model(model):
         raise TypeError(f"infer_sharded_device_map needs a TensorParallel model; got {type(model).__name__}")
-    devices = list(getattr(model, "_placement", model.devices))
-    out: dict[str, torch.device] = {}
+    devices = [str(d) for d in getattr(model, "_placement", model.devices)]
+    out: dict[str, str] = {}
     for rank, shard in enumerate(model.module_shards):
         prefix = f"module_shards.{rank}"
         for name, _ in shard.named_modules(remove_duplicate=False):

@@ -11,10 +11,10 @@ tensorshard's plans and engines (a `Config` becomes a `Plan`: translate.py). Wha
 docs/migrating.md.
 """
 
-from ..checkpoint import save_tensor_parallel
+from ..checkpoint import infer_sharded_device_map, save_tensor_parallel
 from .actions import Scale, Split, SplitInChunks, SplitInGroupedChunks, StateAction
 from .config import Config
-from .dispatch import convert_state_dict, infer_sharded_device_map
+from .dispatch import convert_state_dict
 from .entry import Sharded, TensorParallel, TensorParallelPreTrainedModel, tensor_parallel
 from .styles import HeadsWithValues, PerDeviceValues
 from .check import UntranslatableConfig

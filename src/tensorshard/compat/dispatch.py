@@ -1,5 +1,5 @@
-"""The original's hand-loading helpers: `convert_state_dict` with its signature, `infer_sharded_device_map`
-with values accelerate accepts.
+"""The original's hand-loading helpers: `convert_state_dict` with its signature (a `Config` needs
+no model). `infer_sharded_device_map` is tensorshard's own (device strings, which accelerate takes).
 
     with accelerate.init_empty_weights():
         model = tp.TensorParallel(MyModel(), device_ids=["cuda:0", "cuda:1"], tensor_parallel_config=config)
@@ -62,9 +62,3 @@ def convert_state_dict(
                 local = tensor if rank == 0 else tensor.clone()
             out[f"module_shards.{rank}.{name}"] = local
     return out
-
-
-def infer_sharded_device_map(tp_model: nn.Module) -> dict[str, str]:
-    """``{name: device}`` for every shard module, parameter and buffer of a split model, as strings
-    (``"cuda:1"``, ``"cpu"``), which ``accelerate.utils.set_module_tensor_to_device`` takes."""
-    return {name: str(device) for name, device in ts.infer_sharded_device_map(tp_model).items()}
