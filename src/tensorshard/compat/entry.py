@@ -9,8 +9,9 @@
 What they return are tensorshard's own models: a `tensorshard.TensorParallel`, or for a transformers
 model an instance of its own class that is also one (``isinstance(m, TensorParallel)`` and
 ``isinstance(m, TensorParallelPreTrainedModel)`` hold, as with the original). Under torchrun the module
-itself comes back, not the original's ``(module, names)`` tuple. A `Config` is translated to a plan for
-the device count first (translate.py); a tensorshard `Plan` is accepted as is.
+itself comes back, not the original's ``(module, names)`` tuple. A `Config` is translated for the device
+count when the engine resolves the plan, before the model changes (translate.py); a tensorshard `Plan` is
+accepted as is.
 """
 
 from __future__ import annotations

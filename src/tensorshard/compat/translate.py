@@ -187,73 +187,90 @@ def _layer_style(m: _Module, problems: list[str]) -> Style | None:
     if weight.kind != "split":
         problems.append(f"{where}: weight rule {weight.text} divides the weight on every device; only a bias may be scaled")
         return None
-    ndim = m.module.weight.dim()
-    dim = weight.dim % ndim
-    size = m.module.weight.shape[dim]
-    bias = m.tensors.get("bias")
-    has_bias = getattr(m.module, "bias", None) is not None
-    out0 = m.outputs.get(0)
-    out_kind, out_dim = _parse(out0) if out0 is not None else (None, None)
-    feature = kind.feature_dim
+    dim = weight.dim % m.module.weight.dim()
     extra_out = sorted(k for k in m.outputs if k != 0)
     if extra_out:
         problems.append(f"{where}: output rules for outputs {extra_out}; a layer has one output")
-
     if kind is EMBEDDING:
-        if weight.chunk != 1 or weight.groups != 1 or m.inputs:
-            problems.append(f"{where}: an embedding is split by rows or columns only, with no input rules")
-            return None
-        if dim == 1 and out_kind == "gather" and out_dim in (-1, ndim - 1):
-            m.role = "embedding"
-            return EmbeddingParallel(split="embedding")
-        if dim == 0 and out_kind == "sum":
-            m.role = "vocab"
-            return EmbeddingParallel(split="vocab")
-        need = "'gather -1' on its output" if dim == 1 else "'sum' on its output"
-        problems.append(f"{where}: weight {weight.text} needs {need}; got {_text(out0) if out0 is not None else 'none'}")
-        return None
-
-    blocks = _blocks(m, weight, size, where, problems)
+        return _embedding(m, weight, dim, where, problems)
+    blocks = _blocks(m, weight, m.module.weight.shape[dim], where, problems)
     if blocks is False:
         return None
-    if dim == kind.weight_out_dim:  # column: each device computes some output features
-        m.role = "column"
-        if has_bias and (bias is None or (bias.kind, bias.dim in (0, -1), bias.chunk, bias.groups) != ("split", True, weight.chunk, weight.groups)):
-            problems.append(
-                f"{where}: the weight is split by output features ({weight.text}) but the bias by "
-                f"{bias.text if bias else 'nothing (kept whole)'}; split the bias alike (dim 0, same chunks)"
-            )
-        if m.inputs:
-            problems.append(f"{where}: input rules {m.inputs} on a layer split by output features; it reads its whole input")
-        if out_kind is None:
-            return ColwiseParallel(blocks=blocks)
-        if out_kind == "gather" and out_dim == feature:
-            return ColwiseParallel(gather_output=True, blocks=blocks)
-        problems.append(
-            f"{where}: output rule {_text(out0)!r} on a layer split by output features; use 'gather {feature}' "
-            "(whole output on every device) or no rule (a layer split by input features reads it)"
-        )
-        return None
-    if dim == kind.weight_in_dim:  # row: each device multiplies its input features; partial sums
-        m.role = "row"
-        if has_bias and (bias is None or bias.kind != "scale"):
-            problems.append(
-                f"{where}: the weight is split by input features ({weight.text}) but the bias is "
-                f"{bias.text if bias else 'kept whole'}; with a 'sum' after it, the original adds it once per device. "
-                "Give the bias 'scale' (tensorshard then adds it once, after the sum)"
-            )
-        for key, action in m.inputs.items():
-            kind_, d = _parse(action)
-            if not (key == 0 and kind_ == "split" and d == feature):
-                problems.append(
-                    f"{where}: input rule {key!r}: {_text(action)!r}; a layer split by input features accepts only "
-                    f"'split {feature}' on its first input"
-                )
-        if out0 is not None and out_kind != "sum":
-            problems.append(f"{where}: output rule {_text(out0)!r} on a layer split by input features; it needs 'sum'")
-        return RowwiseParallel(blocks=blocks)
+    if dim == kind.weight_out_dim:
+        return _column(m, kind, weight, blocks, where, problems)
+    if dim == kind.weight_in_dim:
+        return _row(m, kind, weight, blocks, where, problems)
     problems.append(f"{where}: {weight.text} splits weight dim {dim}, neither output ({kind.weight_out_dim}) nor input features")
     return None
+
+
+def _output(m: _Module) -> tuple[Any, str | None, int | None]:
+    """The layer's output rule, its kind and dim: ('gather -1', 'gather', -1); (None, None, None) if none."""
+    out0 = m.outputs.get(0)
+    return (out0, *_parse(out0)) if out0 is not None else (None, None, None)
+
+
+def _embedding(m: _Module, weight: Rule, dim: int, where: str, problems: list[str]) -> Style | None:
+    out0, out_kind, out_dim = _output(m)
+    if weight.chunk != 1 or weight.groups != 1 or m.inputs:
+        problems.append(f"{where}: an embedding is split by rows or columns only, with no input rules")
+        return None
+    if dim == 1 and out_kind == "gather" and out_dim == -1:
+        m.role = "embedding"
+        return EmbeddingParallel(split="embedding")
+    if dim == 0 and out_kind == "sum":
+        m.role = "vocab"
+        return EmbeddingParallel(split="vocab")
+    need = "'gather -1' on its output" if dim == 1 else "'sum' on its output"
+    problems.append(f"{where}: weight {weight.text} needs {need}; got {_text(out0) if out0 is not None else 'none'}")
+    return None
+
+
+def _column(m: _Module, kind, weight: Rule, blocks, where: str, problems: list[str]) -> Style | None:
+    """Each device computes some output features from the whole input."""
+    m.role = "column"
+    bias = m.tensors.get("bias")
+    alike = bias is not None and (bias.kind, bias.dim in (0, -1), bias.chunk, bias.groups) == ("split", True, weight.chunk, weight.groups)
+    if getattr(m.module, "bias", None) is not None and not alike:
+        problems.append(
+            f"{where}: the weight is split by output features ({weight.text}) but the bias by "
+            f"{bias.text if bias else 'nothing (kept whole)'}; split the bias alike (dim 0, same chunks)"
+        )
+    if m.inputs:
+        problems.append(f"{where}: input rules {m.inputs} on a layer split by output features; it reads its whole input")
+    out0, out_kind, out_dim = _output(m)
+    if out_kind is None:
+        return ColwiseParallel(blocks=blocks)
+    if out_kind == "gather" and out_dim == kind.feature_dim:
+        return ColwiseParallel(gather_output=True, blocks=blocks)
+    problems.append(
+        f"{where}: output rule {_text(out0)!r} on a layer split by output features; use 'gather {kind.feature_dim}' "
+        "(whole output on every device) or no rule (a layer split by input features reads it)"
+    )
+    return None
+
+
+def _row(m: _Module, kind, weight: Rule, blocks, where: str, problems: list[str]) -> Style | None:
+    """Each device multiplies its slice of the input features: partial sums, which a 'sum' adds up."""
+    m.role = "row"
+    bias = m.tensors.get("bias")
+    if getattr(m.module, "bias", None) is not None and (bias is None or bias.kind != "scale"):
+        problems.append(
+            f"{where}: the weight is split by input features ({weight.text}) but the bias is "
+            f"{bias.text if bias else 'kept whole'}; with a 'sum' after it, the original adds it once per device. "
+            "Give the bias 'scale' (tensorshard then adds it once, after the sum)"
+        )
+    for key, action in m.inputs.items():
+        split, d = _parse(action)
+        if not (key == 0 and split == "split" and d == kind.feature_dim):
+            problems.append(
+                f"{where}: input rule {key!r}: {_text(action)!r}; a layer split by input features accepts only "
+                f"'split {kind.feature_dim}' on its first input"
+            )
+    out0, out_kind, _ = _output(m)
+    if out0 is not None and out_kind != "sum":
+        problems.append(f"{where}: output rule {_text(out0)!r} on a layer split by input features; it needs 'sum'")
+    return RowwiseParallel(blocks=blocks)
 
 
 def _blocks(m: _Module, rule: Rule, size: int, where: str, problems: list[str]):
