@@ -12,12 +12,12 @@ docs/migrating.md.
 """
 
 from ..checkpoint import infer_sharded_device_map, save_tensor_parallel
+from ..styles import HeadsWithValues, PerDeviceValues
 from .actions import Scale, Split, SplitInChunks, SplitInGroupedChunks, StateAction
+from .check import UntranslatableConfig
 from .config import Config
 from .dispatch import convert_state_dict
 from .entry import Sharded, TensorParallel, TensorParallelPreTrainedModel, tensor_parallel
-from .styles import HeadsWithValues, PerDeviceValues
-from .check import UntranslatableConfig
 
 __all__ = [
     "Config",

@@ -19,7 +19,7 @@ SplitInChunks / SplitInGroupedChunks cut on chunk boundaries: the layer's blocks
 that many units (two chunk counts in one parent: query and key/value heads). A row layer's "scale"d bias
 is kept whole and added once after the sum, which is the same forward and keeps training exact (a bias
 divided by N on every device would train N times too fast). Attribute rules ("scale_int", or a callable
-``f(value, rank=r)``) are evaluated for every device at translation time (styles.py).
+``f(value, rank=r)``) are evaluated for every device at translation time (styles/per_device.py).
 
 Refused, by rule, before the model changes (`UntranslatableConfig` lists every problem): callables as
 state, input or output rules (including the KV-cache plumbing of the original's presets: tensorshard
@@ -43,10 +43,9 @@ from torch import nn
 from ..layers import CONV, EMBEDDING, layer_kind
 from ..partition import HeadGroups
 from ..plans.plan import Plan, match_pattern
-from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style
+from ..styles import ColwiseParallel, EmbeddingParallel, Heads, HeadsWithValues, PerDeviceValues, RowwiseParallel, Style
 from .actions import Rule, read_action
 from .check import UntranslatableConfig, check_against_config
-from .styles import HeadsWithValues, PerDeviceValues
 
 if TYPE_CHECKING:  # for annotations only: config.py imports this module
     from .config import Config

@@ -5,6 +5,7 @@ from .base import STYLES, ShardContext, Style
 from .column import ColwiseParallel
 from .embedding import EmbeddingParallel
 from .heads import Heads
+from .per_device import HeadsWithValues, PerDeviceValues
 from .replicate import Replicate
 from .row import RowwiseParallel
 from .sequence import RowwiseToSequence, SequenceParallel
@@ -18,6 +19,8 @@ __all__ = [
     "ColwiseParallel",
     "EmbeddingParallel",
     "Heads",
+    "HeadsWithValues",
+    "PerDeviceValues",
     "Replicate",
     "RowwiseParallel",
     "RowwiseToSequence",

@@ -1,5 +1,5 @@
-"""Styles that set a module's attributes to one value per device: the tensor_parallel package's
-attribute rules (``{"num_heads": "scale_int"}``), evaluated for each rank when the config is translated.
+"""Styles that set a module's attributes to one value per device, e.g. the tensor_parallel package's
+attribute rules (``{"num_heads": "scale_int"}``), which tensorshard.compat evaluates for each rank.
 
     "layers.*.attn": PerDeviceValues(values={"n_heads": (5, 4)})        # 9 heads over 2 devices
     "layers.*.attn": HeadsWithValues(num_heads=9, values={"n_heads": (5, 4)})   # + head geometry
@@ -16,8 +16,8 @@ from typing import Any
 
 from torch import nn
 
-from ..styles.base import ShardContext, Splits, Style, register
-from ..styles.heads import Heads
+from .base import ShardContext, Splits, Style, register
+from .heads import Heads
 
 
 def _normalise(style: Style) -> None:
