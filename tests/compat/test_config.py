@@ -141,6 +141,7 @@ def test_split_in_grouped_chunks_with_a_callable_attribute_rule(gen):
     # Each device holds the q, k and v of its own heads, as the original's action gives them.
     action = tp.SplitInGroupedChunks(world_size=W, dim=0, num_groups=3, chunk_size=8)
     assert torch.equal(model.module_shards[1].qkv.weight, action(ref.qkv.weight, 1))
+    assert torch.equal(action.undo([action(ref.qkv.weight, r) for r in range(W)]), ref.qkv.weight)
 
 
 def test_convolutions_split_by_channels(gen):
