@@ -12,6 +12,9 @@ holds this shard's slice, and its gradient is the gradient of that slice.
     split             replicated -> split              forward: take own slice backward: concatenate
     tie               a parameter held by several shards, each seeing part of its gradient:
                                                        forward: identity       backward: sum over holders
+    partial_grads     parameters whole on every shard that see part of the computation (a LoRA factor beside
+                      a split layer, a norm on sequence shards): their gradients are partial sums, summed
+                      once per backward pass for all of them (bucketed)
 
 `copy_to_parallel` is the one collective of the backward pass: a column-parallel layer reading a
 replicated input. Engines apply it once per input tensor per forward call, so q, k and v reading the same
@@ -23,8 +26,6 @@ raises NotImplementedError naming the feature (today only the torchrun engine ha
     reduce_scatter    partial sums -> sequence shards  forward: reduce-scatter  backward: all-gather
     gather_sequence   sequence shards -> whole, read by column layers
                                                        forward: all-gather      backward: reduce-scatter
-    partial_grads     replicated parameters of a module running on sequence shards: their gradients are
-                      partial sums, reduced once per backward pass (bucketed)
     as_sharded        a split activation handed to user code as one object that knows its split (DTensor)
 """
 
@@ -58,6 +59,9 @@ class Comm(ABC):
     @abstractmethod
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor: ...
 
+    @abstractmethod
+    def partial_grads(self, module, names, *, where: str = "") -> None: ...
+
     # -- optional: sequence parallelism and loss parallelism ---------------------------------------------
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
@@ -66,8 +70,6 @@ class Comm(ABC):
     def gather_sequence(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
         raise _torchrun_only("sequence parallelism (all-gather of sequence shards)", where)
 
-    def partial_grads(self, module, names, *, where: str = "") -> None:
-        raise _torchrun_only("sequence parallelism (partial gradients of replicated parameters)", where)
 
     def as_sharded(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = ""):
         raise _torchrun_only("loss parallelism (vocabulary-sharded logits)", where)
@@ -105,4 +107,7 @@ class NoComm(Comm):
         self._fail(where)
 
     def tie(self, x, groups, *, where=""):
+        self._fail(where)
+
+    def partial_grads(self, module, names, *, where=""):
         self._fail(where)

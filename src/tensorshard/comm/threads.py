@@ -29,6 +29,7 @@ from torch.autograd import Function
 from ..partition import Partition
 from .base import Comm
 from .counter import record
+from .partial_grads import GradBucket
 from .rendezvous import CollectiveAborted, ThreadGroup
 
 __all__ = ["CollectiveAborted", "ThreadComm", "ThreadGroup", "copies", "sum_to_all"]
@@ -231,3 +232,13 @@ class ThreadComm(Comm):
             return x
         devices = self.group.devices
         return self._exchange("tie", where, x, lambda xs: list(_Tie.apply(devices, where, groups, *xs)), _signature(x))
+
+    def partial_grads(self, module, names, *, where: str = "") -> None:
+        """`module`'s parameters `names` get partial gradients on each device: sum them once per backward
+        pass (comm/partial_grads.py)."""
+        if self.world_size == 1:
+            return
+        bucket = getattr(self.group, "grad_bucket", None)
+        if bucket is None:
+            bucket = self.group.grad_bucket = GradBucket(self.group.devices)
+        bucket.wrap(module, list(names), self.rank, where)

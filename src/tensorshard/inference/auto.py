@@ -11,6 +11,7 @@ all checks off.
 from __future__ import annotations
 
 import logging
+import sys
 
 from torch import nn
 
@@ -24,6 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, example_inputs=None) -> Plan:
+    inner = contained_model(module)
+    if inner is not None:  # a wrapper (a PeftModel, your own module): the inner model's plan, prefixed
+        path, model = inner
+        plan = auto_plan(model, world_size, check=check, example_inputs=example_inputs)
+        logger.info("plan for %s: the plan of the %s at %r", type(module).__name__, type(model).__name__, path)
+        return Plan((f"{path}.{p}", s) for p, s in plan.items())
     plan = preset_for(module)
     if plan is not None:
         if getattr(getattr(module, "config", None), "model_type", None) in PRESETS:  # hand-written: trusted
@@ -38,6 +45,14 @@ def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, 
             type(module).__name__, problem,
         )
     return infer_plan(module, world_size, example_inputs=example_inputs, check=world_size > 1 if check is None else check)
+
+
+def contained_model(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """(path, model) of the outermost transformers model inside `module`, when `module` is not one itself."""
+    transformers = sys.modules.get("transformers")  # never import it for a plain PyTorch model
+    if transformers is None or isinstance(module, transformers.PreTrainedModel):
+        return None
+    return next(((n, m) for n, m in module.named_modules() if isinstance(m, transformers.PreTrainedModel)), None)
 
 
 def _translated_plan_problem(module: nn.Module, plan: Plan, world_size: int, example_inputs) -> str | None:

@@ -14,6 +14,7 @@ from typing import Callable
 
 from torch import nn
 
+from .adapters import adapt_plan, has_adapters
 from .plan import Plan, match_pattern
 
 __all__ = ["Plan", "match_pattern", "register_inference", "resolve_plan"]
@@ -45,7 +46,8 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
     `check`: self-check the plan numerically before splitting (inference/selfcheck.py). None: only inferred plans.
     """
     if plan is None:
-        return _inferred("auto_plan")(module, world_size, check=check)
+        resolved = _inferred("auto_plan")(module, world_size, check=check)
+        return adapt_plan(module, resolved) if has_adapters(module) else resolved
     if isinstance(plan, Plan):
         resolved = plan
     elif callable(getattr(plan, "to_plan", None)):  # rules that become a plan for this model and device count
@@ -62,4 +64,4 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
         )
     if check:
         resolved = _inferred("check_plan")(module, resolved, world_size)
-    return resolved
+    return adapt_plan(module, resolved) if has_adapters(module) else resolved

@@ -50,7 +50,9 @@ class RowwiseParallel(Style):
         setattr(module, kind.in_attr, local)
         comm, name = ctx.comm, ctx.name
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(x: torch.Tensor, *, add_before_reduce: torch.Tensor | None = None) -> torch.Tensor:
+            # add_before_reduce: another partial sum of the same output (a LoRA adapter's, styles/lora.py),
+            # summed over the devices in the same all-reduce
             fdim = feature_dim(kind.feature_dim, x)
             if x.shape[fdim] != local:
                 if x.shape[fdim] != part.size:
@@ -60,7 +62,10 @@ class RowwiseParallel(Style):
                         "before it is probably split differently; check the plan's blocks."
                     )
                 x = comm.split(x, fdim, part, where=name)  # a whole input: keep this device's slice
-            y = comm.all_reduce(kind.matmul(module, x, module.weight), where=name)
+            y = kind.matmul(module, x, module.weight)
+            if add_before_reduce is not None:
+                y = y + add_before_reduce.to(y.dtype)
+            y = comm.all_reduce(y, where=name)
             if module.bias is not None:
                 y = y + shape_along(kind, y, module.bias)
             return y

@@ -138,7 +138,8 @@ class TensorParallel(nn.Module):
         self.train(module.training)  # the wrapper starts in the mode the module was in
         self._loaded = False  # set once no tensor is on the meta device
         _consume(module, world)
-        shard_replicated(self, zero_names)
+        partial = getattr(self._group, "grad_bucket", None)  # summed over devices in backward: not for ZeRO-3
+        shard_replicated(self, [n for n in zero_names if partial is None or n not in partial.names])
         meta = sum(1 for t in list(self.module_shards[0].parameters()) + list(self.module_shards[0].buffers()) if t.is_meta)
         if meta:
             logger.info("%d tensor(s) are on the meta device: load the weights into the split model before calling it", meta)

@@ -1,0 +1,115 @@
+"""Plans for models with PEFT adapters: each adapter follows the split of the layer it wraps.
+
+PEFT replaces an adapted layer by a wrapper at the same name: a LoRA layer keeps the original as
+``.base_layer`` and adds ``lora_A.<adapter>`` / ``lora_B.<adapter>``; ``modules_to_save`` keeps it as
+``.original_module`` beside trainable copies in ``modules_to_save.<adapter>``. A plan written for the bare
+model names the wrapper. `adapt_plan` rewrites each such entry, before anything is split:
+
+    "...q_proj": ColwiseParallel(blocks=("q",))     ->  "...q_proj":            LoraParallel(base="column")
+                                                        "...q_proj.base_layer": ColwiseParallel(blocks=("q",))
+                                                        "...q_proj.lora_A.*":   LoraFactor(split="whole_input")
+                                                        "...q_proj.lora_B.*":   LoraFactor(split="output", blocks=("q",))
+    "...o_proj": RowwiseParallel(blocks=("q",))     ->  LoraParallel(base="row"), the base's style,
+                                                        A: LoraFactor(split="input", ...), B: LoraFactor(split="whole")
+    "lm_head": ColwiseParallel(gather_output=True)  ->  "lm_head.original_module" and "lm_head.modules_to_save.*"
+                                                        both ColwiseParallel(gather_output=True)
+
+Adapters on layers the plan leaves whole stay whole. An adapter that cannot follow its layer's split (DoRA
+and other LoRA variants, LoRA on an embedding or on a gathered output head, other PEFT tuners such as IA3)
+is refused with an error naming the layer and the fix, before the model changes. PEFT is never imported:
+its wrappers are recognised by their attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from ..styles import ColwiseParallel, Replicate, RowwiseParallel, Style
+from ..styles.lora import LoraFactor, LoraParallel, lora_layer_problem
+from .plan import Plan, match_pattern
+
+logger = logging.getLogger(__name__)
+
+
+def is_adapter_layer(module: nn.Module) -> bool:
+    """A PEFT tuner layer (LoRA, IA3, ...): it wraps the original layer as ``.base_layer``."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
+
+
+def is_modules_to_save(module: nn.Module) -> bool:
+    """PEFT's ModulesToSaveWrapper (a trainable copy of a whole module per adapter)."""
+    return isinstance(getattr(module, "original_module", None), nn.Module) and isinstance(
+        getattr(module, "modules_to_save", None), nn.ModuleDict
+    )
+
+
+def has_adapters(module: nn.Module) -> bool:
+    return any(is_adapter_layer(m) or is_modules_to_save(m) for m in module.modules())
+
+
+def adapt_plan(module: nn.Module, plan: Plan) -> Plan:
+    """`plan` with every entry that names a PEFT wrapper rewritten for the wrapper (see the module doc)."""
+    wrappers = {n: m for n, m in module.named_modules() if is_adapter_layer(m) or is_modules_to_save(m)}
+    if not wrappers:
+        return plan
+    names = [n for n, _ in module.named_modules()]
+    entries: dict[str, Style] = {}
+    for pattern, style in plan.items():
+        hits = [n for n in names if match_pattern(pattern, n) and plan.match(n)[0] == pattern]
+        wrapped = [n for n in hits if n in wrappers]
+        if not wrapped or isinstance(style, Replicate):
+            entries[pattern] = style
+            continue
+        if len(wrapped) == len(hits) and len({_kind(wrappers[n]) for n in wrapped}) == 1:
+            targets = [pattern]  # every module it names is the same kind of wrapper: keep the glob
+        else:
+            targets = wrapped  # exact names for the wrappers, the pattern for the rest
+        for target in targets:
+            first = next(n for n in wrapped if match_pattern(target, n))
+            entries |= _rewrite(target, wrappers[first], style)
+        if targets is wrapped:
+            entries[pattern] = style
+    adapted = Plan(entries)
+    logger.info("plan adapted to %d PEFT wrapper(s): %d entries", len(wrappers), len(adapted))
+    return adapted
+
+
+def _kind(module: nn.Module) -> str:
+    return "modules_to_save" if is_modules_to_save(module) else type(module).__name__
+
+
+def _rewrite(name: str, wrapper: nn.Module, style: Style) -> dict[str, Style]:
+    """The entries that replace `name: style` when `name` is a PEFT wrapper."""
+    if is_modules_to_save(wrapper):
+        return {f"{name}.original_module": style, f"{name}.modules_to_save.*": style}
+    problem = lora_layer_problem(wrapper)
+    base = _base_kind(style)
+    if problem is None and base is None:
+        problem = f"LoRA on a layer split by {style.describe()} (supported: ColwiseParallel without gather_output, RowwiseParallel)"
+    if problem is not None:
+        raise NotImplementedError(
+            f"{name} ({type(wrapper).__module__}.{type(wrapper).__name__}): {problem} cannot follow the plan's split "
+            f"of this layer ({style.describe()}). Leave the layer out of the adapter (target_modules / exclude_modules), "
+            "use plain LoRA on nn.Linear layers, or keep the layer whole in the plan (tp.Replicate())"
+        )
+    blocks = style.blocks
+    if base == "column":
+        a, b = LoraFactor(split="whole_input"), LoraFactor(split="output", blocks=blocks)
+    else:
+        a, b = LoraFactor(split="input", blocks=blocks), LoraFactor(split="whole")
+    return {
+        name: LoraParallel(base=base),
+        f"{name}.base_layer": style,
+        f"{name}.lora_A.*": a,
+        f"{name}.lora_B.*": b,
+    }
+
+
+def _base_kind(style: Style) -> str | None:
+    if type(style) is ColwiseParallel and not style.gather_output:
+        return "column"
+    if type(style) is RowwiseParallel:
+        return "row"
+    return None

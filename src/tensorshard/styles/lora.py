@@ -1,0 +1,165 @@
+"""LoRA adapters on split layers: each adapter follows the split of the layer it adapts.
+
+A LoRA layer (PEFT's ``lora.Linear``) computes ``y = base(x) + s * B(A(x))`` with A: (r, in) and B: (out, r).
+Beside a split base layer its two factors split so that no collective is added per layer:
+
+    column-parallel base (W split by output rows)       row-parallel base (W split by input columns)
+      x        replicated                                  x_d      this device's input slice
+      A        whole on every device                       A_d      split by input columns, like W
+      a = A x  replicated                                  a_d = A_d x_d   a partial sum of A x
+      B_d      split by output rows, like W                B        whole on every device
+      y_d = W_d x + s B_d a      (no communication)        y = all_reduce(W_d x_d + s B a_d) + bias
+                                                               (the base layer's own all-reduce)
+
+Backward: in the column case the adapter reads x through the base layer's `copy_to_parallel` (the same
+node, so the one all-reduce of dL/dx covers both), and A's gradient is a partial sum over the devices (each
+B_d sees only its outputs); in the row case B's gradient is a partial sum (each device's a_d is partial).
+Those gradients go through `comm.partial_grads`: one reduction per backward pass for all adapters, not one
+per layer. Merging (``merge_adapter``) works on the local slices: B_d A (column) and B A_d (row) are exactly
+this device's slice of the merged weight.
+
+Three styles, which `plans/adapters.py` puts in a plan for every LoRA layer it finds:
+``LoraParallel`` on the LoRA layer itself (its forward), the base layer's own style on ``.base_layer``, and
+``LoraFactor`` on each ``lora_A.<adapter>`` / ``lora_B.<adapter>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..partition import block_partition
+from .base import ShardContext, Splits, Style, register, wrap_forward
+
+
+def lora_layer_problem(module: nn.Module) -> str | None:
+    """Why this PEFT LoRA layer cannot follow a split base layer, or None when it can (vanilla LoRA, Linear)."""
+    if not (hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "base_layer")):
+        return f"{type(module).__name__} is not a LoRA layer"
+    if getattr(module, "lora_embedding_A", None):
+        return "LoRA on an embedding (lora_embedding_A/B)"
+    factors = list(module.lora_A.values()) + list(module.lora_B.values())
+    if not all(type(f) is nn.Linear for f in factors):
+        kinds = sorted({type(f).__name__ for f in factors if type(f) is not nn.Linear})
+        return f"LoRA factors of type {', '.join(kinds)} (only nn.Linear factors are supported)"
+    variants = getattr(module, "lora_variant", {}) or {}
+    if variants:
+        names = sorted({type(v).__name__.removesuffix("LinearVariant") or type(v).__name__ for v in variants.values()})
+        return f"the LoRA variant(s) {', '.join(names)} (DoRA and the like rescale whole weight rows)"
+    if any((getattr(module, "lora_bias", {}) or {}).values()):
+        return "lora_bias=True"
+    return None
+
+
+@register("lora")
+@dataclass(frozen=True, kw_only=True)
+class LoraParallel(Style):
+    """The forward of a PEFT LoRA layer whose base layer is split (see the module docstring).
+
+    Args:
+        base: how ``.base_layer`` is split: ``"column"`` (ColwiseParallel, output not gathered) or ``"row"``.
+    """
+
+    base: Literal["column", "row"] = "column"
+
+    def __post_init__(self) -> None:
+        if self.base not in ("column", "row"):
+            raise ValueError(f"LoraParallel(base={self.base!r}): use 'column' or 'row'")
+
+    def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
+        problem = lora_layer_problem(module)
+        if problem:
+            raise NotImplementedError(
+                f"{ctx.name}: {problem} cannot be split with its {self.base}-parallel base layer. Leave this layer "
+                "out of the adapter (LoraConfig target_modules / exclude_modules), or use plain LoRA"
+            )
+        return {}
+
+    def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
+        if self.base == "column":
+            return  # PEFT's own forward is right: the factors' styles place the collectives
+        name = ctx.name
+
+        def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if kwargs.pop("adapter_names", None) is not None:
+                raise NotImplementedError(f"{name}: adapter_names= (mixed adapter batches) on a split model")
+            if module.disable_adapters or module.merged:
+                return module.base_layer(x, *args, **kwargs)
+            partial = None  # this device's share of s * B A x, summed in the base layer's all-reduce
+            for adapter in module.active_adapters:
+                if adapter not in module.lora_A:
+                    continue
+                A, B = module.lora_A[adapter], module.lora_B[adapter]
+                h = module.lora_dropout[adapter](module._cast_input_dtype(x, A.weight.dtype))
+                delta = B(A(h)) * module.scaling[adapter]
+                partial = delta if partial is None else partial + delta
+            return module.base_layer(x, *args, add_before_reduce=partial, **kwargs)
+
+        wrap_forward(module, forward)
+
+
+@register("lora_factor")
+@dataclass(frozen=True, kw_only=True)
+class LoraFactor(Style):
+    """One factor (``lora_A.<adapter>`` or ``lora_B.<adapter>``, an nn.Linear) of a LoRA layer on a split base.
+
+    Args:
+        split: ``"output"``: rows split like the base layer's output (B of a column-parallel base);
+            ``"input"``: columns split like the base layer's input (A of a row-parallel base);
+            ``"whole_input"``: whole, reading the base layer's replicated input (A of a column base);
+            ``"whole"``: whole (B of a row base). Whole factors get partial gradients, summed once per
+            backward pass.
+        blocks: the base layer's ``blocks`` (heads, fused q|k|v): the factor's split follows them.
+    """
+
+    split: Literal["output", "input", "whole_input", "whole"]
+    blocks: tuple[int | str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.split not in ("output", "input", "whole_input", "whole"):
+            raise ValueError(f"LoraFactor(split={self.split!r}): use 'output', 'input', 'whole_input' or 'whole'")
+
+    def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
+        if type(module) is not nn.Linear:
+            raise NotImplementedError(f"LoraFactor cannot split {ctx.name} ({type(module).__name__}); LoRA factors are nn.Linear")
+        if self.split == "output":
+            part = block_partition(module.out_features, ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
+            return {"weight": (0, part)} | ({"bias": (0, part)} if module.bias is not None else {})
+        if self.split == "input":
+            part = block_partition(module.in_features, ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
+            if part.overlapping:
+                raise NotImplementedError(f"{ctx.name}: a LoRA A matrix cannot read replicated KV heads")
+            return {"weight": (1, part)}
+        return {}
+
+    def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
+        comm, name = ctx.comm, ctx.name
+        if self.split == "output":
+            module.out_features = splits["weight"][1].local_size(ctx.rank)
+            return  # a plain local matmul: its input's gradient stays partial, summed by A's copy_to_parallel
+        if self.split == "input":
+            part = splits["weight"][1]
+            module.in_features = local = part.local_size(ctx.rank)
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                if x.shape[-1] != local:
+                    x = comm.split(x, x.dim() - 1, part, where=name)  # a whole input: keep this device's slice
+                return F.linear(x, module.weight, module.bias)
+
+            wrap_forward(module, forward)
+            return
+        trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if trainable:
+            comm.partial_grads(module, trainable, where=name)
+        if self.split == "whole_input":
+            inner = module.forward
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                # the base layer's copy_to_parallel node (the same x): one all-reduce of dL/dx for both
+                return inner(comm.copy_to_parallel(x, where=name))
+
+            wrap_forward(module, forward)
