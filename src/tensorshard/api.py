@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -78,14 +79,20 @@ def tensor_parallel(
         output_device=output_device, plan=plan, timeout=timeout, debug=debug,
         sharded=bool(sharded), sharded_param_names=sharded_param_names, check=check,
     )
-    if is_transformers_model(module):  # still an instance of its class: generate, save_pretrained, ...
-        # deferred: the integration imports transformers, an optional heavy dependency (loaded already here)
+    kind = _model_kind(module)
+    if kind == "peft":  # still a PeftModel: save_pretrained writes the adapter (integrations/peft.py)
+        from .integrations.peft import tensor_parallel_peft
+
+        return tensor_parallel_peft(module, device_ids, **options)
+    if kind == "transformers":  # still an instance of its class: generate, save_pretrained, ...
         from .integrations.transformers import tensor_parallel_pretrained
 
-        model = tensor_parallel_pretrained(module, device_ids, **options)
-    else:
-        model = TensorParallel(module, device_ids, **options)
-    return model
+        return tensor_parallel_pretrained(module, device_ids, **options)
+    if kind == "wrapper":  # a module with a transformers model inside: its generate, caches, save_pretrained
+        from .integrations.transformers.wrapped import WrapperTensorParallel
+
+        return WrapperTensorParallel(module, device_ids, **options)
+    return TensorParallel(module, device_ids, **options)
 
 
 def from_pretrained(
@@ -150,3 +157,18 @@ def from_pretrained(
     return load_pretrained(
         path, split, in_place=mesh is not None, model=model, plan=plan, dtype=dtype, gguf_file=gguf_file, progress=progress,
     )
+
+
+def _model_kind(module: Any) -> str:
+    """"peft", "transformers", "wrapper" (contains a transformers model) or "torch"."""
+    transformers = sys.modules.get("transformers")  # never import it for a plain PyTorch model
+    if transformers is None or not isinstance(module, nn.Module):
+        return "torch"
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(module, peft.PeftModel):
+        return "peft"
+    if isinstance(module, transformers.PreTrainedModel):
+        return "transformers"
+    if any(isinstance(m, transformers.PreTrainedModel) for m in module.modules()):
+        return "wrapper"
+    return "torch"

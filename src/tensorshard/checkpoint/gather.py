@@ -57,8 +57,11 @@ def _require_split(model: object, what: str) -> None:
         )
 
 
-def gathered_state_dict(model: nn.Module, *, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the unsplit model's state dict entries, one gathered tensor at a time (on `device`).
+def gathered_state_dict(
+    model: nn.Module, *, device: torch.device | str = "cpu", only: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the unsplit model's state dict entries, one gathered tensor at a time (on `device`); with
+    `only`, just the names it accepts (an adapter's tensors, say).
 
     Tied weights are gathered once and yielded under each of their names (the same tensor, as a plain
     model's state dict has them). Under torchrun every process must iterate to the end, in step (each
@@ -69,6 +72,8 @@ def gathered_state_dict(model: nn.Module, *, device: torch.device | str = "cpu")
     by_name = layout.by_alias()
     tied: dict[str, torch.Tensor] = {}
     for name in layout.state_names:  # persistent buffers only, as a plain model saves
+        if only is not None and not only(name):
+            continue
         entry = by_name[name]
         tensor = tied.get(entry.name)
         if tensor is None:
@@ -221,12 +226,24 @@ WEIGHT_FILES = (  # what save_pretrained writes (an earlier save's extra shards 
     "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 
 
-def check_save_pretrained_options(kwargs: dict) -> None:
-    """Refuse save_pretrained options a split model cannot honour (both engines' save_pretrained)."""
-    if kwargs.get("state_dict") is not None:
-        raise ValueError("a split model gathers its own state dict for save_pretrained; do not pass state_dict=")
+def save_pretrained_options(kwargs: dict) -> tuple[dict, dict | None]:
+    """The save_pretrained options to pass on, and a state dict given by the caller in unsplit form (else None).
+
+    Both engines' save_pretrained accept every option of transformers' own. ``state_dict=None`` (what
+    ``Trainer`` passes) and the split model's own ``state_dict()`` (per-shard keys, or DTensors) mean "the
+    model's weights": they are gathered. A state dict with the unsplit names and whole tensors is written as
+    given."""
     if kwargs.get("push_to_hub"):
         raise NotImplementedError("push_to_hub from a split model: save_pretrained locally, then upload the folder")
+    options = dict(kwargs)
+    given = options.pop("state_dict", None)
+    if given is not None and any(k.startswith("module_shards.") or _is_dtensor(v) for k, v in given.items()):
+        given = None  # the split model's own state: gather it
+    return options, given
+
+
+def _is_dtensor(value) -> bool:
+    return type(value).__name__ == "DTensor"
 
 
 def gathering_save_pretrained(model: nn.Module) -> Callable:
@@ -242,7 +259,7 @@ def gathering_save_pretrained(model: nn.Module) -> Callable:
     original = model.save_pretrained  # the class's method, bound
 
     def save_pretrained(save_directory: str | os.PathLike, **kwargs) -> None:
-        check_save_pretrained_options(kwargs)
+        kwargs, given = save_pretrained_options(kwargs)
         target = Path(save_directory)
         job = TorchrunJob()
 
@@ -251,8 +268,8 @@ def gathering_save_pretrained(model: nn.Module) -> Callable:
                 raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
 
         job.agree("checking the folder", check)
-        state = {}
-        for name, tensor in gathered_state_dict(model):
+        state = given if given is not None else {}
+        for name, tensor in gathered_state_dict(model) if given is None else ():
             if job.coordinator:
                 state[name] = tensor
 

@@ -4,15 +4,44 @@ Inputs that need a gradient are copied through `_ReplicateInput`, whose backward
 gradient (every shard holds the same full gradient of a replicated tensor). Outputs are taken from one
 shard through `_GatherOutput`, whose backward hands the gradient to every shard. An output whose shape
 differs between shards is an error: the plan left it split.
+
+Objects that a call may modify (a KV cache) must not be shared by the shards: each kind registered with
+`register_per_device` is turned into one object per device on the way in (each shard reaches its own) and
+the shards' own objects are joined into one on the way out; lists and dicts are rebuilt for every shard;
+iterators (generators), which every shard would advance, are refused.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch.autograd import Function
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+@dataclass(frozen=True)
+class PerDevice:
+    """How one kind of object passed to or returned from a call gets one instance per device."""
+
+    accepts: Callable[[Any], bool]
+    prepare: Callable[[Any, int], Any]  # (the caller's object, device count) -> the object every shard is given
+    join: Callable[[list[Any]], Any]  # the shards' returned objects, in device order -> the caller's one
+
+
+PER_DEVICE: list[PerDevice] = []
+
+
+def register_per_device(kind: PerDevice) -> None:
+    """Make the engine give every shard its own object of this kind (integrations/transformers: KV caches)."""
+    if kind not in PER_DEVICE:
+        PER_DEVICE.append(kind)
+
+
+def _per_device(x: Any) -> PerDevice | None:
+    return next((k for k in PER_DEVICE if k.accepts(x)), None)
 
 
 class _ReplicateInput(Function):
@@ -36,7 +65,8 @@ class _GatherOutput(Function):
     def forward(ctx, src, device, devices, *ys):
         ctx.devices = devices
         y = ys[src]
-        return y.view_as(y) if y.device == device else y.to(device)
+        # a copy, not a view of the shard's tensor: the caller may modify it in place (Trainer's loss *= ...)
+        return y.clone() if y.device == device else y.to(device)
 
     @staticmethod
     def backward(ctx, grad):
@@ -62,6 +92,17 @@ def replicate_inputs(tree: Any, devices: list[torch.device]):
             f"input tensor #{meta} (shape {tuple(leaves[meta].shape)}) is on the meta device: it has no values "
             "to compute with. Pass real tensors (on any device; each shard gets a copy on its own)."
         )
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            continue
+        kind = _per_device(x)
+        if kind is not None:
+            leaves[i] = kind.prepare(x, len(devices))
+        elif isinstance(x, Iterator):
+            raise TypeError(
+                f"input #{i} is an iterator ({type(x).__name__}): every shard of a split model would advance it. "
+                "Pass a list (or tensor) instead."
+            )
     grad = torch.is_grad_enabled()
     copies = {
         i: _ReplicateInput.apply(devices, x)
@@ -90,10 +131,11 @@ def gather_outputs(outputs: list, src: int, device: torch.device, devices, label
     leaves, spec = flats[src]
     result = []
     for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.Tensor):
-            result.append(leaf)
-            continue
         per_rank = [flat[0][i] for flat in flats]
+        if not isinstance(leaf, torch.Tensor):
+            kind = _per_device(leaf)
+            result.append(kind.join(per_rank) if kind is not None else leaf)
+            continue
         for rank, t in enumerate(per_rank):
             if not isinstance(t, torch.Tensor) or t.shape != leaf.shape:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from transformers.cache_utils import Cache, StaticLayer
 
+from ...engines.boundary import PerDevice, register_per_device
 from ...engines.inprocess import current_rank
 
 _RANKS = "_tensorshard_ranks"
@@ -109,6 +110,31 @@ def shard_cache(cache: Any, world_size: int, split_filled: Callable[[Cache], lis
     object.__setattr__(cache, _RANKS, ranks)
     cache.__class__ = _sharded_class(type(cache))
     return cache
+
+
+def join_caches(per_rank: list[Any]) -> Cache:
+    """The caches the shards returned -> one for the caller: the sharded cache they were given, or a new
+    sharded cache over the caches they built themselves (a first call without a cache)."""
+    if all(c is per_rank[0] for c in per_rank):
+        return per_rank[0]
+    if not all(isinstance(c, Cache) and not isinstance(c, ShardedCache) for c in per_rank):
+        raise RuntimeError(f"the shards returned different kinds of cache ({[type(c).__name__ for c in per_rank]}); they ran different code")
+    return sharded(per_rank)
+
+
+def _refuse_filled(cache: Cache) -> list[Cache]:
+    raise ValueError(
+        f"{type(cache).__name__} already holds tokens, passed to a split module that wraps a transformers model: "
+        "only a split transformers model itself divides a filled cache by heads. Start from an empty cache and "
+        "reuse the one the split model fills"
+    )
+
+
+# Any call of a split model (a transformers model, or a module containing one) gives each device its own cache.
+register_per_device(PerDevice(
+    accepts=lambda x: isinstance(x, Cache), prepare=lambda cache, world: shard_cache(cache, world, _refuse_filled),
+    join=join_caches,
+))
 
 
 def _seq_length(cache: Cache) -> int:

@@ -41,20 +41,15 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from ...checkpoint.atomic import write_into_folder
-from ...checkpoint.gather import WEIGHT_FILES, check_save_pretrained_options, gathered_state_dict
+from ...checkpoint.gather import WEIGHT_FILES, gathered_state_dict, save_pretrained_options
 from ...engines.inprocess import TensorParallel
 from ...layers import is_transformers_model
-from .cache import ShardedCache, shard_cache, sharded
+from .cache import shard_cache
 from .unsplit_cache import split_filled_cache
 
 logger = logging.getLogger(__name__)
 
 _NOT_COPIED = {"hf_device_map", "_hf_hook"}  # accelerate dispatch state of the original: meaningless here
-class _RankCache:
-    """Stands in for a shard's own cache in its output until the caller's thread puts the sharded one there."""
-
-
-_RANK_CACHE = _RankCache()
 
 
 def tensor_parallel_pretrained(module: nn.Module, device_ids=None, **kwargs) -> "TransformersTensorParallel":
@@ -75,26 +70,45 @@ def split_class(model_class: type) -> type:
     return type(name, (TransformersTensorParallel, model_class), {"forward": forward, "__module__": __name__})
 
 
+def transformers_view(model: TensorParallel, path: str, original: nn.Module) -> "TransformersTensorParallel":
+    """The transformers model at `path` inside a split wrapper (a PeftModel, your own module), as a split model
+    of its own class that runs that submodule of every shard: its ``generate``, ``save_pretrained`` and
+    per-device KV cache, exactly as if it had been split on its own. Shares the wrapper's shards and engine;
+    calls to the two must not overlap. `original` is the (consumed) unsplit model at `path`."""
+    if getattr(model, "zero_splits", None):
+        raise NotImplementedError(
+            f"the {type(original).__name__} inside this split {type(model).__name__} cannot run on its own while "
+            "ZeRO-3 partitions its replicated parameters (gathered by the wrapper's forward only); split with "
+            "sharded=False to generate or save through it"
+        )
+    view = model.view(path)
+    view.__class__ = split_class(type(original))
+    _adopt(view, original)
+    view.training = original.training
+    return view
+
+
+def _adopt(model: "TransformersTensorParallel", original: nn.Module) -> None:
+    """Give the split model the unsplit one's plain attributes (config, generation_config, ...) and state."""
+    for key, value in vars(original).items():  # config, generation_config, name_or_path, ...
+        if key not in vars(nn.Module()) and key not in _NOT_COPIED and key not in model.__dict__:
+            object.__setattr__(model, key, value)
+    object.__setattr__(model, "_original", original)  # consumed (on meta); not a submodule
+    object.__setattr__(model, "_views", {})
+    object.__setattr__(model, "_warned_dropout", False)
+    object.__setattr__(model, "_forward_parameters", dict(inspect.signature(type(original).forward).parameters))
+
+
 class TransformersTensorParallel(TensorParallel):
     """The engine side of a split transformers model; instances come from `split_class(...)`."""
 
     def __init__(self, module: nn.Module, device_ids=None, **kwargs) -> None:
         if not is_transformers_model(module):
             raise TypeError(f"expected a transformers PreTrainedModel, got {type(module).__name__}")
-        plain = {k: v for k, v in vars(module).items() if k not in vars(nn.Module()) and k not in _NOT_COPIED}
         training = module.training
         super().__init__(module, device_ids, **kwargs)
-        for key, value in plain.items():  # config, generation_config, name_or_path, ...
-            if key not in self.__dict__:
-                object.__setattr__(self, key, value)
-        object.__setattr__(self, "_original", module)  # consumed (on meta); not a submodule
-        object.__setattr__(self, "_views", {})
-        object.__setattr__(self, "_taken_caches", [None] * self.world_size)
-        object.__setattr__(self, "_warned_dropout", False)
-        object.__setattr__(self, "_forward_parameters", dict(inspect.signature(type(module).forward).parameters))
+        _adopt(self, module)
         self.training = training  # the shards keep the original's per-module modes
-        for rank, shard in enumerate(self.module_shards):
-            shard.register_forward_hook(functools.partial(_take_cache, self._taken_caches, rank))
         _align_experts(self)
 
     # -- running -----------------------------------------------------------------------------------------
@@ -119,15 +133,7 @@ class TransformersTensorParallel(TensorParallel):
                 "hold alike (after an all-reduce) differ, and the copies of replicated weights (norms) drift apart. "
                 "Set the config's dropout probabilities to 0 before splitting to train exactly.", type(self).__name__
             )
-        taken = self._taken_caches
-        taken[:] = [None] * self.world_size
-        output = super().forward(**kwargs)
-        built, taken[:] = list(taken), [None] * self.world_size
-        if any(c is not None for c in built):  # the shards built their own caches: one sharded cache over them
-            if not all(c is not None for c in built):
-                raise RuntimeError(f"only some shards returned a cache ({built}); the shards ran different code")
-            output = _replace(output, _RANK_CACHE, sharded(built))
-        return output
+        return super().forward(**kwargs)  # caches the shards build are joined into one (cache.py)
 
     def _keywords(self, args: tuple, kwargs: dict) -> dict:
         """Positional arguments as keywords, named as in the model's forward."""
@@ -190,11 +196,11 @@ class TransformersTensorParallel(TensorParallel):
         the original class's ``save_pretrained`` (same files, config and generation config as an unsplit
         save) into a temporary folder next to `save_directory`, whose files are then moved into it.
         """
-        check_save_pretrained_options(kwargs)
+        kwargs, given = save_pretrained_options(kwargs)
         target = Path(save_directory)
         if target.exists() and not target.is_dir():
             raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
-        state = dict(gathered_state_dict(self))
+        state = given if given is not None else dict(gathered_state_dict(self))
         write_into_folder(
             target, functools.partial(self._original.save_pretrained, state_dict=state, **kwargs), replaces=WEIGHT_FILES
         )
@@ -225,36 +231,6 @@ class TransformersTensorParallel(TensorParallel):
 
 
 # --- helpers ------------------------------------------------------------------------------------------
-
-
-def _take_cache(taken: list, rank: int, module: nn.Module, args: tuple, output: Any) -> Any:
-    """Forward hook of shard `rank`: keep the cache the shard built itself, leave a placeholder in the output."""
-    def swap(value):
-        if isinstance(value, Cache) and not isinstance(value, ShardedCache):
-            taken[rank] = value
-            return _RANK_CACHE
-        return value
-
-    if isinstance(output, dict):  # ModelOutput
-        for key, value in list(output.items()):
-            new = swap(value)
-            if new is not value:
-                output[key] = new
-        return output
-    if isinstance(output, tuple):
-        return type(output)(swap(v) for v in output) if type(output) is tuple else output
-    return output
-
-
-def _replace(output: Any, old: Any, new: Any) -> Any:
-    if isinstance(output, dict):
-        for key, value in list(output.items()):
-            if value is old:
-                output[key] = new
-        return output
-    if type(output) is tuple:
-        return tuple(new if v is old else v for v in output)
-    return output
 
 
 def _uses_dropout(config) -> bool:

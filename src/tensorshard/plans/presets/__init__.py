@@ -84,14 +84,20 @@ def complete(module: nn.Module, plan: Plan) -> Plan:
     extra: dict[str, Style] = {}
     by_id = {id(m): n for n, m in module.named_modules()}
     embedding = _call(module, "get_input_embeddings")
-    if isinstance(embedding, nn.Embedding) and id(embedding) in by_id and kept.match(by_id[id(embedding)]) is None:
+    if isinstance(_unwrapped(embedding), nn.Embedding) and id(embedding) in by_id and kept.match(by_id[id(embedding)]) is None:
         extra[by_id[id(embedding)]] = EmbeddingParallel()
     head = _call(module, "get_output_embeddings")
-    if isinstance(head, nn.Linear) and id(head) in by_id and kept.match(by_id[id(head)]) is None:
+    if isinstance(_unwrapped(head), nn.Linear) and id(head) in by_id and kept.match(by_id[id(head)]) is None:
         extra[by_id[id(head)]] = ColwiseParallel(gather_output=True)
-        if head.bias is not None:
-            extra |= _tied_bias(module, head)
+        if _unwrapped(head).bias is not None:
+            extra |= _tied_bias(module, _unwrapped(head))
     return Plan({**entries, **extra})
+
+
+def _unwrapped(module):
+    """The layer inside PEFT's modules_to_save wrapper (split like the layer; plans/adapters.py rewrites the entry)."""
+    inner = getattr(module, "original_module", None)
+    return inner if isinstance(inner, nn.Module) else module
 
 
 def _call(module: nn.Module, method: str):

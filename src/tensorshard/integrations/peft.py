@@ -1,0 +1,102 @@
+"""A split PEFT model: still a PeftModel, whose save_pretrained writes PEFT's own adapter format.
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(...), LoraConfig(...))
+    model = tp.tensor_parallel(model, ["cuda:0", "cuda:1"])   # an instance of TensorParallelPeftModelForCausalLM
+    ...train...
+    model.save_pretrained("adapter/")                         # adapter_config.json + adapter_model.safetensors
+
+The plan is the inner transformers model's, prefixed with ``base_model.model.``, with every LoRA layer's
+factors following its base layer's split (plans/adapters.py, styles/lora.py). The result is an instance of
+the PeftModel's class too, so ``transformers.Trainer`` saves it through ``save_pretrained``: the adapter's
+tensors are gathered (one at a time, only the adapter's: never the frozen base weights) under the unsplit
+names and shapes, and written by PEFT's own ``save_pretrained``, so plain PEFT loads them into an unsplit
+model (``PeftModel.from_pretrained(model, "adapter/")``). ``generate`` and ``get_base_model()`` are the
+inner transformers model's (split, sharing the shards: wrapped.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..checkpoint.atomic import write_into_folder
+from ..checkpoint.gather import gathered_state_dict, save_pretrained_options
+from .transformers.wrapped import WrapperTensorParallel
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")
+
+
+def tensor_parallel_peft(module: nn.Module, device_ids=None, **kwargs) -> "PeftTensorParallel":
+    """Split a PeftModel; the result is also an instance of its class (see the module docstring)."""
+    return peft_split_class(type(module))(module, device_ids, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def peft_split_class(peft_class: type) -> type:
+    """``TensorParallel<PeftClass>``: the engine first in the MRO, then PEFT's own class."""
+
+    def forward(self, *args, **kwargs):
+        return PeftTensorParallel.forward(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(peft_class.forward)  # Trainer keeps the columns forward names
+    return type(f"TensorParallel{peft_class.__name__}", (PeftTensorParallel, peft_class), {"forward": forward, "__module__": __name__})
+
+
+class PeftTensorParallel(WrapperTensorParallel):
+    """The engine side of a split PeftModel; instances come from `peft_split_class(...)`."""
+
+    def __init__(self, module: nn.Module, device_ids=None, **kwargs) -> None:
+        super().__init__(module, device_ids, **kwargs)
+        object.__setattr__(self, "_peft", module)  # consumed (on meta): its configs; not a submodule
+
+    # What PEFT and the Trainer ask of a PeftModel: answered from the (consumed) original's configs.
+    @property
+    def peft_config(self):
+        return self._peft.peft_config
+
+    @property
+    def active_adapter(self):
+        return self._peft.active_adapter
+
+    @property
+    def active_adapters(self):
+        return self._peft.active_adapters
+
+    @property
+    def base_model(self):
+        raise AttributeError(
+            f"{type(self).__name__} is split over {self.labels}: its LoRA model lives in model.module_shards[r]"
+            ".base_model; the split transformers model inside is model.get_base_model()"
+        )
+
+    def get_base_model(self) -> nn.Module:
+        return self.inner_model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return WrapperTensorParallel.forward(self, *args, **kwargs)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """PEFT's adapter format (adapter_config.json, adapter_model.safetensors) with unsplit names and
+        shapes, written by PEFT's own ``save_pretrained`` into a temporary folder moved into place. Accepts
+        PEFT's options (``selected_adapters``, ``safe_serialization``, ``is_main_process``, ...)."""
+        kwargs, given = save_pretrained_options(kwargs)
+        target = Path(save_directory)
+        if target.exists() and not target.is_dir():
+            raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
+        state = given if given is not None else dict(gathered_state_dict(self, only=_adapter_tensor))
+        peft_save = functools.partial(type(self._peft).save_pretrained, self._peft, state_dict=state, **kwargs)
+        write_into_folder(target, peft_save, replaces=ADAPTER_FILES)
+        logger.info("saved the adapter of the split %s to %s (%d tensors)", type(self._peft).__name__, target, len(state))
+
+
+def _adapter_tensor(name: str) -> bool:
+    """The tensors PEFT saves for an adapter: LoRA factors and the trainable copies of modules_to_save."""
+    return "lora_" in name or ".modules_to_save." in name
