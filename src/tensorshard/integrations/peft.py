@@ -27,6 +27,8 @@ from torch import nn
 
 from ..checkpoint.atomic import write_into_folder
 from ..checkpoint.gather import gathered_state_dict, save_pretrained_options
+from ..engines.inprocess import TensorParallel
+from ..engines.inprocess.late_adapters import adopt_late_modules
 from .transformers.wrapped import WrapperTensorParallel
 
 logger = logging.getLogger(__name__)
@@ -100,3 +102,29 @@ class PeftTensorParallel(WrapperTensorParallel):
 def _adapter_tensor(name: str) -> bool:
     """The tensors PEFT saves for an adapter: LoRA factors and the trainable copies of modules_to_save."""
     return "lora_" in name or ".modules_to_save." in name
+
+
+def save_adapter(peft_model: nn.Module, save_directory: str | os.PathLike, *, adapter_name: str = "default") -> None:
+    """Write PEFT's adapter format (adapter_config.json, adapter_model.safetensors; unsplit names and shapes)
+    for a PeftModel wrapped around an already split model (``get_peft_model(split_model, config)``), whose
+    own ``save_pretrained`` is refused (engines/inprocess/late_adapters.py). Plain PEFT loads the folder into an
+    unsplit model. A PeftModel split as a whole (adapter added first) saves with ``save_pretrained``."""
+    from safetensors.torch import save_file
+
+    split = peft_model.get_base_model()
+    if not isinstance(split, TensorParallel):
+        raise TypeError(f"save_adapter expects a PeftModel around a split model; its base model is a {type(split).__name__}")
+    adopt_late_modules(split)
+    marker = f".{adapter_name}."
+    state = {
+        "base_model.model." + name.replace(marker, "."): tensor.contiguous()
+        for name, tensor in gathered_state_dict(split, only=lambda n: _adapter_tensor(n) and marker in n)
+    }
+    if not state:
+        raise ValueError(f"the model holds no tensors of adapter {adapter_name!r}")
+
+    def write(folder: Path) -> None:
+        peft_model.peft_config[adapter_name].save_pretrained(folder)
+        save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    write_into_folder(Path(save_directory), write, replaces=ADAPTER_FILES)

@@ -39,6 +39,7 @@ from ...plans import resolve_plan
 from ...plans.plan import BoundPlan, Plan
 from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine
+from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .boundary import gather_outputs, replicate_inputs, to_device
 from .rollback import Released, restore
 from .workers import ThreadState, WorkerPool
@@ -135,6 +136,9 @@ class TensorParallel(nn.Module):
         zero_names = choose_params(module, self.splits, world, sharded_param_names) if sharded else []
         self.module_shards = nn.ModuleList(_build_shards(module, layout, placement, self._group))  # atomic
         self._placement = placement
+        self._module_names = {n for n, _ in self.module_shards[0].named_modules()}  # to spot adapters added later
+        self._module_count = len(self._module_names)
+        self._late_adapters = False
         self.train(module.training)  # the wrapper starts in the mode the module was in
         self._loaded = False  # set once no tensor is on the meta device
         _consume(module, world)
@@ -176,6 +180,7 @@ class TensorParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _check_loaded(self)
+        adopt_late_modules(self)  # LoRA added after splitting follows the split (late_adapters.py)
         shards, devices, group = self.module_shards, self._placement, self._group
         if len(shards) == 1:
             first = shards[0]
@@ -223,6 +228,13 @@ class TensorParallel(nn.Module):
         src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
         return gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
 
+    def state_dict(self, *args, **kwargs):
+        """The shards' state (keys ``module_shards.N...``; ``tp.save_tensor_parallel(model)`` gives the unsplit
+        one). A parent module asking (a PeftModel) is refused if adapters were added after splitting."""
+        if kwargs.get("prefix", args[1] if len(args) > 1 else ""):
+            refuse_parent_state_dict(self)
+        return super().state_dict(*args, **kwargs)
+
     def extra_repr(self) -> str:
         return f"devices={self.labels}, output_device={self.output_device}"
 
@@ -241,6 +253,8 @@ class TensorParallel(nn.Module):
         prefix = f"{path}." if path else ""
         view.splits = {k[len(prefix):]: v for k, v in self.splits.items() if k.startswith(prefix)}
         view.module_shards = nn.ModuleList(parts)
+        view._module_names = {n for n, _ in parts[0].named_modules()}
+        view._module_count = len(view._module_names)
         view.training = parts[0].training
         return view
 
