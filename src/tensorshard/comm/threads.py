@@ -29,7 +29,7 @@ from torch.autograd import Function
 from ..partition import Partition
 from .base import Comm
 from .counter import record
-from .partial_grads import GradBucket
+from .partial_grads import PartialGrads
 from .rendezvous import CollectiveAborted, ThreadGroup
 
 __all__ = ["CollectiveAborted", "ThreadComm", "ThreadGroup", "copies", "sum_to_all"]
@@ -234,11 +234,11 @@ class ThreadComm(Comm):
         return self._exchange("tie", where, x, lambda xs: list(_Tie.apply(devices, where, groups, *xs)), _signature(x))
 
     def partial_grads(self, module, names, *, where: str = "") -> None:
-        """`module`'s parameters `names` get partial gradients on each device: sum them once per backward
-        pass (comm/partial_grads.py)."""
+        """`module`'s parameters `names` get partial gradients on each device: summed once per backward pass
+        for all of them (comm/partial_grads.py; the engine installs the hooks)."""
         if self.world_size == 1:
             return
-        bucket = getattr(self.group, "grad_bucket", None)
-        if bucket is None:
-            bucket = self.group.grad_bucket = GradBucket(self.group.devices)
-        bucket.wrap(module, list(names), self.rank, where)
+        partial = getattr(self.group, "partial_grads", None)
+        if partial is None:
+            partial = self.group.partial_grads = PartialGrads(self.group)
+        partial.register(module, list(names), self.rank, where)

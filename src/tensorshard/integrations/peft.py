@@ -85,6 +85,35 @@ class PeftTensorParallel(WrapperTensorParallel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return WrapperTensorParallel.forward(self, *args, **kwargs)
 
+    def load_adapter(self, model_id: str | os.PathLike, adapter_name: str = "default", is_trainable: bool = False, **kwargs: Any):
+        """Load saved weights (a local folder in PEFT's format) into adapter `adapter_name`, which this model
+        already holds (Trainer's resume_from_checkpoint): each device takes its slice. A new adapter cannot be
+        added to a split model: load it before splitting."""
+        from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+        from peft.utils import load_peft_weights
+
+        if adapter_name not in self.peft_config:
+            raise NotImplementedError(
+                f"load_adapter({adapter_name!r}): this split model holds the adapter(s) {sorted(self.peft_config)}; a new "
+                "one cannot be added after splitting. Load it into the unsplit model before tensor_parallel()"
+            )
+        tuner = PEFT_TYPE_TO_TUNER_MAPPING[self.peft_config[adapter_name].peft_type]
+        ours = [n for n in self.splits if _adapter_tensor(n) and f".{adapter_name}." in n]
+        by_saved_name = {  # PEFT's own naming: no adapter name; a modules_to_save copy under the module's name
+            n.replace(f".modules_to_save.{adapter_name}.", ".") if ".modules_to_save." in n
+            else tuner._remove_adapter_name_from_key(n, adapter_name): n
+            for n in ours
+        }
+        saved = load_peft_weights(str(model_id), device="cpu")
+        unknown = sorted(set(saved) - set(by_saved_name))
+        if unknown:
+            raise ValueError(f"{model_id}: {len(unknown)} saved tensor(s) have no place in this model, e.g. {unknown[0]}")
+        self.load_state_dict({by_saved_name[k]: v for k, v in saved.items()}, strict=False)
+        if not is_trainable:
+            for name, p in self.named_parameters():
+                if f".{adapter_name}." in name:
+                    p.requires_grad_(False)
+
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """PEFT's adapter format (adapter_config.json, adapter_model.safetensors) with unsplit names and
         shapes, written by PEFT's own ``save_pretrained`` into a temporary folder moved into place. Accepts

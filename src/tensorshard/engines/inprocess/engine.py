@@ -139,11 +139,12 @@ class TensorParallel(nn.Module):
         self._module_names = {n for n, _ in self.module_shards[0].named_modules()}  # to spot adapters added later
         self._module_count = len(self._module_names)
         self._late_adapters = False
+        self._register_load_state_dict_pre_hook(_load_unsplit, with_module=True)
         self.train(module.training)  # the wrapper starts in the mode the module was in
         self._loaded = False  # set once no tensor is on the meta device
         _consume(module, world)
-        partial = getattr(self._group, "grad_bucket", None)  # summed over devices in backward: not for ZeRO-3
-        shard_replicated(self, [n for n in zero_names if partial is None or n not in partial.names])
+        shard_replicated(self, zero_names)
+        install_partial_grads(self)  # after ZeRO-3's hooks
         meta = sum(1 for t in list(self.module_shards[0].parameters()) + list(self.module_shards[0].buffers()) if t.is_meta)
         if meta:
             logger.info("%d tensor(s) are on the meta device: load the weights into the split model before calling it", meta)
@@ -230,7 +231,9 @@ class TensorParallel(nn.Module):
 
     def state_dict(self, *args, **kwargs):
         """The shards' state (keys ``module_shards.N...``; ``tp.save_tensor_parallel(model)`` gives the unsplit
-        one). A parent module asking (a PeftModel) is refused if adapters were added after splitting."""
+        one). ``load_state_dict`` takes either form (unsplit names: each device keeps its slice), as
+        transformers' Trainer uses it to resume. A parent module asking (a PeftModel) is refused if adapters
+        were added after splitting (late_adapters.py)."""
         if kwargs.get("prefix", args[1] if len(args) > 1 else ""):
             refuse_parent_state_dict(self)
         return super().state_dict(*args, **kwargs)
@@ -252,7 +255,13 @@ class TensorParallel(nn.Module):
         view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
         prefix = f"{path}." if path else ""
         view.splits = {k[len(prefix):]: v for k, v in self.splits.items() if k.startswith(prefix)}
+        zero = getattr(self, "_zero", None)
+        for rank, part in enumerate(parts):  # the view's calls gather ZeRO-3 slices too (once when nested)
+            if zero is not None and part not in list(self.module_shards):
+                part.register_forward_pre_hook(zero.gather_hook(rank))
+                part.register_forward_hook(zero.release_hook(rank), always_call=True)
         view.module_shards = nn.ModuleList(parts)
+        install_partial_grads(view)
         view._module_names = {n for n, _ in parts[0].named_modules()}
         view._module_count = len(view._module_names)
         view.training = parts[0].training
@@ -374,6 +383,13 @@ def _warn_shared_dropout(module: nn.Module, placement: list[torch.device]) -> No
         )
 
 
+def install_partial_grads(model: TensorParallel) -> None:
+    """Route the parameters the styles registered as having partial gradients (comm/partial_grads.py)."""
+    partial = getattr(model._group, "partial_grads", None)
+    if partial is not None:
+        partial.install(model.module_shards)
+
+
 def _check_loaded(model: TensorParallel) -> None:
     if model._loaded:
         return
@@ -388,6 +404,20 @@ def _check_loaded(model: TensorParallel) -> None:
             "model with them on a real device."
         )
     model._loaded = True
+
+
+def _load_unsplit(model: TensorParallel, state_dict: dict, prefix: str, *_args) -> None:
+    """Load-state-dict pre-hook: entries with the unsplit model's names become each device's slice, under its
+    shard's name (both forms may be mixed; shard names load as they are)."""
+    zero = getattr(model, "zero_splits", None) or {}
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "module_shards.")]:
+        name = key[len(prefix):]
+        if name not in model.splits:
+            continue
+        value = state_dict.pop(key)
+        split = zero.get(name, model.splits[name])
+        for rank in range(len(model.module_shards)):
+            state_dict[f"{prefix}module_shards.{rank}.{name}"] = value if split is None else split[1].take(value, split[0], rank)
 
 
 def _tensor_bytes(module: nn.Module) -> int:

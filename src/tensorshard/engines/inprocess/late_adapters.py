@@ -61,6 +61,9 @@ def adopt_late_modules(model) -> None:
     with torch.no_grad():
         for name, (base, part) in plans.items():
             _adopt(model, name, base, part)
+    partial = getattr(model._group, "partial_grads", None)
+    if partial is not None:
+        partial.install(model.module_shards)  # the whole factors' gradients: summed once per backward pass
     model._module_names = {n for n, _ in shards[0].named_modules()}
     model._module_count = module_count(model)
     model._late_adapters = True

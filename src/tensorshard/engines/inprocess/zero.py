@@ -168,9 +168,13 @@ class _ZeroState:
         self.slots = slots
         self.partitions = partitions
         self.saved: list[list[nn.Parameter] | None] = [None] * len(slots)
+        self.depth = [0] * len(slots)  # nested hooked calls (a view's module inside the root's call) gather once
 
     def gather_hook(self, rank: int):
         def hook(module, args):
+            self.depth[rank] += 1
+            if self.depth[rank] > 1:
+                return
             owners = self.slots[rank]
             slices = [mod._parameters[attr] for (mod, attr), *_ in owners]
             self.saved[rank] = slices
@@ -183,8 +187,9 @@ class _ZeroState:
 
     def release_hook(self, rank: int):
         def hook(module, args, output):
+            self.depth[rank] = max(self.depth[rank] - 1, 0)
             slices = self.saved[rank]
-            if slices is None:
+            if slices is None or self.depth[rank] > 0:
                 return
             for param_owners, p in zip(self.slots[rank], slices):
                 for mod, attr in param_owners:

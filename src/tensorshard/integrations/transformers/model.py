@@ -75,12 +75,6 @@ def transformers_view(model: TensorParallel, path: str, original: nn.Module) -> 
     of its own class that runs that submodule of every shard: its ``generate``, ``save_pretrained`` and
     per-device KV cache, exactly as if it had been split on its own. Shares the wrapper's shards and engine;
     calls to the two must not overlap. `original` is the (consumed) unsplit model at `path`."""
-    if getattr(model, "zero_splits", None):
-        raise NotImplementedError(
-            f"the {type(original).__name__} inside this split {type(model).__name__} cannot run on its own while "
-            "ZeRO-3 partitions its replicated parameters (gathered by the wrapper's forward only); split with "
-            "sharded=False to generate or save through it"
-        )
     view = model.view(path)
     view.__class__ = split_class(type(original))
     _adopt(view, original)
