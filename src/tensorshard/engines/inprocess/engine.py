@@ -105,6 +105,9 @@ class TensorParallel(nn.Module):
                 f"{type(module).__name__}.{inner} is already a TensorParallel; split the whole model once, "
                 "from its unsplit form, instead of splitting a model that contains a split one"
             )
+        checkpointed = next((n for n, m in module.named_modules() if getattr(m, "gradient_checkpointing", False) is True), None)
+        if checkpointed is not None:
+            raise activation_checkpointing_refused(f"{type(module).__name__} has it on ({checkpointed or '<root>'})")
         devices = resolve_devices(device_ids)
         self.debug = _env_flag("TENSORSHARD_DEBUG") if debug is None else bool(debug)
         self.devices = devices
@@ -237,6 +240,11 @@ class TensorParallel(nn.Module):
         if kwargs.get("prefix", args[1] if len(args) > 1 else ""):
             refuse_parent_state_dict(self)
         return super().state_dict(*args, **kwargs)
+
+    def gradient_checkpointing_enable(self, *args, **kwargs):
+        raise activation_checkpointing_refused()
+
+    activation_checkpointing_enable = gradient_checkpointing_enable  # transformers' newer name (Trainer calls it)
 
     def extra_repr(self) -> str:
         return f"devices={self.labels}, output_device={self.output_device}"
@@ -381,6 +389,14 @@ def _warn_shared_dropout(module: nn.Module, placement: list[torch.device]) -> No
             "between shards. Train with dropout off (p=0) when simulating devices on one device; eval() is fine.",
             type(module).__name__, drops[0], f" and {len(drops) - 1} more" if len(drops) > 1 else "", len(placement),
         )
+
+
+def activation_checkpointing_refused(detail: str = "") -> NotImplementedError:
+    return NotImplementedError(
+        f"activation (gradient) checkpointing{f': {detail}' if detail else ''}: the in-process engine does not support "
+        "it yet (recomputing a block in backward would run its collectives outside the forward call). Turn it off: "
+        "TrainingArguments(gradient_checkpointing=False), or model.gradient_checkpointing_disable() before splitting"
+    )
 
 
 def install_partial_grads(model: TensorParallel) -> None:

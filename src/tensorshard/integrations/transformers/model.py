@@ -22,8 +22,8 @@ shards. What differs from the unsplit model:
   ``save_pretrained`` of the original class, into a temporary folder moved into place;
 - ``state_dict()`` is the shards' (use ``tp.save_tensor_parallel`` for the unsplit one); submodules such
   as ``model.model`` live in ``model.module_shards[r]``;
-- unsupported, with an error saying so: output_attentions, static caches, resizing embeddings, gradient
-  checkpointing (its recomputation would re-run collectives outside the call);
+- unsupported, with an error saying so: output_attentions, static caches, resizing embeddings, activation
+  (gradient) checkpointing (the engine refuses it: its recomputation would re-run collectives outside the call);
 - training with dropout > 0 is not exact (each device draws its own masks): a warning says so.
 """
 
@@ -203,12 +203,6 @@ class TransformersTensorParallel(TensorParallel):
     def resize_token_embeddings(self, *args, **kwargs):
         raise NotImplementedError(
             "resize_token_embeddings on a split model: resize the unsplit model before tensor_parallel()"
-        )
-
-    def gradient_checkpointing_enable(self, *args, **kwargs):
-        raise NotImplementedError(
-            "gradient checkpointing on a split model is not supported: recomputing a block in backward would "
-            "run its collectives outside the forward call"
         )
 
     def __getattr__(self, name: str) -> Any:
