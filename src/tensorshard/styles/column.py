@@ -67,15 +67,7 @@ class ColwiseParallel(Style):
             groups = ctx.heads.kv_sharers()
 
         def local(t: torch.Tensor, tdim: int) -> torch.Tensor:
-            pieces, offset = [], 0
-            for start, stop in tied:
-                if start > offset:
-                    pieces.append(t.narrow(tdim, offset, start - offset))
-                pieces.append(comm.tie(t.narrow(tdim, start, stop - start), groups, where=name))
-                offset = stop
-            if offset < t.shape[tdim]:
-                pieces.append(t.narrow(tdim, offset, t.shape[tdim] - offset))
-            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, tdim)
+            return tie_ranges(t, tdim, tied, comm, groups, name)
 
         def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             x = comm.copy_to_parallel(x, where=name)
@@ -91,3 +83,17 @@ class ColwiseParallel(Style):
             return y
 
         wrap_forward(module, forward)
+
+
+def tie_ranges(t: torch.Tensor, tdim: int, tied, comm, groups, where: str) -> torch.Tensor:
+    """`t` with its index ranges `tied` along `tdim` (replicated KV heads) passed through `comm.tie`: their
+    gradient is summed over the devices holding the same head."""
+    pieces, offset = [], 0
+    for start, stop in tied:
+        if start > offset:
+            pieces.append(t.narrow(tdim, offset, start - offset))
+        pieces.append(comm.tie(t.narrow(tdim, start, stop - start), groups, where=where))
+        offset = stop
+    if offset < t.shape[tdim]:
+        pieces.append(t.narrow(tdim, offset, t.shape[tdim] - offset))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, tdim)

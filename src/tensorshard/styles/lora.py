@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..partition import block_partition
+from ..partition import block_partition, kv_local_ranges
 from .base import ShardContext, Splits, Style, register, wrap_forward
+from .column import tie_ranges
 
 
 def lora_layer_problem(module: nn.Module) -> str | None:
@@ -139,8 +140,23 @@ class LoraFactor(Style):
     def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
         comm, name = ctx.comm, ctx.name
         if self.split == "output":
-            module.out_features = splits["weight"][1].local_size(ctx.rank)
-            return  # a plain local matmul: its input's gradient stays partial, summed by A's copy_to_parallel
+            part = splits["weight"][1]
+            module.out_features = part.local_size(ctx.rank)
+            if not part.overlapping:
+                return  # a plain local matmul: its input's gradient stays partial, summed by A's copy_to_parallel
+            # Replicated KV heads (fewer than devices): each holder of such rows sees only its query heads' share
+            # of their gradient; tie sums it over the holders, as ColwiseParallel does for the base weight.
+            tied = kv_local_ranges(part.size, ctx.world_size, self.blocks or (), ctx.heads, ctx.rank)
+            groups = ctx.heads.kv_sharers()
+
+            def forward(a: torch.Tensor) -> torch.Tensor:
+                if not torch.is_grad_enabled():
+                    return F.linear(a, module.weight, module.bias)
+                bias = None if module.bias is None else tie_ranges(module.bias, 0, tied, comm, groups, name)
+                return F.linear(a, tie_ranges(module.weight, 0, tied, comm, groups, name), bias)
+
+            wrap_forward(module, forward)
+            return
         if self.split == "input":
             part = splits["weight"][1]
             module.in_features = local = part.local_size(ctx.rank)
