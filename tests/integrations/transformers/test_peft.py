@@ -1,0 +1,165 @@
+"""PEFT LoRA on split models, in the in-process engine: LoRA then split, split then LoRA, saved adapters.
+
+Each path is compared with the unsplit PeftModel holding the same adapter: logits within 1e-5 relative, and
+losses after three AdamW steps within 1e-4 relative (fp32). Collectives are counted: an adapter adds none
+per layer, only one reduction of partial gradients per backward pass.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+import tensorshard as tp
+from configs import FAMILIES
+from helpers import rel_err, split_copy
+from tensorshard.integrations.peft import save_adapter
+
+pytestmark = pytest.mark.timeout(120)
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny(family: str = "llama"):
+    torch.manual_seed(0)
+    config = FAMILIES[family][0]()
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):  # gpt2: dropout off (masks differ between shards)
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def lora(model, targets=LLAMA_TARGETS, **options):
+    torch.manual_seed(1)  # init_lora_weights=False: B is random too, so the adapter matters from the first step
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **options))
+
+
+def ids(seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(seed))
+
+
+def train_both(model, ref, steps: int = 3) -> list[tuple[float, float]]:
+    """Three AdamW steps on both; the losses of each step (split, unsplit)."""
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, ref)]
+    losses = []
+    for step in range(steps):
+        x = ids(10 + step)
+        pair = []
+        for m, opt in zip((model, ref), optimizers):
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.item())
+        losses.append(tuple(pair))
+    return losses
+
+
+def assert_same_training(model, ref) -> None:
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids()).logits, ref(input_ids=ids()).logits) < 1e-5
+    for got, want in train_both(model, ref):
+        assert abs(got - want) <= 1e-4 * abs(want)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_lora_then_split_trains_like_unsplit(n):
+    ref = lora(tiny(), modules_to_save=["lm_head"])
+    model = split_copy(ref, n)
+    assert isinstance(model, PeftModel)
+    if n > 1:
+        with tp.count_collectives() as c:
+            model(input_ids=ids(), labels=ids()).loss.backward()
+        # As the bare model: forward, the embedding 1 + 2 per block + the head's gather; backward, one all-reduce per
+        # column-layer input needing a gradient (not the first block's attention, which reads the frozen embedding's
+        # output) and the head's, + ONE reduction of the whole LoRA factors' partial gradients, for all layers.
+        assert dict(c.forward) == {"all_reduce": 5, "all_gather": 1}
+        assert dict(c.backward) == {"all_reduce": 4 + 1}
+        assert sum("partial gradients" in where for _, _, _, where in c.log) == 1
+        model.zero_grad()
+    assert_same_training(model, ref)
+
+
+def test_peft_model_is_split_as_fully_as_the_bare_model():
+    bare = split_copy(tiny(), 2)
+    model = split_copy(lora(tiny(), modules_to_save=["lm_head"]), 2)
+    bare_split = {n for n, s in bare.splits.items() if s is not None}
+    prefix = "base_model.model."
+    peft_split = {n.removeprefix(prefix).replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
+                  for n, s in model.splits.items() if s is not None and "lora_" not in n}
+    assert bare_split <= peft_split  # every tensor the bare model splits, the PeftModel splits too (prefixed)
+    assert model.splits[prefix + "model.layers.1.self_attn.q_proj.lora_B.default.weight"][0] == 0  # with the output
+    assert model.splits[prefix + "model.layers.1.self_attn.o_proj.lora_A.default.weight"][0] == 1  # with the input
+    assert model.splits[prefix + "model.layers.1.self_attn.q_proj.lora_A.default.weight"] is None  # shared
+
+
+def test_saved_adapter_loads_into_an_unsplit_model_with_plain_peft(tmp_path):
+    ref = lora(tiny(), modules_to_save=["lm_head"])
+    model = split_copy(ref, 3)
+    train_both(model, ref, steps=2)
+    model.save_pretrained(tmp_path / "split", state_dict=None, safe_serialization=True, is_main_process=True)
+    ref.save_pretrained(tmp_path / "unsplit")
+    from safetensors.torch import load_file
+
+    saved, expected = load_file(tmp_path / "split" / "adapter_model.safetensors"), load_file(tmp_path / "unsplit" / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in expected.items()}
+    loaded = PeftModel.from_pretrained(tiny(), tmp_path / "split").eval()
+    with torch.no_grad():
+        assert rel_err(loaded(input_ids=ids()).logits, ref.eval()(input_ids=ids()).logits) < 1e-5
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_lora_after_split_trains_like_unsplit(tmp_path, n):
+    split = tp.tensor_parallel(tiny(), ["cpu"] * n, sharded=False)
+    model = lora(split)  # PEFT wraps every device's layers; the split model adopts the adapters
+    with pytest.raises(NotImplementedError, match="save_adapter"):
+        model.save_pretrained(tmp_path / "refused")  # PEFT would write per-device names
+    save_adapter(model, tmp_path / "adapter")
+    ref = PeftModel.from_pretrained(tiny(), tmp_path / "adapter", is_trainable=True)
+    with tp.count_collectives() as c:
+        model(input_ids=ids(), labels=ids()).loss.backward()
+    assert sum("partial gradients" in where for _, _, _, where in c.log) == 1
+    assert dict(c.forward) == {"all_reduce": 5, "all_gather": 1}
+    model.zero_grad()
+    assert_same_training(model, ref)
+
+
+@pytest.mark.parametrize("family, targets", [("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]), ("gpt2", ["c_attn", "c_proj", "c_fc"])])
+def test_lora_on_fused_projections(family, targets):
+    ref = lora(tiny(family), targets, fan_in_fan_out=family == "gpt2")
+    model = split_copy(ref, 3)
+    assert_same_training(model, ref)
+
+
+def test_generate_and_incremental_decoding(tmp_path):
+    from transformers import DynamicCache
+
+    ref = lora(tiny()).eval()
+    model = split_copy(ref, 2)
+    prompt = ids()[:1]
+    assert torch.equal(model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False),
+                       ref.generate(input_ids=prompt, max_new_tokens=6, do_sample=False))
+    caches, tokens, logits = (DynamicCache(), DynamicCache()), [prompt, prompt], []
+    with torch.no_grad():
+        for _ in range(3):  # the wrapped model's cache is per device: the second and third steps stay exact
+            outs = [m(input_ids=t, past_key_values=c).logits for m, t, c in zip((model, ref), tokens, caches)]
+            assert rel_err(outs[0], outs[1]) < 1e-5
+            tokens = [o[:, -1:].argmax(-1) for o in outs]
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 9
+
+
+@pytest.mark.parametrize("config, named", [
+    (LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), "DoRA"),
+    (LoraConfig(r=4, target_modules=["embed_tokens"]), "embedding"),
+    (IA3Config(target_modules=["down_proj"], feedforward_modules=["down_proj"]), "not a LoRA layer"),
+])
+def test_unsupported_adapters_are_refused_before_anything_changes(config, named):
+    model = get_peft_model(tiny(), config)
+    with pytest.raises(NotImplementedError, match=named):
+        tp.tensor_parallel(model, ["cpu"] * 2)
+    assert not any(p.is_meta for p in model.parameters())  # untouched: still usable
+    model(input_ids=ids())
