@@ -263,6 +263,8 @@ class TensorParallel(nn.Module):
         view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
         prefix = f"{path}." if path else ""
         view.splits = {k[len(prefix):]: v for k, v in self.splits.items() if k.startswith(prefix)}
+        if getattr(self, "zero_splits", None):
+            view.zero_splits = {k[len(prefix):]: v for k, v in self.zero_splits.items() if k.startswith(prefix)}
         zero = getattr(self, "_zero", None)
         for rank, part in enumerate(parts):  # the view's calls gather ZeRO-3 slices too (once when nested)
             if zero is not None and part not in list(self.module_shards):
