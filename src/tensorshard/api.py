@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -16,7 +15,7 @@ from .devices import resolve_devices
 from .engines.inprocess import TensorParallel
 from .engines.inprocess.zero import default_sharded
 from .engines.torchrun import parallelize, tensor_parallel_distributed
-from .layers import is_transformers_model
+from .layers import contains_transformers_model
 from .plans.plan import Plan
 
 __all__ = ["from_pretrained", "parallelize", "tensor_parallel"]
@@ -79,19 +78,11 @@ def tensor_parallel(
         output_device=output_device, plan=plan, timeout=timeout, debug=debug,
         sharded=bool(sharded), sharded_param_names=sharded_param_names, check=check,
     )
-    kind = _model_kind(module)
-    if kind == "peft":  # still a PeftModel: save_pretrained writes the adapter (integrations/peft.py)
-        from .integrations.peft import tensor_parallel_peft
+    if contains_transformers_model(module):  # a transformers model, a PeftModel, or a module holding one
+        # deferred: the integration imports transformers, an optional heavy dependency (loaded already here)
+        from .integrations.transformers import tensor_parallel_transformers
 
-        return tensor_parallel_peft(module, device_ids, **options)
-    if kind == "transformers":  # still an instance of its class: generate, save_pretrained, ...
-        from .integrations.transformers import tensor_parallel_pretrained
-
-        return tensor_parallel_pretrained(module, device_ids, **options)
-    if kind == "wrapper":  # a module with a transformers model inside: its generate, caches, save_pretrained
-        from .integrations.transformers.wrapped import WrapperTensorParallel
-
-        return WrapperTensorParallel(module, device_ids, **options)
+        return tensor_parallel_transformers(module, device_ids, **options)
     return TensorParallel(module, device_ids, **options)
 
 
@@ -157,18 +148,3 @@ def from_pretrained(
     return load_pretrained(
         path, split, in_place=mesh is not None, model=model, plan=plan, dtype=dtype, gguf_file=gguf_file, progress=progress,
     )
-
-
-def _model_kind(module: Any) -> str:
-    """"peft", "transformers", "wrapper" (contains a transformers model) or "torch"."""
-    transformers = sys.modules.get("transformers")  # never import it for a plain PyTorch model
-    if transformers is None or not isinstance(module, nn.Module):
-        return "torch"
-    peft = sys.modules.get("peft")
-    if peft is not None and isinstance(module, peft.PeftModel):
-        return "peft"
-    if isinstance(module, transformers.PreTrainedModel):
-        return "transformers"
-    if any(isinstance(m, transformers.PreTrainedModel) for m in module.modules()):
-        return "wrapper"
-    return "torch"

@@ -93,3 +93,11 @@ def is_transformers_model(module: object) -> bool:
     """True for a transformers PreTrainedModel, without importing transformers when nobody has."""
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+
+
+def contains_transformers_model(module: object) -> bool:
+    """True for a transformers PreTrainedModel or a module holding one (a PeftModel, your own wrapper)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(module, nn.Module) and any(
+        isinstance(m, transformers.PreTrainedModel) for m in module.modules()
+    )

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tensorshard as tp
-from harness import world_mesh
+from support.harness import world_mesh
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,7 +17,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def lora_task() -> dict:
-    import tiny_llama
+    from support import tiny_llama
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)

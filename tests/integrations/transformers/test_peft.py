@@ -15,9 +15,9 @@ from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import tensorshard as tp
-from configs import FAMILIES
-from helpers import rel_err, split_copy
-from tensorshard.integrations.peft import save_adapter
+from support.hf_configs import FAMILIES
+from support.helpers import rel_err, split_copy
+from tensorshard.integrations.transformers.peft import save_adapter
 
 pytestmark = pytest.mark.timeout(120)
 

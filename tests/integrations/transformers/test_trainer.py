@@ -16,8 +16,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import tensorshard as tp
-from configs import FAMILIES
-from helpers import rel_err
+from support.hf_configs import FAMILIES
+from support.helpers import rel_err
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,8 +12,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import tensorshard as tp
-from configs import FAMILIES
-from helpers import rel_err
+from support.hf_configs import FAMILIES
+from support.helpers import rel_err
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from transformers.cache_utils import Cache, StaticLayer
 
-from ...engines.boundary import PerDevice, register_per_device
+from ...engines.inprocess.boundary import PerDevice, register_per_device
 from ...engines.inprocess import current_rank
 
 _RANKS = "_tensorshard_ranks"

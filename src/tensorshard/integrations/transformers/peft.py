@@ -23,13 +23,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+from peft.utils import load_peft_weights
+from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint.atomic import write_into_folder
-from ..checkpoint.gather import gathered_state_dict, save_pretrained_options
-from ..engines.inprocess import TensorParallel
-from ..engines.inprocess.late_adapters import adopt_late_modules
-from .transformers.wrapped import WrapperTensorParallel
+from ...checkpoint.atomic import write_into_folder
+from ...checkpoint.gather import gathered_state_dict, save_pretrained_options
+from ...engines.inprocess import TensorParallel
+from ...engines.inprocess.late_adapters import adopt_late_modules
+from .wrapped import WrapperTensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +92,6 @@ class PeftTensorParallel(WrapperTensorParallel):
         """Load saved weights (a local folder in PEFT's format) into adapter `adapter_name`, which this model
         already holds (Trainer's resume_from_checkpoint): each device takes its slice. A new adapter cannot be
         added to a split model: load it before splitting."""
-        from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
-        from peft.utils import load_peft_weights
-
         if adapter_name not in self.peft_config:
             raise NotImplementedError(
                 f"load_adapter({adapter_name!r}): this split model holds the adapter(s) {sorted(self.peft_config)}; a new "
@@ -138,8 +138,6 @@ def save_adapter(peft_model: nn.Module, save_directory: str | os.PathLike, *, ad
     for a PeftModel wrapped around an already split model (``get_peft_model(split_model, config)``), whose
     own ``save_pretrained`` is refused (engines/inprocess/late_adapters.py). Plain PEFT loads the folder into an
     unsplit model. A PeftModel split as a whole (adapter added first) saves with ``save_pretrained``."""
-    from safetensors.torch import save_file
-
     split = peft_model.get_base_model()
     if not isinstance(split, TensorParallel):
         raise TypeError(f"save_adapter expects a PeftModel around a split model; its base model is a {type(split).__name__}")
