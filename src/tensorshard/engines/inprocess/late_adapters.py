@@ -13,7 +13,7 @@ trains exactly like an unsplit model holding the same (gathered) adapter.
 
 Saving: PEFT finds adapter tensors by module name, and here those names are the shards'
 (``module_shards.N...``): its ``save_pretrained`` would write an adapter no unsplit model loads, so a
-parent's ``state_dict()`` is refused with the fix. ``tensorshard.integrations.transformers.peft.save_adapter`` writes
+parent's ``state_dict()`` is refused with the fix. ``tensorshard.integrations.transformers.save_adapter`` writes
 PEFT's format with the unsplit names and shapes. For the same reason ``PeftModel.from_pretrained(split_model,
 ...)`` is refused: load the adapter before splitting.
 
@@ -138,7 +138,7 @@ def refuse_parent_state_dict(model) -> None:
         raise NotImplementedError(
             "PEFT cannot save or load the adapter of a model split before the adapter was added: it names the "
             "tensors after each device's shard (module_shards.N...), which an unsplit model would not load. Save it "
-            "with tensorshard.integrations.transformers.peft.save_adapter(peft_model, folder) (PEFT's format, unsplit names), and "
+            "with tensorshard.integrations.transformers.save_adapter(peft_model, folder) (PEFT's format, unsplit names), and "
             "add adapters before splitting from now on: tp.tensor_parallel(get_peft_model(model, config), devices) "
             "or tp.tensor_parallel(PeftModel.from_pretrained(model, folder), devices)"
         )

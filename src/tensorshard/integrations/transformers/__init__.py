@@ -4,20 +4,21 @@ model.py: a split PreTrainedModel; cache.py: per-device KV caches; wrapped.py: a
 transformers model; peft.py: a split PeftModel (PEFT's adapter format).
 """
 
-import sys
-
 from torch import nn
 
 from .cache import ShardedCache, rank_caches
 from .model import TransformersTensorParallel, is_transformers_model, split_class, tensor_parallel_pretrained
+from .peft import PeftTensorParallel, is_peft_model, save_adapter, tensor_parallel_peft
 from .wrapped import WrapperTensorParallel
 
 __all__ = [
+    "PeftTensorParallel",
     "ShardedCache",
     "TransformersTensorParallel",
     "WrapperTensorParallel",
     "is_transformers_model",
     "rank_caches",
+    "save_adapter",
     "split_class",
     "tensor_parallel_pretrained",
     "tensor_parallel_transformers",
@@ -27,11 +28,7 @@ __all__ = [
 def tensor_parallel_transformers(module: nn.Module, device_ids=None, **options) -> nn.Module:
     """Split a transformers model (an instance of its class), a PeftModel (still a PeftModel: peft.py) or a
     module holding a transformers model (wrapped.py)."""
-    peft = sys.modules.get("peft")  # a PeftModel's owner imported peft already
-    if peft is not None and isinstance(module, peft.PeftModel):
-        # deferred: peft.py imports peft, an optional heavy dependency (loaded already here)
-        from .peft import tensor_parallel_peft
-
+    if is_peft_model(module):
         return tensor_parallel_peft(module, device_ids, **options)
     if is_transformers_model(module):
         return tensor_parallel_pretrained(module, device_ids, **options)

@@ -20,11 +20,10 @@ import functools
 import inspect
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
-from peft.utils import load_peft_weights
 from safetensors.torch import save_file
 from torch import nn
 
@@ -37,6 +36,12 @@ from .wrapped import WrapperTensorParallel
 logger = logging.getLogger(__name__)
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")
+
+
+def is_peft_model(module: object) -> bool:
+    """True for a peft PeftModel, without importing peft when nobody has."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
 
 
 def tensor_parallel_peft(module: nn.Module, device_ids=None, **kwargs) -> "PeftTensorParallel":
@@ -97,14 +102,15 @@ class PeftTensorParallel(WrapperTensorParallel):
                 f"load_adapter({adapter_name!r}): this split model holds the adapter(s) {sorted(self.peft_config)}; a new "
                 "one cannot be added after splitting. Load it into the unsplit model before tensor_parallel()"
             )
-        tuner = PEFT_TYPE_TO_TUNER_MAPPING[self.peft_config[adapter_name].peft_type]
+        peft = sys.modules["peft"]  # loaded by whoever made this PeftModel; never imported here
+        tuner = peft.mapping.PEFT_TYPE_TO_TUNER_MAPPING[self.peft_config[adapter_name].peft_type]
         ours = [n for n in self.splits if _adapter_tensor(n) and f".{adapter_name}." in n]
         by_saved_name = {  # PEFT's own naming: no adapter name; a modules_to_save copy under the module's name
             n.replace(f".modules_to_save.{adapter_name}.", ".") if ".modules_to_save." in n
             else tuner._remove_adapter_name_from_key(n, adapter_name): n
             for n in ours
         }
-        saved = load_peft_weights(str(model_id), device="cpu")
+        saved = peft.utils.load_peft_weights(str(model_id), device="cpu")
         unknown = sorted(set(saved) - set(by_saved_name))
         if unknown:
             raise ValueError(f"{model_id}: {len(unknown)} saved tensor(s) have no place in this model, e.g. {unknown[0]}")

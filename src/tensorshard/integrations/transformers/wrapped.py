@@ -50,6 +50,11 @@ class WrapperTensorParallel(TensorParallel):
         return self._inner_view
 
     @property
+    def device(self):
+        """Where outputs land (the output device), as for a split transformers model."""
+        return self.output_device
+
+    @property
     def config(self):
         return self._inner[1].config
 
