@@ -59,3 +59,21 @@ def test_lora_trains_like_unsplit(pool2, pool3, world):
         assert forward == {"all_reduce": 5, "all_gather": 1}
         assert backward == {"all_reduce": 4 + 1 + ties}
         assert sum("partial gradients" in w for w in where) == 1
+
+
+def late_lora_task() -> str:
+    from support import tiny_llama
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tp.parallelize(tiny_llama.build(), world_mesh()), LoraConfig(r=4, target_modules=["q_proj"]))
+    ids = torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    try:
+        model(input_ids=ids)
+    except NotImplementedError as e:
+        return str(e)
+    return "ran"
+
+
+def test_lora_added_after_parallelize_is_refused(pool2):
+    for message in pool2.run(late_lora_task):
+        assert "add adapters first" in message

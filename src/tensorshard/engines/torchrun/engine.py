@@ -50,6 +50,7 @@ from ...comm.timeout import resolve_timeout
 from ...devices import as_device
 from ...partition import Partition
 from ...plans import resolve_plan
+from ...plans.adapters import is_adapter_layer
 from ...plans.plan import Plan
 from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine, run_after_split
@@ -268,10 +269,14 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     comm = state.comm
     device = mesh_device(state.mesh)
     where = f"the forward of {type(root).__name__}"
+    known = {"count": sum(1 for _ in root.modules()), "adapters": {n for n, m in root.named_modules() if is_adapter_layer(m)}}
 
     def forward(*args, **kwargs):
         comm.begin_call()
         try:
+            if sum(1 for _ in root.modules()) != known["count"]:
+                _refuse_late_adapters(root, known["adapters"])
+                known["count"] = sum(1 for _ in root.modules())
             args, kwargs = _inputs_on(device, args, kwargs, signature)
             if state.checks_left > 0 and comm.world_size > 1:
                 state.checks_left -= 1
@@ -284,6 +289,17 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
             comm.end_call()
 
     wrap_forward(root, forward)
+
+
+def _refuse_late_adapters(root: nn.Module, planned: set[str]) -> None:
+    """PEFT adapters added after parallelize would run unaware of the split (each rank's factors sized from its
+    slices, no collective): refused. The in-process engine adopts them (engines/inprocess/late_adapters.py)."""
+    late = next((n for n, m in root.named_modules() if is_adapter_layer(m) and n not in planned), None)
+    if late is not None:
+        raise NotImplementedError(
+            f"{late}: a PEFT adapter was added after parallelize(); under torchrun add adapters first: "
+            "tp.parallelize(get_peft_model(model, config), mesh) (or PeftModel.from_pretrained(model, folder) first)"
+        )
 
 
 def _inputs_on(device: torch.device, args: tuple, kwargs: dict, signature) -> tuple[tuple, dict]:
