@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -32,6 +33,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..layers import is_transformers_model
+from ..plans.adapters import is_adapter_tensor
 from ..plans.slices import after_split
 from .atomic import atomic_write, fsync_dir, publish, write_into_folder
 from .describe import model_layout
@@ -246,8 +248,9 @@ def _is_dtensor(value) -> bool:
     return type(value).__name__ == "DTensor"
 
 
-def gathering_save_pretrained(model: nn.Module) -> Callable:
-    """``model.save_pretrained`` for a transformers model split by `parallelize` (installed by it).
+def gathering_save_pretrained(model: nn.Module, *, only: Callable[[str], bool] | None = None) -> Callable:
+    """``model.save_pretrained`` for a transformers model (or, with `only` picking the adapter's tensors, a
+    PeftModel) split by `parallelize` (installed by it).
 
     Every process calls it. The unsplit weights are gathered one tensor at a time (without the padding of
     the stacked layout) and kept on global rank 0 only, which writes them with the class's own
@@ -269,7 +272,7 @@ def gathering_save_pretrained(model: nn.Module) -> Callable:
 
         job.agree("checking the folder", check)
         state = given if given is not None else {}
-        for name, tensor in gathered_state_dict(model) if given is None else ():
+        for name, tensor in gathered_state_dict(model, only=only) if given is None else ():
             if job.coordinator:
                 state[name] = tensor
 
@@ -335,5 +338,8 @@ def _parse_size(size: int | str) -> int:
 @after_split
 def _install_gathering_save_pretrained(module: nn.Module) -> None:
     """A transformers model split by `parallelize` saves the unsplit weights, not DTensor pieces."""
-    if is_transformers_model(module):
+    peft = sys.modules.get("peft")
+    if peft is not None and isinstance(module, peft.PeftModel):  # PEFT's adapter format, from the gathered adapter
+        module.save_pretrained = gathering_save_pretrained(module, only=is_adapter_tensor)
+    elif is_transformers_model(module):
         module.save_pretrained = gathering_save_pretrained(module)

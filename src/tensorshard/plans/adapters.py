@@ -45,6 +45,11 @@ def is_modules_to_save(module: nn.Module) -> bool:
     )
 
 
+def is_adapter_tensor(name: str) -> bool:
+    """A tensor PEFT saves for an adapter (by its state-dict name): LoRA factors, modules_to_save copies."""
+    return "lora_" in name or ".modules_to_save." in name
+
+
 def has_adapters(module: nn.Module) -> bool:
     return any(is_adapter_layer(m) or is_modules_to_save(m) for m in module.modules())
 

@@ -77,3 +77,31 @@ def late_lora_task() -> str:
 def test_lora_added_after_parallelize_is_refused(pool2):
     for message in pool2.run(late_lora_task):
         assert "add adapters first" in message
+
+
+def save_task(folder: str) -> str:
+    import torch.distributed as dist
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from support import tiny_llama
+
+    torch.manual_seed(0)
+    ref = get_peft_model(tiny_llama.build(), LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False, modules_to_save=["lm_head"]))
+    model = tp.parallelize(copy.deepcopy(ref), world_mesh())
+    model.save_pretrained(f"{folder}/adapter", state_dict=None, is_main_process=dist.get_rank() == 0)
+    bare = tp.parallelize(tiny_llama.build(), world_mesh())
+    bare.save_pretrained(f"{folder}/model", state_dict=None, safe_serialization=True, max_shard_size="100KB")
+    dist.barrier()
+    ids = torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        loaded = PeftModel.from_pretrained(tiny_llama.build(), f"{folder}/adapter").eval()
+        err = (loaded(input_ids=ids).logits - ref.eval()(input_ids=ids).logits).norm() / ref(input_ids=ids).logits.norm()
+        plain = AutoModelForCausalLM.from_pretrained(f"{folder}/model").eval()
+        err_model = (plain(ids).logits - tiny_llama.build()(ids).logits).norm() / plain(ids).logits.norm()
+    return f"{err.item():.1e} {err_model.item():.1e}"
+
+
+def test_save_pretrained_under_torchrun(pool2, tmp_path):
+    for result in pool2.run(save_task, str(tmp_path)):
+        adapter, model = map(float, result.split())
+        assert adapter < 1e-5 and model < 1e-5  # PEFT's format and the unsplit checkpoint, both loaded by plain code

@@ -31,6 +31,7 @@ from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import gathered_state_dict, save_pretrained_options
 from ...engines.inprocess import TensorParallel
 from ...engines.inprocess.late_adapters import adopt_late_modules
+from ...plans.adapters import is_adapter_tensor
 from .wrapped import WrapperTensorParallel
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class PeftTensorParallel(WrapperTensorParallel):
             )
         peft = sys.modules["peft"]  # loaded by whoever made this PeftModel; never imported here
         tuner = peft.mapping.PEFT_TYPE_TO_TUNER_MAPPING[self.peft_config[adapter_name].peft_type]
-        ours = [n for n in self.splits if _adapter_tensor(n) and f".{adapter_name}." in n]
+        ours = [n for n in self.splits if is_adapter_tensor(n) and f".{adapter_name}." in n]
         by_saved_name = {  # PEFT's own naming: no adapter name; a modules_to_save copy under the module's name
             n.replace(f".modules_to_save.{adapter_name}.", ".") if ".modules_to_save." in n
             else tuner._remove_adapter_name_from_key(n, adapter_name): n
@@ -128,15 +129,10 @@ class PeftTensorParallel(WrapperTensorParallel):
         target = Path(save_directory)
         if target.exists() and not target.is_dir():
             raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
-        state = given if given is not None else dict(gathered_state_dict(self, only=_adapter_tensor))
+        state = given if given is not None else dict(gathered_state_dict(self, only=is_adapter_tensor))
         peft_save = functools.partial(type(self._peft).save_pretrained, self._peft, state_dict=state, **kwargs)
         write_into_folder(target, peft_save, replaces=ADAPTER_FILES)
         logger.info("saved the adapter of the split %s to %s (%d tensors)", type(self._peft).__name__, target, len(state))
-
-
-def _adapter_tensor(name: str) -> bool:
-    """The tensors PEFT saves for an adapter: LoRA factors and the trainable copies of modules_to_save."""
-    return "lora_" in name or ".modules_to_save." in name
 
 
 def save_adapter(peft_model: nn.Module, save_directory: str | os.PathLike, *, adapter_name: str = "default") -> None:
@@ -151,7 +147,7 @@ def save_adapter(peft_model: nn.Module, save_directory: str | os.PathLike, *, ad
     marker = f".{adapter_name}."
     state = {
         "base_model.model." + name.replace(marker, "."): tensor.contiguous()
-        for name, tensor in gathered_state_dict(split, only=lambda n: _adapter_tensor(n) and marker in n)
+        for name, tensor in gathered_state_dict(split, only=lambda n: is_adapter_tensor(n) and marker in n)
     }
     if not state:
         raise ValueError(f"the model holds no tensors of adapter {adapter_name!r}")
