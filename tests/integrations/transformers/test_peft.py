@@ -112,7 +112,7 @@ def test_saved_adapter_loads_into_an_unsplit_model_with_plain_peft(tmp_path):
         assert rel_err(loaded(input_ids=ids()).logits, ref.eval()(input_ids=ids()).logits) < 1e-5
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_lora_after_split_trains_like_unsplit(tmp_path, n):
     split = tp.tensor_parallel(tiny(), ["cpu"] * n, sharded=False)
     model = lora(split)  # PEFT wraps every device's layers; the split model adopts the adapters
@@ -120,11 +120,12 @@ def test_lora_after_split_trains_like_unsplit(tmp_path, n):
         model.save_pretrained(tmp_path / "refused")  # PEFT would write per-device names
     save_adapter(model, tmp_path / "adapter")
     ref = PeftModel.from_pretrained(tiny(), tmp_path / "adapter", is_trainable=True)
-    with tp.count_collectives() as c:
-        model(input_ids=ids(), labels=ids()).loss.backward()
-    assert sum("partial gradients" in where for _, _, _, where in c.log) == 1
-    assert dict(c.forward) == {"all_reduce": 5, "all_gather": 1}
-    model.zero_grad()
+    if n > 1:
+        with tp.count_collectives() as c:
+            model(input_ids=ids(), labels=ids()).loss.backward()
+        assert sum("partial gradients" in where for _, _, _, where in c.log) == 1
+        assert dict(c.forward) == {"all_reduce": 5, "all_gather": 1}
+        model.zero_grad()
     assert_same_training(model, ref)
 
 

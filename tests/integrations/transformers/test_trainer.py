@@ -59,7 +59,7 @@ def lora(model):
                                             init_lora_weights=False, modules_to_save=["lm_head"]))
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [1, 2, 3])
 def test_trainer_trains_evaluates_saves_and_resumes(tmp_path, n):
     original = tiny()
     want = train(copy.deepcopy(original), tmp_path / "unsplit")
