@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..layers import is_transformers_model
+from ..layers import is_peft_model, is_transformers_model
 from ..plans.adapters import is_adapter_tensor
 from ..plans.slices import after_split
 from .atomic import atomic_write, fsync_dir, publish, write_into_folder
@@ -338,8 +337,7 @@ def _parse_size(size: int | str) -> int:
 @after_split
 def _install_gathering_save_pretrained(module: nn.Module) -> None:
     """A transformers model split by `parallelize` saves the unsplit weights, not DTensor pieces."""
-    peft = sys.modules.get("peft")
-    if peft is not None and isinstance(module, peft.PeftModel):  # PEFT's adapter format, from the gathered adapter
+    if is_peft_model(module):  # PEFT's adapter format, from the gathered adapter
         module.save_pretrained = gathering_save_pretrained(module, only=is_adapter_tensor)
     elif is_transformers_model(module):
         module.save_pretrained = gathering_save_pretrained(module)

@@ -11,10 +11,10 @@ all checks off.
 from __future__ import annotations
 
 import logging
-import sys
 
 from torch import nn
 
+from ..layers import is_transformers_model
 from ..plans.plan import Plan
 from ..plans.presets import PRESETS, preset_for
 from ..plans.sharding import shard_plan
@@ -49,10 +49,9 @@ def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, 
 
 def contained_model(module: nn.Module) -> tuple[str, nn.Module] | None:
     """(path, model) of the outermost transformers model inside `module`, when `module` is not one itself."""
-    transformers = sys.modules.get("transformers")  # never import it for a plain PyTorch model
-    if transformers is None or isinstance(module, transformers.PreTrainedModel):
+    if is_transformers_model(module):
         return None
-    return next(((n, m) for n, m in module.named_modules() if isinstance(m, transformers.PreTrainedModel)), None)
+    return next(((n, m) for n, m in module.named_modules() if is_transformers_model(m)), None)
 
 
 def _translated_plan_problem(module: nn.Module, plan: Plan, world_size: int, example_inputs) -> str | None:

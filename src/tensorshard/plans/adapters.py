@@ -99,17 +99,20 @@ def _rewrite(name: str, wrapper: nn.Module, style: Style) -> dict[str, Style]:
             f"of this layer ({style.describe()}). Leave the layer out of the adapter (target_modules / exclude_modules), "
             "use plain LoRA on nn.Linear layers, or keep the layer whole in the plan (tp.Replicate())"
         )
-    blocks = style.blocks
-    if base == "column":
-        a, b = LoraFactor(split="whole_input"), LoraFactor(split="output", blocks=blocks)
-    else:
-        a, b = LoraFactor(split="input", blocks=blocks), LoraFactor(split="whole")
+    a, b = factor_styles(base, style.blocks)
     return {
         name: LoraParallel(base=base),
         f"{name}.base_layer": style,
         f"{name}.lora_A.*": a,
         f"{name}.lora_B.*": b,
     }
+
+
+def factor_styles(base: str, blocks=None) -> tuple[LoraFactor, LoraFactor]:
+    """(A's style, B's style) beside a `base` ("column" or "row") layer split by `blocks`."""
+    if base == "column":
+        return LoraFactor(split="whole_input"), LoraFactor(split="output", blocks=blocks)
+    return LoraFactor(split="input", blocks=blocks), LoraFactor(split="whole")
 
 
 def _base_kind(style: Style) -> str | None:

@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from ...comm.threads import ThreadComm
-from ...plans.adapters import is_adapter_layer
+from ...plans.adapters import factor_styles, is_adapter_layer
 from ...styles.base import ShardContext
-from ...styles.lora import LoraFactor, LoraParallel, lora_layer_problem
+from ...styles.lora import LoraParallel, lora_layer_problem
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +115,7 @@ def _adopt(model, name: str, base: str | None, part) -> None:
             model.splits[b.removesuffix("weight") + "bias"] = model.splits[b]
     if base is None or world == 1:
         return
-    styles = (
-        {"lora_A": LoraFactor(split="whole_input"), "lora_B": LoraFactor(split="output")}
-        if base == "column" else {"lora_A": LoraFactor(split="input"), "lora_B": LoraFactor(split="whole")}
-    )
+    styles = dict(zip(("lora_A", "lora_B"), factor_styles(base)))
     for rank, layer in enumerate(layers):
         comm = ThreadComm(model._group, rank)
         for factor, style in styles.items():

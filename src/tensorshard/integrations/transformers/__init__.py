@@ -6,9 +6,10 @@ transformers model; peft.py: a split PeftModel (PEFT's adapter format).
 
 from torch import nn
 
+from ...layers import is_peft_model
 from .cache import ShardedCache, rank_caches
 from .model import TransformersTensorParallel, is_transformers_model, split_class, tensor_parallel_pretrained
-from .peft import PeftTensorParallel, is_peft_model, save_adapter, tensor_parallel_peft
+from .peft import PeftTensorParallel, save_adapter, tensor_parallel_peft
 from .wrapped import WrapperTensorParallel
 
 __all__ = [

@@ -31,18 +31,13 @@ from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import gathered_state_dict, save_pretrained_options
 from ...engines.inprocess import TensorParallel
 from ...engines.inprocess.late_adapters import adopt_late_modules
+from ...layers import is_peft_model
 from ...plans.adapters import is_adapter_tensor
 from .wrapped import WrapperTensorParallel
 
 logger = logging.getLogger(__name__)
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")
-
-
-def is_peft_model(module: object) -> bool:
-    """True for a peft PeftModel, without importing peft when nobody has."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(module, peft.PeftModel)
 
 
 def tensor_parallel_peft(module: nn.Module, device_ids=None, **kwargs) -> "PeftTensorParallel":
