@@ -86,9 +86,6 @@ class PeftTensorParallel(WrapperTensorParallel):
     def get_base_model(self) -> nn.Module:
         return self.inner_model
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return WrapperTensorParallel.forward(self, *args, **kwargs)
-
     def load_adapter(self, model_id: str | os.PathLike, adapter_name: str = "default", is_trainable: bool = False, **kwargs: Any):
         """Load saved weights (a local folder in PEFT's format) into adapter `adapter_name`, which this model
         already holds (Trainer's resume_from_checkpoint): each device takes its slice. A new adapter cannot be
