@@ -70,9 +70,7 @@ def load_pretrained(
         source, index = GGUFSource(gguf_path, module), None  # maps names on the unsplit module
     if in_place:
         return _load_torchrun(module, split, plan, path, source, progress)
-    training = module.training
-    wrapped = split(module, plan)
-    wrapped.train(training)  # the wrapper starts in train mode; follow the model (eval for transformers models)
+    wrapped = split(module, plan)  # the split model keeps the module's modes (eval for transformers models)
     if source is None:
         source, index = open_folder(path)
     layout = model_layout(wrapped)

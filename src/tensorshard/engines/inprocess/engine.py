@@ -143,7 +143,10 @@ class TensorParallel(nn.Module):
         self._module_count = len(self._module_names)
         self._late_adapters = False
         self._register_load_state_dict_pre_hook(_load_unsplit, with_module=True)
-        self.train(module.training)  # the wrapper starts in the mode the module was in
+        # The wrapper takes the module's own mode; every submodule of the shards keeps the mode it had (a
+        # train-mode wrapper around an eval-mode model, as get_peft_model returns, keeps its dropout off).
+        # train()/eval() on the split model later reach every shard as usual.
+        self.training = self.module_shards.training = module.training
         self._loaded = False  # set once no tensor is on the meta device
         _consume(module, world)
         shard_replicated(self, zero_names)
