@@ -27,6 +27,7 @@ from ..layers import EMBEDDING
 from ..plans.plan import Plan
 from ..plans.sharding import shard_plan
 from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style, SumGradients
+from ..plans.direct_reads import direct_reads
 from .structure import Layout, LayoutError, head_attrs, infer_layout
 from .trace import Poison, Trace
 
@@ -239,6 +240,12 @@ def _validate(module: nn.Module, entries: dict[str, Style], world_size: int) -> 
 
     Modules that share a weight with an entry (a tied embedding and head) get the style that splits it
     alike for the dry run; whether they really do is settled for the whole plan (`_resolve_ties`)."""
+    read = _read_directly(module)
+    for name in entries:
+        for t in module.get_submodule(name)._parameters:
+            reader = read.get(f"{name}.{t}" if name else t)
+            if reader is not None:
+                return f"{reader or '<root>'} reads {name}.{t} itself instead of calling {name} (plans/direct_reads.py)"
     trial = dict(entries)
     partners = _tied_partners(module)
     for name in entries:
@@ -270,9 +277,24 @@ def _tied_partners(module: nn.Module) -> dict[str, set[str]]:
 _PARTNERS: dict[int, tuple[nn.Module, dict[str, set[str]]]] = {}
 
 
+def _read_directly(module: nn.Module) -> dict[str, str]:
+    """Tensor name -> a module that reads it without calling its owner (cached per model)."""
+    cached = _READS.get(id(module))
+    if cached is not None and cached[0] is module:
+        return cached[1]
+    result = {t: reader for reader, reads in direct_reads(module).items() for t in reads}
+    _READS.clear()
+    _READS[id(module)] = (module, result)
+    return result
+
+
+_READS: dict[int, tuple[nn.Module, dict[str, str]]] = {}
+
+
 def forget_model() -> None:
     """Drop the cached tie structure (it holds a reference to the model)."""
     _PARTNERS.clear()
+    _READS.clear()
 
 
 def _find_tied_partners(module: nn.Module) -> dict[str, set[str]]:

@@ -4,7 +4,8 @@
 and asks each style how its module's tensors split. It only reads the model: every error about the plan
 (a pattern that matches nothing, a style on the wrong layer type, a dimension with fewer units than
 devices, neighbouring layers that disagree on a split (plans/validate.py), a tied weight split two
-different ways) is raised here, before any engine touches the model.
+different ways, a split tensor some module reads without calling its owner) is raised here, before any
+engine touches the model.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..comm.base import Comm, NoComm
 from ..partition import HeadGroups, Partition
 from ..styles.base import ShardContext, Splits, Style
 from ..styles.heads import Heads
+from .direct_reads import direct_reads
 from .plan import Plan
 from .validate import check_layouts
 
@@ -82,6 +84,7 @@ def shard_plan(module: nn.Module, plan: Plan, world_size: int) -> ShardedModel:
         modules[name] = shard
 
     check_layouts(module, modules, world_size)  # neighbours agree on how the features they pass are split
+    check_direct_reads(module, modules)
 
     # Every tensor (a tied weight appears under several modules) must be split one way only.
     tensors: dict[int, tuple[int, Partition] | None] = {}
@@ -101,6 +104,25 @@ def shard_plan(module: nn.Module, plan: Plan, world_size: int) -> ShardedModel:
             tensors.setdefault(id(t), split)
             first_seen.setdefault(id(t), where)
     return ShardedModel(world_size, modules, tensors)
+
+
+def check_direct_reads(module: nn.Module, modules: dict[str, ModuleShard]) -> None:
+    """Refuse a plan that splits a tensor some module reads without calling its owner (plans/direct_reads.py)."""
+    split = {f"{name}.{t}" if name else t: name for name, ms in modules.items() for t in ms.splits}
+    if not split:
+        return
+    for reader, reads in direct_reads(module).items():
+        hit = [t for t in reads if t in split]
+        if hit:
+            owner = split[hit[0]]
+            more = f" (and {len(hit) - 1} more split tensor(s))" if len(hit) > 1 else ""
+            raise ValueError(
+                f"{reader or '<root>'} ({type(module.get_submodule(reader)).__name__}) reads {hit[0]}{more} itself in "
+                f"its forward instead of calling {owner}, which the plan splits: it would compute with one "
+                f"device's slice as if it were the whole tensor (PyTorch's MultiheadAttention and the fused fast "
+                f"path of TransformerEncoderLayer in eval do this). Leave {owner} whole (remove its plan entry), "
+                f"or give {reader or 'the model'} a forward that calls its submodules."
+            )
 
 
 def _describe(split) -> str:

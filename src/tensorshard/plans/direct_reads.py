@@ -1,0 +1,126 @@
+"""Modules whose forward reads a submodule's weights without calling the submodule.
+
+A style changes how its module computes by replacing the module's forward (a column-parallel Linear
+computes its slice of the outputs, a row-parallel one all-reduces). A parent that reads the child's
+weight itself, ``F.linear(x, self.fc.weight)``, bypasses that forward and computes with the local slice
+as if it were the whole weight: the numbers are wrong, often without an error. PyTorch's own layers do
+this: ``nn.MultiheadAttention`` always passes ``self.out_proj.weight`` to its functional kernel, and
+``nn.TransformerEncoderLayer`` in eval under ``no_grad`` reads ``self.linear1.weight``,
+``self.self_attn.in_proj_weight``, ... into one fused kernel.
+
+`direct_reads(model)` finds every such read by reading the source of each module's ``forward`` (and of
+the methods it calls on ``self``): an expression ``self.a.b.weight`` naming a parameter or buffer of a
+descendant, used for its values. Uses that only look at metadata (``.dtype``, ``.shape``, ``is None``,
+``isinstance(...)``) do not count. `shard_plan` refuses a plan that splits a tensor read this way, and
+plan inference leaves such layers whole. A module whose source cannot be read (a compiled extension)
+is not checked.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+
+from torch import nn
+
+# Attributes of a tensor that describe it without reading its values.
+_METADATA = {
+    "dtype", "shape", "device", "size", "dim", "ndim", "is_cuda", "is_meta", "is_floating_point", "numel",
+    "requires_grad", "layout", "is_sparse", "is_quantized", "element_size", "nbytes", "itemsize", "names",
+    "data_ptr", "stride", "is_contiguous", "__class__", "grad_fn",
+}
+_METADATA_CALLS = {"isinstance", "hasattr", "getattr", "type", "id", "len", "callable"}
+
+
+def direct_reads(model: nn.Module) -> dict[str, list[str]]:
+    """``{reader module name: [names of descendant tensors it reads directly], ...}``, names relative to
+    `model` (``"layers.0": ["layers.0.linear1.weight", ...]``); readers with none are left out."""
+    out: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        found = []
+        for chain, metadata_use in _chains(type(module)):
+            read = _tensor_read(module, chain, metadata_use)
+            if read is not None:
+                found.append(".".join(p for p in (name, read) if p))
+        if found:
+            out[name] = sorted(set(found))
+    return out
+
+
+def _tensor_read(module: nn.Module, chain: tuple[str, ...], metadata_use: bool) -> str | None:
+    """The descendant tensor ``self.a.b.weight[...]`` reads for its values ("a.b.weight"), if any."""
+    for k in range(1, len(chain)):
+        try:
+            child = module.get_submodule(".".join(chain[:k]))
+        except AttributeError:
+            return None
+        tensor, rest = chain[k], chain[k + 1 :]
+        if tensor in child._parameters or tensor in child._buffers:
+            only_metadata = rest[0] in _METADATA if rest else metadata_use
+            return None if only_metadata else ".".join(chain[: k + 1])
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _chains(cls: type) -> tuple[tuple[tuple[str, ...], bool], ...]:
+    """Attribute chains ``self.a.b.c`` (as ``("a", "b", "c")``, 2+ parts, the longest written) in `cls`'s
+    forward and the methods of `cls` it calls on ``self``, each with whether its use only reads metadata."""
+    chains: set[tuple[tuple[str, ...], bool]] = set()
+    todo, seen = ["forward"], set()
+    while todo:
+        method = todo.pop()
+        if method in seen:
+            continue
+        seen.add(method)
+        tree = _source_tree(cls, method)
+        if tree is None:
+            continue
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            chain = _self_chain(node)
+            if chain is None:
+                continue
+            parent = parents.get(node)
+            if len(chain) == 1:
+                if isinstance(parent, ast.Call) and parent.func is node:
+                    todo.append(chain[0])  # self.helper(...): read that method too
+                continue
+            if isinstance(parent, ast.Attribute) and _self_chain(parent) is not None:
+                continue  # part of a longer chain, seen on its own
+            chains.add((chain, _metadata_only(node, parent)))
+    return tuple(sorted(chains))
+
+
+def _source_tree(cls: type, method: str) -> ast.AST | None:
+    fn = getattr(cls, method, None)
+    fn = getattr(fn, "__func__", fn)
+    owner = getattr(fn, "__qualname__", "").split(".")[0]
+    if not inspect.isfunction(fn) or owner in ("Module", "Sequential", "ModuleList", "ModuleDict"):
+        return None  # nn.Module's own machinery, or not Python
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+
+
+def _self_chain(node: ast.AST) -> tuple[str, ...] | None:
+    """``self.a.b`` -> ("a", "b"); anything not rooted at ``self`` -> None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == "self" and parts:
+        return tuple(reversed(parts))
+    return None
+
+
+def _metadata_only(node: ast.AST, parent: ast.AST | None) -> bool:
+    if isinstance(parent, ast.Attribute):
+        return parent.attr in _METADATA  # self.fc.weight.dtype
+    if isinstance(parent, ast.Call) and node in parent.args:
+        return isinstance(parent.func, ast.Name) and parent.func.id in _METADATA_CALLS  # isinstance(self.fc.weight, T)
+    if isinstance(parent, ast.Compare):
+        return all(isinstance(op, (ast.Is, ast.IsNot)) for op in parent.ops)  # self.fc.bias is None
+    return False
