@@ -182,11 +182,12 @@ def test_check_true_verifies_a_given_plan(gen, caplog):
 
 def test_inference_fast_paths_are_checked_too(gen, caplog):
     """nn.TransformerEncoderLayer in eval mode without gradients runs a fused kernel on its layers' weights,
-    bypassing their forwards: the traced pass cannot see that, the self-check's no-grad run does."""
+    bypassing their forwards: the traced pass cannot see that; reading the layer's source does
+    (plans/direct_reads.py), and the self-check's no-grad run would."""
     ref = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0).eval()
     with caplog.at_level(logging.INFO, logger="tensorshard.inference.infer"):
         model = split_copy(ref, 2)
-    assert "without gradients" in caplog.text
+    assert "<root> reads linear1.weight itself instead of calling linear1" in caplog.text
     x = torch.randn(2, 5, 32, generator=gen)
     with torch.no_grad():
         assert rel_err(model(x), ref(x)) < 1e-6

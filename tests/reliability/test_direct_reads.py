@@ -96,3 +96,28 @@ def test_transformers_models_have_no_direct_reads():
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=50
     ))
     assert direct_reads(t5) == {} and direct_reads(llama) == {}  # T5 reads wo.weight.dtype: metadata only
+
+
+class ReadsWhenExact(ReadsChildWeight):
+    """Bloom's pattern: a direct read under a branch that a plain attribute of the module decides."""
+
+    def __init__(self, exact: bool):
+        super().__init__()
+        self.exact = exact
+
+    def forward(self, x):
+        if self.exact and self.fc.in_features > 4:
+            h = F.linear(x, self.fc.weight, self.fc.bias)
+        else:
+            h = self.fc(x)
+        return self.out(h.relu())
+
+
+def test_a_branch_the_module_never_takes_does_not_count(gen):
+    plan = {"fc": tp.ColwiseParallel(), "out": tp.RowwiseParallel()}
+    with pytest.raises(ValueError, match="reads fc"):
+        tp.tensor_parallel(ReadsWhenExact(exact=True), ["cpu"] * 2, plan=plan)
+    ref = ReadsWhenExact(exact=False)
+    split = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, plan=plan)
+    x = torch.randn(3, 8, generator=gen)
+    assert rel_err(split(x), ref(x)) < 1e-5

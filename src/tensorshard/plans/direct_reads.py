@@ -11,7 +11,8 @@ this: ``nn.MultiheadAttention`` always passes ``self.out_proj.weight`` to its fu
 `direct_reads(model)` finds every such read by reading the source of each module's ``forward`` (and of
 the methods it calls on ``self``): an expression ``self.a.b.weight`` naming a parameter or buffer of a
 descendant, used for its values. Uses that only look at metadata (``.dtype``, ``.shape``, ``is None``,
-``isinstance(...)``) do not count. `shard_plan` refuses a plan that splits a tensor read this way, and
+``isinstance(...)``) do not count, nor reads under an ``if`` that the module's own plain attributes
+decide against (Bloom's ``if self.pretraining_tp > 1 and self.slow_but_exact``). `shard_plan` refuses a plan that splits a tensor read this way, and
 plan inference leaves such layers whole. A module whose source cannot be read (a compiled extension)
 is not checked.
 """
@@ -40,8 +41,8 @@ def direct_reads(model: nn.Module) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for name, module in model.named_modules():
         found = []
-        for chain, metadata_use in _chains(type(module)):
-            read = _tensor_read(module, chain, metadata_use)
+        for chain, metadata_use, guards in _chains(type(module)):
+            read = None if _dead(module, guards) else _tensor_read(module, chain, metadata_use)
             if read is not None:
                 found.append(".".join(p for p in (name, read) if p))
         if found:
@@ -64,10 +65,11 @@ def _tensor_read(module: nn.Module, chain: tuple[str, ...], metadata_use: bool) 
 
 
 @functools.lru_cache(maxsize=None)
-def _chains(cls: type) -> tuple[tuple[tuple[str, ...], bool], ...]:
+def _chains(cls: type) -> tuple[tuple[tuple[str, ...], bool, tuple], ...]:
     """Attribute chains ``self.a.b.c`` (as ``("a", "b", "c")``, 2+ parts, the longest written) in `cls`'s
-    forward and the methods of `cls` it calls on ``self``, each with whether its use only reads metadata."""
-    chains: set[tuple[tuple[str, ...], bool]] = set()
+    forward and the methods of `cls` it calls on ``self``, each with whether its use only reads metadata
+    and the ``if`` conditions it sits under, as ``((test expression, branch taken), ...)``."""
+    chains: dict[tuple, None] = {}
     todo, seen = ["forward"], set()
     while todo:
         method = todo.pop()
@@ -78,7 +80,7 @@ def _chains(cls: type) -> tuple[tuple[tuple[str, ...], bool], ...]:
         if tree is None:
             continue
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-        for node in ast.walk(tree):
+        for node, guards in _guarded_nodes(tree, ()):
             chain = _self_chain(node)
             if chain is None:
                 continue
@@ -89,8 +91,74 @@ def _chains(cls: type) -> tuple[tuple[tuple[str, ...], bool], ...]:
                 continue
             if isinstance(parent, ast.Attribute) and _self_chain(parent) is not None:
                 continue  # part of a longer chain, seen on its own
-            chains.add((chain, _metadata_only(node, parent)))
-    return tuple(sorted(chains))
+            chains[(chain, _metadata_only(node, parent), guards)] = None
+    return tuple(chains)
+
+
+def _guarded_nodes(node: ast.AST, guards: tuple):
+    """Every node under `node`, with the ``if`` tests (and which branch) that lead to it."""
+    yield node, guards
+    if isinstance(node, (ast.If, ast.IfExp)):
+        yield from _guarded_nodes(node.test, guards)
+        body = node.body if isinstance(node.body, list) else [node.body]
+        orelse = node.orelse if isinstance(node.orelse, list) else [node.orelse]
+        for child in body:
+            yield from _guarded_nodes(child, guards + ((node.test, True),))
+        for child in orelse:
+            yield from _guarded_nodes(child, guards + ((node.test, False),))
+        return
+    for child in ast.iter_child_nodes(node):
+        yield from _guarded_nodes(child, guards)
+
+
+def _dead(module: nn.Module, guards: tuple) -> bool:
+    """True when one of the ``if`` tests, computed from the module's plain attributes alone (Bloom's
+    ``self.pretraining_tp > 1 and self.slow_but_exact``), sends this module the other way."""
+    for test, branch in guards:
+        value = _value(test, module)
+        if value is not _UNKNOWN and bool(value) != branch:
+            return True
+    return False
+
+
+_UNKNOWN = object()
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _value(expr: ast.AST, module: nn.Module):
+    """The value of `expr` when it only combines constants and plain attributes of `module`, else _UNKNOWN."""
+    if isinstance(expr, ast.Constant):
+        return expr.value
+    chain = _self_chain(expr)
+    if chain is not None:
+        value = module
+        for part in chain:
+            value = getattr(value, part, _UNKNOWN)
+            if value is _UNKNOWN:
+                return _UNKNOWN
+        return value if isinstance(value, _PLAIN) else _UNKNOWN
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
+        value = _value(expr.operand, module)
+        return _UNKNOWN if value is _UNKNOWN else not value
+    if isinstance(expr, ast.BoolOp):
+        values = [_value(v, module) for v in expr.values]
+        if isinstance(expr.op, ast.And) and any(v is not _UNKNOWN and not v for v in values):
+            return False
+        if isinstance(expr.op, ast.Or) and any(v is not _UNKNOWN and v for v in values):
+            return True
+        return _UNKNOWN if any(v is _UNKNOWN for v in values) else values[-1]
+    if isinstance(expr, ast.Compare) and len(expr.ops) == 1:
+        left, right = _value(expr.left, module), _value(expr.comparators[0], module)
+        if left is _UNKNOWN or right is _UNKNOWN:
+            return _UNKNOWN
+        compare = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Gt: lambda a, b: a > b,
+                   ast.GtE: lambda a, b: a >= b, ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
+                   ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b}.get(type(expr.ops[0]))
+        try:
+            return _UNKNOWN if compare is None else compare(left, right)
+        except TypeError:
+            return _UNKNOWN
+    return _UNKNOWN
 
 
 def _source_tree(cls: type, method: str) -> ast.AST | None:
