@@ -14,6 +14,7 @@ from .checkpoint.streaming import load_pretrained
 from .devices import resolve_devices
 from .engines.inprocess import TensorParallel
 from .engines.inprocess.zero import default_sharded
+from .engines.resplit import refuse_split_twice
 from .engines.torchrun import parallelize, tensor_parallel_distributed
 from .layers import contains_transformers_model
 from .plans.plan import Plan
@@ -65,6 +66,8 @@ def tensor_parallel(
     if plan is not None and tensor_parallel_config is not None:
         raise ValueError("pass either plan= or tensor_parallel_config= (its old name), not both")
     plan = plan if plan is not None else tensor_parallel_config
+    if isinstance(module, nn.Module):
+        refuse_split_twice(module)  # before a transformers model's split class is built from a split one
     if distributed:
         return tensor_parallel_distributed(module, device_ids, plan=plan, sharded=sharded, timeout=timeout)
     if sharded is False and sharded_param_names:

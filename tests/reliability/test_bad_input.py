@@ -118,7 +118,7 @@ CASES = [
     Case("timeout-env-malformed", ff, {"plan": FF_PLAN}, ValueError, "TENSORSHARD_TIMEOUT='soon' is not a number of seconds", setup=lambda mp, _: mp.setenv("TENSORSHARD_TIMEOUT", "soon")),
     Case("timeout-env-negative", ff, {"plan": FF_PLAN}, ValueError, "TENSORSHARD_TIMEOUT='-5': -5.0 is not a positive, finite number", setup=lambda mp, _: mp.setenv("TENSORSHARD_TIMEOUT", "-5")),
     # -- what is split ------------------------------------------------------------------------------------
-    Case("contains-a-split-model", lambda: nn.Sequential(tp.tensor_parallel(ff(), ["cpu"] * 2, plan=FF_PLAN)), {}, TypeError, "Sequential.0 is already a TensorParallel; split the whole model once"),
+    Case("contains-a-split-model", lambda: nn.Sequential(tp.tensor_parallel(ff(), ["cpu"] * 2, plan=FF_PLAN)), {}, TypeError, "Sequential.0 is already split over 2 device(s) ['cpu[0]', 'cpu[1]']: it is a model tensor_parallel() returned. Split the unsplit model once"),
     Case("plan-and-old-name", ff, {"plan": FF_PLAN, "tensor_parallel_config": FF_PLAN}, ValueError, "pass either plan= or tensor_parallel_config= (its old name), not both"),
     Case("sharded-name-already-split", ff, {"plan": FF_PLAN, "sharded_param_names": ["w1.weight"]}, ValueError, "sharded_param_names: 'w1.weight' is already split by the plan (dim 0); ZeRO-3 partitions only what the plan leaves whole"),
     Case("sharded-name-unknown", ff, {"plan": FF_PLAN, "sharded_param_names": ["w9.weight"]}, ValueError, "sharded_param_names: 'w9.weight' is not a parameter of the model."),

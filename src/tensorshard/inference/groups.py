@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..layers import EMBEDDING
-from ..plans.plan import Plan
+from ..plans.plan import Plan, escape
 from ..plans.sharding import shard_plan
 from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style, SumGradients
 from ..plans.direct_reads import direct_reads
@@ -365,11 +365,6 @@ def resolve_ties(module: nn.Module, groups: list[Group], embeddings: dict[str, S
             embeddings.pop(n, None)
             if n in owner and owner[n].outcome != "whole":
                 owner[n].fail(reason)
-
-
-def escape(name: str) -> str:
-    """A module name as a glob that matches only itself."""
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
 def shared_path(names: list[str]) -> list[str]:

@@ -16,6 +16,7 @@ from torch import nn
 
 from .adapters import adapt_plan, has_adapters
 from .plan import Plan, match_pattern
+from .ties import follow_ties
 
 __all__ = ["Plan", "match_pattern", "register_inference", "resolve_plan"]
 
@@ -62,6 +63,7 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
         raise TypeError(
             f"plan must be a tensorshard Plan, a {{pattern: style}} dict or a path to a plan JSON file; got {type(plan).__name__}"
         )
+    resolved = follow_ties(module, resolved)  # a tied weight's other holders split alike (ties.py)
     if check:
         resolved = _inferred("check_plan")(module, resolved, world_size)
     return adapt_plan(module, resolved) if has_adapters(module) else resolved

@@ -194,6 +194,11 @@ def _inside(name: str, parent: str) -> bool:
     return parent == "" or name == parent or name.startswith(parent + ".")
 
 
+def escape(name: str) -> str:
+    """A module name as a glob that matches only itself."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
 def match_pattern(pattern: str, name: str) -> bool:
     """Glob match of a dotted module name, segment by segment (``**`` = any number of segments)."""
     return _match(pattern.split(".") if pattern else [], name.split(".") if name else [])

@@ -103,7 +103,7 @@ def test_shards_cannot_run_outside_the_engine(gen):
 
 def test_wrapping_twice_or_a_non_module_is_a_type_error():
     model = split_copy(FeedForward(8, 16), 2, plan=plans.FEED_FORWARD)
-    with pytest.raises(TypeError, match="already a TensorParallel"):
+    with pytest.raises(TypeError, match="this TensorParallel is already split over"):
         tp.tensor_parallel(model, ["cpu"] * 2)
     with pytest.raises(TypeError, match="nn.Module"):
         tp.tensor_parallel(lambda x: x, ["cpu"])

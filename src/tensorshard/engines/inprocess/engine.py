@@ -39,8 +39,9 @@ from ...plans import resolve_plan
 from ...plans.plan import BoundPlan, Plan
 from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine
-from .late_adapters import adopt_late_modules, refuse_parent_state_dict
+from ..resplit import mark_consumed, mark_split, refuse_split_twice
 from .boundary import gather_outputs, replicate_inputs, to_device
+from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .rollback import Released, restore
 from .workers import ThreadState, WorkerPool
 from .zero import choose_params, shard_replicated
@@ -97,14 +98,7 @@ class TensorParallel(nn.Module):
         nn.Module.__init__(self)
         if not isinstance(module, nn.Module):
             raise TypeError(f"tensor_parallel() splits an nn.Module; got {type(module).__name__}")
-        if isinstance(module, TensorParallel):
-            raise TypeError("this module is already a TensorParallel; split the original model once")
-        inner = next((n for n, m in module.named_modules() if isinstance(m, TensorParallel)), None)
-        if inner is not None:
-            raise TypeError(
-                f"{type(module).__name__}.{inner} is already a TensorParallel; split the whole model once, "
-                "from its unsplit form, instead of splitting a model that contains a split one"
-            )
+        refuse_split_twice(module)  # a split model, or the original an earlier split emptied
         checkpointed = next((n for n, m in module.named_modules() if getattr(m, "gradient_checkpointing", False) is True), None)
         if checkpointed is not None:
             raise activation_checkpointing_refused(f"{type(module).__name__} has it on ({checkpointed or '<root>'})")
@@ -149,6 +143,8 @@ class TensorParallel(nn.Module):
         self.training = self.module_shards.training = module.training
         self._loaded = False  # set once no tensor is on the meta device
         _consume(module, world)
+        mark_consumed(module, self.labels)
+        mark_split(self, self.labels)
         shard_replicated(self, zero_names)
         install_partial_grads(self)  # after ZeRO-3's hooks
         meta = sum(1 for t in list(self.module_shards[0].parameters()) + list(self.module_shards[0].buffers()) if t.is_meta)

@@ -55,6 +55,7 @@ from ...plans.plan import Plan
 from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine, run_after_split
 from ...styles.base import original_forward, wrap_forward
+from ..resplit import refuse_split_twice
 from .data import check_same_inputs
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ def parallelize(
             f"this {type(module).__name__} is already parallelized on mesh {done.mesh} with another plan or mesh; "
             "parallelize the original model once"
         )
+    refuse_split_twice(module)
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(
             f"device_mesh must be a torch DeviceMesh, got {type(device_mesh).__name__}; build one with "

@@ -24,6 +24,7 @@ from torch import nn
 
 from ...styles import ColwiseParallel, EmbeddingParallel, ShardParams, Style
 from ..plan import Plan, match_pattern
+from ..ties import follow_ties
 from .translate import translate_tp_plan
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def complete(module: nn.Module, plan: Plan) -> Plan:
         extra[by_id[id(head)]] = ColwiseParallel(gather_output=True)
         if _unwrapped(head).bias is not None:
             extra |= _tied_bias(module, _unwrapped(head))
-    return Plan({**entries, **extra})
+    return follow_ties(module, Plan({**entries, **extra}))
 
 
 def _unwrapped(module):
