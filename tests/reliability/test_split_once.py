@@ -47,3 +47,47 @@ def test_splitting_the_consumed_original_again_is_refused(make):
     tp.tensor_parallel(original, ["cpu"] * 2)
     with pytest.raises(TypeError, match=r"was already split over 2 device\(s\) .* by an earlier tensor_parallel\(\) call"):
         tp.tensor_parallel(original, ["cpu"] * 2)  # before: accepted; its first call asked for tp.load_sharded
+
+
+# --- 8: an unsplit state dict ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_an_unsplit_state_dict_loads_into_the_split_model(gen, sharded):
+    trained = mlp()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(1.0)
+    split = tp.tensor_parallel(mlp().train(), ["cpu"] * 3, plan=PLAN, sharded=sharded)
+    result = split.load_state_dict(trained.state_dict())  # before: torch's missing-keys error
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    x = torch.randn(4, 8, generator=gen)
+    assert rel_err(split(x), trained(x)) < 1e-6
+    with tp.save_tensor_parallel(split):
+        assert all(torch.equal(v, trained.state_dict()[k]) for k, v in split.state_dict().items())
+
+
+def test_an_unsplit_state_dict_with_wrong_keys_is_refused_by_name(gen):
+    split = tp.tensor_parallel(mlp(), ["cpu"] * 2, plan=PLAN)
+    state = {k: v + 1.0 for k, v in mlp().state_dict().items()}
+    state["3.weight"] = state.pop("2.weight")
+    with pytest.raises(RuntimeError, match=r"missing keys: 2\.weight.*unexpected keys: 3\.weight"):
+        split.load_state_dict(state)
+    before = split(torch.ones(1, 8))
+    result = split.load_state_dict(state, strict=False)  # before: silently loaded nothing
+    assert result.missing_keys == ["2.weight"] and result.unexpected_keys == ["3.weight"]
+    assert not torch.equal(split(torch.ones(1, 8)), before)  # the keys that match did load
+
+
+def test_a_transformers_state_dict_with_a_tied_head_loads(gen):
+    ref = tiny_llama()
+    ref.config.tie_word_embeddings = True
+    ref.tie_weights()
+    split = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2)
+    torch.manual_seed(1)
+    other = type(ref)(ref.config).eval()
+    state = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}  # as safetensors stores it
+    assert split.load_state_dict(state).missing_keys == []
+    ids = torch.randint(0, 64, (2, 6), generator=gen)
+    with torch.no_grad():
+        assert rel_err(split(input_ids=ids).logits, other(input_ids=ids).logits) < 1e-5

@@ -43,6 +43,7 @@ from ..resplit import mark_consumed, mark_split, refuse_split_twice
 from .boundary import gather_outputs, replicate_inputs, to_device
 from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .rollback import Released, restore
+from .unsplit_state import is_unsplit, load_unsplit
 from .workers import ThreadState, WorkerPool
 from .zero import choose_params, shard_replicated
 
@@ -244,6 +245,13 @@ class TensorParallel(nn.Module):
         raise activation_checkpointing_refused()
 
     activation_checkpointing_enable = gradient_checkpointing_enable  # transformers' newer name (Trainer calls it)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Loads the shards' state (keys ``module_shards.N...``, as `state_dict()` writes it) or the unsplit
+        model's state dict (its own names and shapes): each tensor is sliced for every device."""
+        if is_unsplit(state_dict):
+            return load_unsplit(self, state_dict, strict=strict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def extra_repr(self) -> str:
         return f"devices={self.labels}, output_device={self.output_device}"
