@@ -91,3 +91,36 @@ def test_a_transformers_state_dict_with_a_tied_head_loads(gen):
     ids = torch.randint(0, 64, (2, 6), generator=gen)
     with torch.no_grad():
         assert rel_err(split(input_ids=ids).logits, other(input_ids=ids).logits) < 1e-5
+
+
+# --- 6: copies ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_deepcopy_makes_an_independent_split_model(gen, sharded):
+    ref = mlp().train()
+    split = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, plan=PLAN, sharded=sharded)
+    twin = copy.deepcopy(split)  # before: "cannot pickle '_thread.RLock'"
+    x = torch.randn(4, 8, generator=gen)
+    assert torch.equal(twin(x), split(x))
+    assert twin.memory_per_device() == split.memory_per_device()
+    opt = torch.optim.SGD(split.parameters(), lr=0.1)  # train the original only: the copy must not move
+    split(x).square().mean().backward()
+    opt.step()
+    assert rel_err(twin(x), ref(x)) < 1e-6 and rel_err(split(x), ref(x)) > 1e-3
+    assert all(t.grad is None for t in twin.parameters())
+
+
+def test_deepcopy_of_a_transformers_model_generates_alike(gen):
+    split = tp.tensor_parallel(tiny_llama(), ["cpu"] * 2)
+    twin = copy.deepcopy(split)
+    assert type(twin) is type(split) and not twin.training
+    ids = torch.randint(0, 64, (1, 5), generator=gen)
+    assert torch.equal(twin.generate(ids, max_new_tokens=4, do_sample=False), split.generate(ids, max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("make", [mlp, tiny_llama], ids=["plain", "transformers"])
+def test_torch_save_of_a_split_model_names_the_savers(make):
+    split = tp.tensor_parallel(make(), ["cpu"] * 2)
+    with pytest.raises(TypeError, match=r"cannot be pickled .*tp\.save_sharded\(model, folder\).*tp\.save_tensor_parallel"):
+        torch.save(split, io.BytesIO())  # before: a PicklingError about a generated class

@@ -23,6 +23,11 @@ def mark_consumed(original: nn.Module, labels: list[str]) -> None:
     original.__dict__[_CONSUMED] = f"over {len(labels)} device(s) {labels}"
 
 
+def unmark_consumed(copy_of_original: nn.Module) -> None:
+    """For a copy of a consumed original that is meant to be split again (engines/copies.py)."""
+    copy_of_original.__dict__.pop(_CONSUMED, None)
+
+
 def refuse_split_twice(module: nn.Module) -> None:
     """Raise TypeError if `module`, or a submodule, is a split model or the emptied original of one."""
     for name, sub in module.named_modules():

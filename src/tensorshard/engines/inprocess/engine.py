@@ -41,6 +41,7 @@ from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine
 from ..resplit import mark_consumed, mark_split, refuse_split_twice
 from .boundary import gather_outputs, replicate_inputs, to_device
+from .copies import deep_copy, refuse_pickle
 from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .rollback import Released, restore
 from .unsplit_state import is_unsplit, load_unsplit
@@ -143,7 +144,7 @@ class TensorParallel(nn.Module):
         # train()/eval() on the split model later reach every shard as usual.
         self.training = self.module_shards.training = module.training
         self._loaded = False  # set once no tensor is on the meta device
-        _consume(module, world)
+        self.__dict__["_consumed"] = (module, _consume(module, world))  # kept, empty, for deep copies
         mark_consumed(module, self.labels)
         mark_split(self, self.labels)
         shard_replicated(self, zero_names)
@@ -252,6 +253,13 @@ class TensorParallel(nn.Module):
         if is_unsplit(state_dict):
             return load_unsplit(self, state_dict, strict=strict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __deepcopy__(self, memo: dict) -> "TensorParallel":
+        """A second split model on the same devices with copies of every slice (engines/inprocess/copies.py)."""
+        return deep_copy(self, memo)
+
+    def __reduce_ex__(self, protocol):
+        refuse_pickle(self)  # torch.save(model): name the savers that work
 
     def extra_repr(self) -> str:
         return f"devices={self.labels}, output_device={self.output_device}"
@@ -374,7 +382,7 @@ def _release(mod: nn.Module, kind: str, name: str, t: torch.Tensor) -> None:
         mod._buffers[name] = meta
 
 
-def _consume(module: nn.Module, world: int) -> None:
+def _consume(module: nn.Module, world: int) -> int:
     def refuse(*_):
         raise RuntimeError(
             f"this {type(module).__name__} was split over {world} device(s) by tensorshard.tensor_parallel(); its "
@@ -382,7 +390,7 @@ def _consume(module: nn.Module, world: int) -> None:
             "Call that model, or deep-copy the original before splitting it if you need both."
         )
 
-    module.register_forward_pre_hook(refuse)
+    return module.register_forward_pre_hook(refuse).id
 
 
 def _warn_shared_dropout(module: nn.Module, placement: list[torch.device]) -> None:
