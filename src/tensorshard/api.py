@@ -74,9 +74,8 @@ def tensor_parallel(
         raise ValueError("sharded_param_names lists parameters for ZeRO-3, but sharded=False turns it off; drop one")
     if sharded is None:
         # Default: on when training (train mode, trainable parameters, 2+ devices); see engines/inprocess/zero.py.
-        sharded = bool(sharded_param_names) or (
-            isinstance(module, nn.Module) and default_sharded(module, len(resolve_devices(device_ids)))
-        )
+        device_ids = resolve_devices(device_ids)  # once: None warns on a machine without GPUs
+        sharded = bool(sharded_param_names) or (isinstance(module, nn.Module) and default_sharded(module, len(device_ids)))
     options = dict(
         output_device=output_device, plan=plan, timeout=timeout, debug=debug,
         sharded=bool(sharded), sharded_param_names=sharded_param_names, check=check,

@@ -3,6 +3,7 @@
     tensorshard plan llama --devices 4                 # a transformers model type, built on the meta device
     tensorshard plan path/to/config.json --devices 2 --json plan.json
     tensorshard plan path/to/checkpoint/ --devices 8
+    tensorshard plan path/to/model.gguf --devices 2
     tensorshard plan mypackage.models:build --devices 2
     python -m tensorshard.cli plan llama --devices 4   # the same, without the console script
 
@@ -13,10 +14,12 @@ Models are built on the meta device, so a 70B config costs no memory: shapes are
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import inspect
 import json as jsonlib
 import logging
+import os
 import sys
 import typing
 from pathlib import Path
@@ -43,8 +46,9 @@ def plan(
     """Explain the plan for a model over N devices: style, local shapes, memory and communication per module.
 
     Args:
-        model: a transformers model type (llama), a config.json, a checkpoint folder, or module:function
-            returning an nn.Module (called on the meta device).
+        model: a transformers model type (llama), a config.json, a .gguf file, a checkpoint folder, or
+            module:function returning an nn.Module (called on the meta device; modules of the current folder
+            resolve).
         devices: how many devices to split over.
         json: write the plan to this file (edit it and pass it back: plan=tp.Plan.load(path)).
         plan: explain this plan file instead of the automatic one.
@@ -91,6 +95,8 @@ def load_model(spec: str) -> nn.Module:
     path = Path(spec)
     if ":" in spec and not path.exists():
         module_name, _, func_name = spec.partition(":")
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as `python -m` does: modules of the current folder resolve
         try:
             factory = getattr(importlib.import_module(module_name), func_name)
         except (ImportError, AttributeError) as e:
@@ -105,6 +111,10 @@ def load_model(spec: str) -> nn.Module:
         if not (path / "config.json").exists():
             raise SystemExit(f"{spec}: a checkpoint folder needs a config.json; none found")
         config = AutoConfig.from_pretrained(path)
+    elif path.is_file() and path.suffix == ".gguf":
+        from .checkpoint.gguf import gguf_config
+
+        config = gguf_config(path)
     elif path.is_file():
         config = _config_from_file(path, spec)
     elif path.suffix == ".json" or "/" in spec:
@@ -113,9 +123,13 @@ def load_model(spec: str) -> nn.Module:
         try:
             config = AutoConfig.for_model(spec)
         except ValueError as e:
+            from transformers import CONFIG_MAPPING
+
+            close = difflib.get_close_matches(spec.lower(), list(CONFIG_MAPPING.keys()), n=5, cutoff=0.6)
+            hint = f"closest model types: {', '.join(close)}" if close else f"{len(CONFIG_MAPPING)} model types are known"
             raise SystemExit(
-                f"{spec!r} is not a transformers model type, a config.json, a checkpoint folder or module:function "
-                f"({str(e).splitlines()[0]})"
+                f"{spec!r} is not a transformers model type, a config.json, a .gguf file, a checkpoint folder or "
+                f"module:function ({hint})"
             ) from e
     return _from_config(config, spec)
 

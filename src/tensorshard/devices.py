@@ -8,12 +8,15 @@ must be visible; other device types (xpu, mps, ...) must be available in this Py
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Sequence
 
 import torch
 
 DeviceLike = "torch.device | str | int"
+
+logger = logging.getLogger(__name__)
 
 
 def default_devices() -> list[torch.device]:
@@ -63,7 +66,13 @@ def as_device(value, *, what: str = "device") -> torch.device:
 def resolve_devices(device_ids: Sequence | None) -> list[torch.device]:
     """Check and normalise a device list (None: all visible GPUs, else one CPU slot)."""
     if device_ids is None:
-        return default_devices()
+        devices = default_devices()
+        if len(devices) == 1 and devices[0].type == "cpu":
+            logger.warning(
+                "no device list given and no GPU is visible: using one CPU device, so nothing is split. Pass the "
+                "devices, e.g. tp.tensor_parallel(model, ['cpu', 'cpu']) to simulate two on this machine."
+            )
+        return devices
     if isinstance(device_ids, (str, int, torch.device)):
         raise TypeError(
             f"device_ids must be a list of devices, e.g. ['cuda:0', 'cuda:1'] or ['cpu'] * 2; got {device_ids!r}"

@@ -126,6 +126,7 @@ def _infer(module: nn.Module, world_size: int, example_inputs: Any, check: bool)
         if not retrace:
             break
     plan = assemble(module, groups, embeddings)
+    plan.whole.update({layer: f"plan inference kept it whole ({f.reason})" for f in fallbacks for layer in f.layers})
     result = Inference(plan, groups, embeddings, fallbacks, trace, rounds, checked)
     _log_summary(module, world_size, result)
     return result

@@ -230,14 +230,18 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 
 @contextmanager
 def _quiet():
-    """Keep the engine's per-split log line out of the user's log while checking."""
+    """Keep the engine's per-split log lines (engines/inprocess/split_report.py: a region is a small part of
+    the model) out of the user's log while checking."""
     engine = logging.getLogger("tensorshard.engines.inprocess.engine")
-    level = engine.level
+    report = logging.getLogger("tensorshard.engines.inprocess.split_report")
+    levels = engine.level, report.level
     engine.setLevel(logging.WARNING)
+    report.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        engine.setLevel(level)
+        engine.setLevel(levels[0])
+        report.setLevel(levels[1])
 
 
 def check_plan(module: nn.Module, plan: Plan, world_size: int, *, example_inputs: Any = None) -> Plan:

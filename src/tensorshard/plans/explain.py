@@ -78,19 +78,20 @@ def explain(
     seen_inputs: set[int] = set()
     rows: list[ModuleRow] = []
     whole = 0
-    counted: set[int] = set()
+    first_name: dict[int, str] = {}  # a tied tensor (embedding and head) is held, and counted, once
     for name, mod in module.named_modules():
         tensors = [(tname, t) for _, tname, t in direct_tensors(mod)]
-        for _, t in tensors:
-            if id(t) not in counted:
-                counted.add(id(t))
-                whole += t.numel() * t.element_size()
         ms = sharded.modules.get(name)
         if not tensors and ms is None:
             continue
         per_device = [0] * world_size
         shapes = []
         for tname, t in tensors:
+            if id(t) in first_name:
+                shapes.append(f"{tname}: tied to {first_name[id(t)]}")
+                continue
+            first_name[id(t)] = f"{name}.{tname}" if name else tname
+            whole += t.numel() * t.element_size()
             split = ms.splits.get(tname) if ms is not None else None
             if split is None:
                 shapes.append(f"{tname} {_shape(t.shape)}")

@@ -40,6 +40,9 @@ class Plan(Mapping[str, Style]):
 
     def __init__(self, entries: Mapping[str, Style] | Iterable[tuple[str, Style]] = ()) -> None:
         items = list(entries.items()) if isinstance(entries, Mapping) else list(entries)
+        # Why plan inference left layers whole (layer name -> reason), for the split's report; not part of
+        # the plan's data (equality, JSON).
+        self.whole: dict[str, str] = {}
         self._entries: dict[str, Style] = {}
         for pattern, style in items:
             if not isinstance(pattern, str):

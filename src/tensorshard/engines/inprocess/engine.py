@@ -44,6 +44,7 @@ from .boundary import gather_outputs, replicate_inputs, to_device
 from .copies import deep_copy, refuse_pickle
 from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .rollback import Released, restore
+from .split_report import report_split
 from .unsplit_state import is_unsplit, load_unsplit
 from .workers import ThreadState, WorkerPool
 from .zero import choose_params, shard_replicated
@@ -152,11 +153,9 @@ class TensorParallel(nn.Module):
         meta = sum(1 for t in list(self.module_shards[0].parameters()) + list(self.module_shards[0].buffers()) if t.is_meta)
         if meta:
             logger.info("%d tensor(s) are on the meta device: load the weights into the split model before calling it", meta)
-        split = sum(1 for m in layout.modules.values() if m.splits)
-        logger.info(
-            "split %s over %d device(s) %s: %d module(s) split, %d plan entries%s",
-            type(module).__name__, world, self.labels, split, len(self.plan), " [debug: one device, serial]" if self.debug else "",
-        )
+        report_split(module, self.plan, {n for n, m in layout.modules.items() if m.splits}, world, self.labels)
+        if self.debug:
+            logger.info("debug: the shards run one after another on %s", placement[0])
 
     # -- compatibility with the tensor_parallel package --------------------------------------------------
 

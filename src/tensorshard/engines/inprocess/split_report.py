@@ -1,0 +1,67 @@
+"""The one log line that ends a split, at WARNING when the split does little.
+
+Tensor parallelism pays off through the big layers it splits. A split that splits nothing, only the ends
+(the input embedding and the output head) or under half of the layers' weights leaves each device holding
+most of the model; `report_split` says so at WARNING level (Python shows WARNING by default, not INFO),
+naming the largest layers left whole and why: the reason plan inference recorded (``Plan.whole``), a
+`Replicate` entry, or no plan entry at all. Otherwise one INFO line summarises the split.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from ...layers import EMBEDDING, layer_kind
+from ...plans.plan import Plan
+from ...styles import ColwiseParallel, EmbeddingParallel, Replicate, VocabParallelHead
+
+logger = logging.getLogger(__name__)
+
+SPLIT_AT_LEAST = 0.5  # of the layers' weights; below it the split is reported as a warning
+
+
+def report_split(module: nn.Module, plan: Plan, split_modules: set[str], world: int, labels: list[str], *, log=logger) -> None:
+    """Log how much of `module` the plan splits (call before the original's tensors are released or after:
+    only shapes are read)."""
+    layers = {n: m for n, m in module.named_modules() if layer_kind(m) is not None and _numel(m)}
+    total = sum(_numel(m) for m in layers.values())
+    split = sum(_numel(m) for n, m in layers.items() if n in split_modules)
+    ends_only = bool(split_modules) and all(_is_end(module, n, plan) for n in split_modules)
+    whole = sorted((n for n in layers if n not in split_modules), key=lambda n: -_numel(layers[n]))
+    summary = f"split {type(module).__name__} over {world} device(s) {labels}: {len(split_modules)} module(s) split, {len(plan)} plan entries"
+    if world < 2 or not whole or (split >= SPLIT_AT_LEAST * total and not ends_only):
+        log.info("%s", summary)
+        return
+    what = "nothing" if not split_modules else ("only the ends (embeddings, output head)" if ends_only else f"{split / total:.0%} of the layers' weights")
+    largest = "; ".join(f"{n} ({type(layers[n]).__name__}, {_numel(layers[n]):,} parameters): {_why(n, plan)}" for n in whole[:3])
+    log.warning(
+        "%s. The plan splits %s: each device holds %s model. Largest layers left whole: %s. Write a plan for them "
+        "(docs/plans.md) or see why with tp.explain / `tensorshard plan`.",
+        summary, what, "most of the" if split_modules else "the whole", largest,
+    )
+
+
+def _numel(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters(recurse=False))
+
+
+def _is_end(module: nn.Module, name: str, plan: Plan) -> bool:
+    hit = plan.match(name)
+    style = hit[1] if hit else None
+    if isinstance(style, (EmbeddingParallel, VocabParallelHead)):
+        return True
+    return isinstance(style, ColwiseParallel) and style.gather_output or layer_kind(module.get_submodule(name)) is EMBEDDING
+
+
+def _why(name: str, plan: Plan) -> str:
+    reason = plan.whole.get(name)
+    if reason:
+        return reason
+    hit = plan.match(name)
+    if hit is None:
+        return "no plan entry matches it"
+    if isinstance(hit[1], Replicate):
+        return f"the plan replicates it ({hit[0]!r})"
+    return f"the plan's {hit[0]!r} leaves it whole"
