@@ -2,6 +2,7 @@
 model warns (WARNING, shown by default) naming the largest layers left whole and why; so does a call
 without devices on a machine without GPUs, which uses one device."""
 
+import copy
 import logging
 
 import pytest
@@ -74,3 +75,17 @@ def test_no_devices_without_gpus_warns(caplog, monkeypatch):
         "no device list given and no GPU is visible: using one CPU device, so nothing is split. Pass the devices, "
         "e.g. tp.tensor_parallel(model, ['cpu', 'cpu']) to simulate two on this machine."
     ]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_layers_no_style_splits_stay_whole_at_any_device_count(caplog, gen, n):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.ConvTranspose1d(4, 8, 3), nn.ReLU(), nn.ConvTranspose1d(8, 4, 3)).eval()
+    with caplog.at_level(logging.WARNING):
+        split = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * n)  # before: refused, "nothing to split"
+    assert len(split.plan) == 0
+    x = torch.randn(2, 4, 9, generator=gen)
+    assert torch.equal(split(x), ref(x))
+    if n > 1:
+        (message,) = warnings_of(caplog)
+        assert "The plan splits nothing" in message and "2 (ConvTranspose1d, 100 parameters): no style splits a ConvTranspose1d" in message

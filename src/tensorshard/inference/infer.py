@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from ..layers import layer_kind
 from ..plans.plan import Plan, match_pattern
 from ..styles import Style
 from .groups import (
@@ -85,6 +86,8 @@ def infer(module: nn.Module, world_size: int, *, example_inputs: Any = None, che
         raise TypeError(f"plan inference reads an nn.Module; got {type(module).__name__}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    if example_inputs is None and not any(layer_kind(m) is not None for m in module.modules()):
+        return _nothing_to_split(module)
     forget_model()
     try:
         return _infer(module, world_size, example_inputs, check)
@@ -130,6 +133,17 @@ def _infer(module: nn.Module, world_size: int, example_inputs: Any, check: bool)
     result = Inference(plan, groups, embeddings, fallbacks, trace, rounds, checked)
     _log_summary(module, world_size, result)
     return result
+
+
+def _nothing_to_split(module: nn.Module) -> Inference:
+    """No layer any style splits (a stack of ConvTranspose1d, say): an empty plan, at any device count, with
+    no input to build; the split warns that it splits nothing (engines/split_report.py)."""
+    plan = Plan()
+    plan.whole.update({
+        name: f"no style splits a {type(m).__name__}" for name, m in module.named_modules() if any(True for _ in m.parameters(recurse=False))
+    })
+    logger.info("inferred plan for %s: nothing to split (no Linear, Conv or Embedding layer)", type(module).__name__)
+    return Inference(plan, [], {}, [], None, 0)
 
 
 def _first_input_that_runs(module: nn.Module):

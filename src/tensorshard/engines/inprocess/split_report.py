@@ -1,7 +1,7 @@
 """The one log line that ends a split, at WARNING when the split does little.
 
 Tensor parallelism pays off through the big layers it splits. A split that splits nothing, only the ends
-(the input embedding and the output head) or under half of the layers' weights leaves each device holding
+(the input embedding and the output head) or under half of the model's parameters leaves each device holding
 most of the model; `report_split` says so at WARNING level (Python shows WARNING by default, not INFO),
 naming the largest layers left whole and why: the reason plan inference recorded (``Plan.whole``), a
 `Replicate` entry, or no plan entry at all. Otherwise one INFO line summarises the split.
@@ -19,13 +19,13 @@ from ...styles import ColwiseParallel, EmbeddingParallel, Replicate, VocabParall
 
 logger = logging.getLogger(__name__)
 
-SPLIT_AT_LEAST = 0.5  # of the layers' weights; below it the split is reported as a warning
+SPLIT_AT_LEAST = 0.5  # of the model's parameters; below it the split is reported as a warning
 
 
 def report_split(module: nn.Module, plan: Plan, split_modules: set[str], world: int, labels: list[str], *, log=logger) -> None:
     """Log how much of `module` the plan splits (call before the original's tensors are released or after:
     only shapes are read)."""
-    layers = {n: m for n, m in module.named_modules() if layer_kind(m) is not None and _numel(m)}
+    layers = {n: m for n, m in module.named_modules() if _numel(m)}  # every module holding parameters
     total = sum(_numel(m) for m in layers.values())
     split = sum(_numel(m) for n, m in layers.items() if n in split_modules)
     ends_only = bool(split_modules) and all(_is_end(module, n, plan) for n in split_modules)
@@ -34,8 +34,8 @@ def report_split(module: nn.Module, plan: Plan, split_modules: set[str], world: 
     if world < 2 or not whole or (split >= SPLIT_AT_LEAST * total and not ends_only):
         log.info("%s", summary)
         return
-    what = "nothing" if not split_modules else ("only the ends (embeddings, output head)" if ends_only else f"{split / total:.0%} of the layers' weights")
-    largest = "; ".join(f"{n} ({type(layers[n]).__name__}, {_numel(layers[n]):,} parameters): {_why(n, plan)}" for n in whole[:3])
+    what = "nothing" if not split_modules else ("only the ends (embeddings, output head)" if ends_only else f"{split / total:.0%} of the parameters")
+    largest = "; ".join(f"{n} ({type(layers[n]).__name__}, {_numel(layers[n]):,} parameters): {_why(module, n, plan)}" for n in whole[:3])
     log.warning(
         "%s. The plan splits %s: each device holds %s model. Largest layers left whole: %s. Write a plan for them "
         "(docs/plans.md) or see why with tp.explain / `tensorshard plan`.",
@@ -55,13 +55,14 @@ def _is_end(module: nn.Module, name: str, plan: Plan) -> bool:
     return isinstance(style, ColwiseParallel) and style.gather_output or layer_kind(module.get_submodule(name)) is EMBEDDING
 
 
-def _why(name: str, plan: Plan) -> str:
+def _why(module: nn.Module, name: str, plan: Plan) -> str:
     reason = plan.whole.get(name)
     if reason:
         return reason
     hit = plan.match(name)
     if hit is None:
-        return "no plan entry matches it"
+        kind = layer_kind(module.get_submodule(name))
+        return "no plan entry matches it" if kind is not None else f"no style splits a {type(module.get_submodule(name)).__name__}"
     if isinstance(hit[1], Replicate):
         return f"the plan replicates it ({hit[0]!r})"
     return f"the plan's {hit[0]!r} leaves it whole"
