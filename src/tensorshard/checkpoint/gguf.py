@@ -12,11 +12,13 @@ transformers restacks across tensors, are not supported here.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from .layout import Box
 from .sources import Source, Target
@@ -30,10 +32,37 @@ def _libraries():
     return gguf, transformers
 
 
-def gguf_config(path: Path):
-    """A transformers config built from the GGUF metadata (what from_pretrained(gguf_file=...) uses)."""
-    _, transformers = _libraries()
-    config = dict(transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+def read_gguf(path: Path, *, progress: bool = True):
+    """Parse the file's header once (its metadata and tensor list: seconds for a tokenizer of 50k tokens),
+    with a progress bar from the start. Returns the `gguf.GGUFReader`, for `gguf_config` and `GGUFSource`."""
+    gguf, _ = _libraries()
+    with tqdm(total=1, desc=f"reading the GGUF header of {Path(path).name}", disable=not progress, leave=False) as bar:
+        reader = gguf.GGUFReader(str(path))
+        bar.update(1)
+    return reader
+
+
+_READER_LOCK = threading.Lock()
+
+
+def gguf_config(path: Path, reader=None):
+    """A transformers config built from the GGUF metadata (what from_pretrained(gguf_file=...) uses).
+
+    transformers' `load_gguf_checkpoint` opens the file with its own `GGUFReader`; given `reader` (from
+    `read_gguf`), that call gets this one instead of parsing the header a second time."""
+    gguf, transformers = _libraries()
+    load = transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint
+    if reader is None:
+        parsed = load(str(path), return_tensors=False)
+    else:
+        with _READER_LOCK:  # transformers looks gguf.GGUFReader up when called: hand it the parsed file
+            own = gguf.GGUFReader
+            gguf.GGUFReader = lambda p, *a, **k: reader if Path(p) == Path(path) else own(p, *a, **k)
+            try:
+                parsed = load(str(path), return_tensors=False)
+            finally:
+                gguf.GGUFReader = own
+    config = dict(parsed["config"])
     model_type = config.pop("model_type")
     return transformers.AutoConfig.for_model(model_type, **config)
 
@@ -42,12 +71,12 @@ class GGUFSource(Source):
     """The tensors of a GGUF file under the state-dict names of `hf_model` (a transformers model, may be
     on the meta device)."""
 
-    def __init__(self, path: Path, hf_model) -> None:
+    def __init__(self, path: Path, hf_model, reader=None) -> None:
         gguf, transformers = _libraries()
         hf_gguf = transformers.modeling_gguf_pytorch_utils
         self.path = Path(path)
         self.description = f"GGUF file {self.path}"
-        self.reader = gguf.GGUFReader(str(self.path))
+        self.reader = reader if reader is not None else gguf.GGUFReader(str(self.path))
         arch = hf_gguf.read_field(self.reader, "general.architecture")[0]
         self.config = hf_model.config.to_dict()
         self.processor = hf_gguf.TENSOR_PROCESSORS.get(arch, hf_gguf.TensorProcessor)(config=self.config)

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..plans.plan import Plan
-from .atomic import fsync_dir, is_temp_name, publish
+from .atomic import atomic_write, fsync_dir, is_temp_name, publish
 from .describe import model_layout
 from .files import FileEntry, dtype_name, write_safetensors
 from .folders import open_folder
@@ -129,6 +129,7 @@ def save_sharded(
 
     def commit() -> None:
         if job.coordinator:
+            _write_config(model, folder)  # tp.from_pretrained(folder) then needs no model=
             write_index(folder, index)  # the commit point
             _remove_stale(folder, set(files))
 
@@ -208,6 +209,15 @@ def _write_parts(kind, directory, parts, generation, rank, world, tensors, renam
         relname = f"{rel}/{name}" if rel else name
         for e in entries:
             tensors[e.key]["chunks"].append({"file": relname, "offsets": list(e.offsets), "sizes": list(e.shape)})
+
+
+def _write_config(model: nn.Module, folder: Path) -> None:
+    """The model's transformers config (and generation config) as config.json, when it has one."""
+    for attr, name in (("config", "config.json"), ("generation_config", "generation_config.json")):
+        config = getattr(model, attr, None)
+        if callable(getattr(config, "to_json_string", None)):
+            with atomic_write(folder / name, "w") as f:
+                f.write(config.to_json_string())
 
 
 def _remove_stale(folder: Path, keep: set[str]) -> None:

@@ -34,7 +34,7 @@ from torch import nn
 from ..plans.plan import Plan
 from .describe import model_layout
 from .folders import open_folder
-from .gguf import GGUFSource, gguf_config
+from .gguf import GGUFSource, gguf_config, read_gguf
 from .index import read_index
 from .loader import fill, match_tensors, still_meta
 from .sources import INDEX_NAME, describe_names
@@ -64,10 +64,11 @@ def load_pretrained(
     gguf_path = _gguf_path(path, gguf_file)
     if plan is None and gguf_path is None and (path / INDEX_NAME).exists():
         plan = _stored_plan(path)
-    module = _build(path, model, dtype, gguf_path)
+    reader = read_gguf(gguf_path, progress=progress) if gguf_path is not None else None  # parsed once
+    module = _build(path, model, dtype, gguf_path, reader)
     source = None
     if gguf_path is not None:
-        source, index = GGUFSource(gguf_path, module), None  # maps names on the unsplit module
+        source, index = GGUFSource(gguf_path, module, reader), None  # maps names on the unsplit module
     if in_place:
         return _load_torchrun(module, split, plan, path, source, progress)
     wrapped = split(module, plan)  # the split model keeps the module's modes (eval for transformers models)
@@ -177,7 +178,7 @@ def _default_dtype(dtype: torch.dtype | None):
         torch.set_default_dtype(old)
 
 
-def _build(path: Path, model, dtype: torch.dtype | None, gguf_path: Path | None) -> nn.Module:
+def _build(path: Path, model, dtype: torch.dtype | None, gguf_path: Path | None, reader=None) -> nn.Module:
     if isinstance(model, nn.Module):
         return model
     if model is not None:
@@ -188,10 +189,10 @@ def _build(path: Path, model, dtype: torch.dtype | None, gguf_path: Path | None)
         if not isinstance(built, nn.Module):
             raise TypeError(f"model() returned {type(built).__name__}, not an nn.Module")
         return built
-    return _build_transformers(path, dtype, gguf_path)
+    return _build_transformers(path, dtype, gguf_path, reader)
 
 
-def _build_transformers(path: Path, dtype: torch.dtype | None, gguf_path: Path | None) -> nn.Module:
+def _build_transformers(path: Path, dtype: torch.dtype | None, gguf_path: Path | None, reader=None) -> nn.Module:
     try:
         import transformers  # deferred: optional heavy dependency (the [hf] extra)
     except ImportError as e:
@@ -199,7 +200,7 @@ def _build_transformers(path: Path, dtype: torch.dtype | None, gguf_path: Path |
             f"building the model from {path} needs transformers (pip install tensorshard[hf]); or pass model=..."
         ) from e
     if gguf_path is not None:
-        config = gguf_config(gguf_path)
+        config = gguf_config(gguf_path, reader)
         dtype = dtype or torch.float32  # dequantized weights are float32
     else:
         folder = path if path.is_dir() else path.parent
