@@ -110,6 +110,7 @@ class ThreadGroup:
                 call.error = error
             self._cond.notify_all()
 
+    @torch.compiler.disable  # reads thread-local state: traced, it was a guard that failed on the next call
     def running_here(self) -> bool:
         """True when the calling thread is running a shard of this group (a re-entrant call)."""
         return any(c.group is self and not c.ended for c in _running())

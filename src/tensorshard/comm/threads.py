@@ -154,6 +154,13 @@ def _signature(x: torch.Tensor, skip_dim: int | None = None) -> tuple:
     return shape, str(x.dtype).removeprefix("torch.")
 
 
+def _not_compiled(fn):
+    """torch.compile leaves a collective out of its graphs (one graph break each) instead of tracing a
+    rendezvous of threads: traced, each call site's constant `where` string became a guard, so dynamo
+    recompiled once per site until its recompile limit and then ran the rest of the model uncompiled."""
+    return torch.compiler.disable(fn)
+
+
 class ThreadComm(Comm):
     """The collectives of shard `rank` of a `ThreadGroup`."""
 
@@ -171,6 +178,7 @@ class ThreadComm(Comm):
                 "or output is not laid out as the plan says; check its blocks and Heads entry."
             )
 
+    @_not_compiled
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
@@ -184,6 +192,7 @@ class ThreadComm(Comm):
 
         return self._exchange("all_reduce", where, x, compute, _signature(x))
 
+    @_not_compiled
     def copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         # Identity in forward: only needed when a gradient will flow back through x.
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
@@ -199,6 +208,7 @@ class ThreadComm(Comm):
         cache[id(x)] = (x, y)
         return y
 
+    @_not_compiled
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
@@ -215,6 +225,7 @@ class ThreadComm(Comm):
 
         return self._exchange("all_gather", where, x, compute, _signature(x, dim))
 
+    @_not_compiled
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
@@ -227,6 +238,7 @@ class ThreadComm(Comm):
             "split", where, x, lambda xs: list(_Split.apply(devices, where, partition, dim, *xs)), _signature(x)
         )
 
+    @_not_compiled
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
