@@ -169,7 +169,7 @@ def _source_tree(cls: type, method: str) -> ast.AST | None:
         return None  # nn.Module's own machinery, or not Python
     try:
         return ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
+    except Exception:  # no source (a compiled extension), or code exec'd under another file's name
         return None
 
 
