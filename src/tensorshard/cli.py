@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .checkpoint.gguf import gguf_config
 from .inference.infer import infer
 from .inference.trace import trace_model
 from .plans import Plan
@@ -112,8 +113,6 @@ def load_model(spec: str) -> nn.Module:
             raise SystemExit(f"{spec}: a checkpoint folder needs a config.json; none found")
         config = AutoConfig.from_pretrained(path)
     elif path.is_file() and path.suffix == ".gguf":
-        from .checkpoint.gguf import gguf_config
-
         config = gguf_config(path)
     elif path.is_file():
         config = _config_from_file(path, spec)
@@ -123,10 +122,9 @@ def load_model(spec: str) -> nn.Module:
         try:
             config = AutoConfig.for_model(spec)
         except ValueError as e:
-            from transformers import CONFIG_MAPPING
-
-            close = difflib.get_close_matches(spec.lower(), list(CONFIG_MAPPING.keys()), n=5, cutoff=0.6)
-            hint = f"closest model types: {', '.join(close)}" if close else f"{len(CONFIG_MAPPING)} model types are known"
+            known = list(_transformers(spec).CONFIG_MAPPING.keys())
+            close = difflib.get_close_matches(spec.lower(), known, n=5, cutoff=0.6)
+            hint = f"closest model types: {', '.join(close)}" if close else f"{len(known)} model types are known"
             raise SystemExit(
                 f"{spec!r} is not a transformers model type, a config.json, a .gguf file, a checkpoint folder or "
                 f"module:function ({hint})"

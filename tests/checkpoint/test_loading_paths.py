@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tensorshard as tp
-from helpers import rel_err
+from support.helpers import rel_err
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(120)
@@ -36,7 +36,7 @@ def test_a_sharded_folder_loads_without_model(tmp_path, gen):
 
 def test_a_gguf_file_is_parsed_once_with_progress_from_the_start(tmp_path, gen, monkeypatch, capsys):
     gguf = pytest.importorskip("gguf")
-    from tiny_gguf import write_gguf
+    from support.tiny_gguf import write_gguf
 
     ref = tiny_llama()
     path = write_gguf(ref, tmp_path / "tiny.gguf")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tensorshard as tp
-from helpers import rel_err
+from support.helpers import rel_err
 from tensorshard.plans.direct_reads import direct_reads
 
 pytestmark = pytest.mark.timeout(60)

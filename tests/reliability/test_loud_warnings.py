@@ -13,7 +13,7 @@ import tensorshard as tp
 
 pytestmark = pytest.mark.timeout(60)
 
-REPORT = "tensorshard.engines.split_report"
+REPORT = "tensorshard.engines.inprocess.split_report"
 
 
 def conv_net() -> nn.Sequential:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tensorshard as tp
-from helpers import rel_err
+from support.helpers import rel_err
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(90)

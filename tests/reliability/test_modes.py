@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import tensorshard as tp
-from helpers import rel_err
+from support.helpers import rel_err
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -64,9 +64,7 @@ def load_pretrained(
     gguf_path = _gguf_path(path, gguf_file)
     if plan is None and gguf_path is None and (path / INDEX_NAME).exists():
         plan = _stored_plan(path)
-    reader = None
-    if gguf_path is not None:
-        reader = read_gguf(gguf_path, progress=progress)  # the header, parsed once for config and tensors
+    reader = read_gguf(gguf_path, progress=progress) if gguf_path is not None else None  # parsed once
     module = _build(path, model, dtype, gguf_path, reader)
     source = None
     if gguf_path is not None:

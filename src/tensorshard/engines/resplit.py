@@ -24,7 +24,7 @@ def mark_consumed(original: nn.Module, labels: list[str]) -> None:
 
 
 def unmark_consumed(copy_of_original: nn.Module) -> None:
-    """For a copy of a consumed original that is meant to be split again (engines/copies.py)."""
+    """For a copy of a consumed original that is meant to be split again (engines/inprocess/copies.py)."""
     copy_of_original.__dict__.pop(_CONSUMED, None)
 
 
