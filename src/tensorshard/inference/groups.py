@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from ..layers import EMBEDDING
+from ..plans.direct_reads import direct_reads
 from ..plans.plan import Plan, escape
 from ..plans.sharding import shard_plan
 from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style, SumGradients
-from ..plans.direct_reads import direct_reads
 from .structure import Layout, LayoutError, head_attrs, infer_layout
 from .trace import Poison, Trace
 
@@ -265,34 +265,29 @@ def _validate(module: nn.Module, entries: dict[str, Style], world_size: int) -> 
 
 def _tied_partners(module: nn.Module) -> dict[str, set[str]]:
     """Module name -> the other modules holding one of its own parameters (cached per model)."""
-    cached = _PARTNERS.get(id(module))
-    if cached is not None and cached[0] is module:
-        return cached[1]
-    result = _find_tied_partners(module)
-    _PARTNERS.clear()
-    _PARTNERS[id(module)] = (module, result)
-    return result
-
-
-_PARTNERS: dict[int, tuple[nn.Module, dict[str, set[str]]]] = {}
+    return _per_model(_PARTNERS, module, _find_tied_partners)
 
 
 def _read_directly(module: nn.Module) -> dict[str, str]:
     """Tensor name -> a module that reads it without calling its owner (cached per model)."""
-    cached = _READS.get(id(module))
-    if cached is not None and cached[0] is module:
-        return cached[1]
-    result = {t: reader for reader, reads in direct_reads(module).items() for t in reads}
-    _READS.clear()
-    _READS[id(module)] = (module, result)
-    return result
+    return _per_model(_READS, module, lambda m: {t: r for r, reads in direct_reads(m).items() for t in reads})
 
 
-_READS: dict[int, tuple[nn.Module, dict[str, str]]] = {}
+_PARTNERS: dict[int, tuple[nn.Module, dict]] = {}
+_READS: dict[int, tuple[nn.Module, dict]] = {}
+
+
+def _per_model(cache: dict, module: nn.Module, compute):
+    """compute(module), remembered for the one model being inferred (forget_model drops it)."""
+    hit = cache.get(id(module))
+    if hit is None or hit[0] is not module:
+        cache.clear()
+        cache[id(module)] = hit = (module, compute(module))
+    return hit[1]
 
 
 def forget_model() -> None:
-    """Drop the cached tie structure (it holds a reference to the model)."""
+    """Drop the cached tie structure and direct reads (they hold a reference to the model)."""
     _PARTNERS.clear()
     _READS.clear()
 
