@@ -121,3 +121,17 @@ def test_a_branch_the_module_never_takes_does_not_count(gen):
     split = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, plan=plan)
     x = torch.randn(3, 8, generator=gen)
     assert rel_err(split(x), ref(x)) < 1e-5
+
+
+class ReadsInEval(ReadsChildWeight):
+    """An inference-only fast path: the branch depends on the mode, which changes after splitting."""
+
+    def forward(self, x):
+        h = F.linear(x, self.fc.weight, self.fc.bias) if not self.training else self.fc(x)
+        return self.out(h.relu())
+
+
+def test_a_branch_on_the_train_mode_counts_whatever_the_mode_at_split_time():
+    plan = {"fc": tp.ColwiseParallel(), "out": tp.RowwiseParallel()}
+    with pytest.raises(ValueError, match="reads fc"):
+        tp.tensor_parallel(ReadsInEval().train(), ["cpu"] * 2, plan=plan)

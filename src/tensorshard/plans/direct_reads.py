@@ -131,6 +131,8 @@ def _value(expr: ast.AST, module: nn.Module):
         return expr.value
     chain = _self_chain(expr)
     if chain is not None:
+        if "training" in chain:
+            return _UNKNOWN  # the mode changes after splitting (an eval-only fast path must still count)
         value = module
         for part in chain:
             value = getattr(value, part, _UNKNOWN)
