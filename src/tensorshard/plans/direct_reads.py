@@ -12,9 +12,10 @@ this: ``nn.MultiheadAttention`` always passes ``self.out_proj.weight`` to its fu
 the methods it calls on ``self``): an expression ``self.a.b.weight`` naming a parameter or buffer of a
 descendant, used for its values. Uses that only look at metadata (``.dtype``, ``.shape``, ``is None``,
 ``isinstance(...)``) do not count, nor reads under an ``if`` that the module's own plain attributes
-decide against (Bloom's ``if self.pretraining_tp > 1 and self.slow_but_exact``). `shard_plan` refuses a plan that splits a tensor read this way, and
-plan inference leaves such layers whole. A module whose source cannot be read (a compiled extension)
-is not checked.
+decide against (Bloom's ``if self.pretraining_tp > 1 and self.slow_but_exact``; ``self.training`` is never
+taken as decided: the mode changes after splitting). `shard_plan` refuses a plan that splits a tensor read
+this way, and plan inference leaves such layers whole. A module whose source cannot be read (a compiled
+extension, code run with ``exec``) is not checked.
 """
 
 from __future__ import annotations
