@@ -52,7 +52,7 @@ def _is_end(module: nn.Module, name: str, plan: Plan) -> bool:
     style = hit[1] if hit else None
     if isinstance(style, (EmbeddingParallel, VocabParallelHead)):
         return True
-    return isinstance(style, ColwiseParallel) and style.gather_output or layer_kind(module.get_submodule(name)) is EMBEDDING
+    return (isinstance(style, ColwiseParallel) and style.gather_output) or layer_kind(module.get_submodule(name)) is EMBEDDING
 
 
 def _why(module: nn.Module, name: str, plan: Plan) -> str:
