@@ -3,6 +3,10 @@ tp.from_pretrained needs no model=), and a GGUF file's metadata is parsed once, 
 
 import copy
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,3 +58,17 @@ def test_a_gguf_file_is_parsed_once_with_progress_from_the_start(tmp_path, gen, 
     ids = torch.randint(0, 96, (2, 6), generator=gen)
     with torch.no_grad():
         assert rel_err(loaded(input_ids=ids).logits, ref(input_ids=ids).logits) < 0.05  # Q8_0 projections
+
+
+def test_a_gguf_file_loads_in_a_fresh_process(tmp_path):
+    """What a user's script does: `import tensorshard` and load, with nothing of transformers imported before
+    (the GGUF helpers module is not an attribute of transformers' lazy module then)."""
+    from support.tiny_gguf import write_gguf
+
+    path = write_gguf(tiny_llama(), tmp_path / "tiny.gguf")
+    code = f"import tensorshard as tp; m = tp.from_pretrained({str(path)!r}, ['cpu'] * 2, progress=False); print(type(m).__name__)"
+    src = Path(__file__).resolve().parents[2] / "src"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
+                          env=dict(os.environ, PYTHONPATH=str(src)))
+    assert done.returncode == 0, done.stderr[-3000:]  # before: AttributeError ... no attribute modeling_gguf_pytorch_utils
+    assert "TensorParallelLlamaForCausalLM" in done.stdout

@@ -12,6 +12,7 @@ transformers restacks across tensors, are not supported here.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -25,17 +26,19 @@ from .sources import Source, Target
 
 
 def _libraries():
-    """The gguf reader and transformers (its GGUF helpers), imported on first use: only GGUF loads need them."""
+    """The gguf reader, transformers and its GGUF helpers, imported on first use: only GGUF loads need them.
+    The helpers module is taken from the import system: as an attribute of transformers' lazy top-level module
+    it is missing in a fresh process."""
     import gguf  # deferred: optional heavy dependency (the [hf] extra)
-    import transformers.modeling_gguf_pytorch_utils  # deferred: optional heavy dependency (the [hf] extra)
+    import transformers  # deferred: optional heavy dependency (the [hf] extra)
 
-    return gguf, transformers
+    return gguf, transformers, importlib.import_module("transformers.modeling_gguf_pytorch_utils")
 
 
 def read_gguf(path: Path, *, progress: bool = True):
     """Parse the file's header once (its metadata and tensor list: seconds for a tokenizer of 50k tokens),
     with a progress bar from the start. Returns the `gguf.GGUFReader`, for `gguf_config` and `GGUFSource`."""
-    gguf, _ = _libraries()
+    gguf, _, _ = _libraries()
     with tqdm(total=1, desc=f"reading the GGUF header of {Path(path).name}", disable=not progress, leave=False) as bar:
         reader = gguf.GGUFReader(str(path))
         bar.update(1)
@@ -50,8 +53,8 @@ def gguf_config(path: Path, reader=None):
 
     transformers' `load_gguf_checkpoint` opens the file with its own `GGUFReader`; given `reader` (from
     `read_gguf`), that call gets this one instead of parsing the header a second time."""
-    gguf, transformers = _libraries()
-    load = transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint
+    gguf, transformers, hf_gguf = _libraries()
+    load = hf_gguf.load_gguf_checkpoint
     if reader is None:
         parsed = load(str(path), return_tensors=False)
     else:
@@ -72,8 +75,7 @@ class GGUFSource(Source):
     on the meta device)."""
 
     def __init__(self, path: Path, hf_model, reader=None) -> None:
-        gguf, transformers = _libraries()
-        hf_gguf = transformers.modeling_gguf_pytorch_utils
+        gguf, _, hf_gguf = _libraries()
         self.path = Path(path)
         self.description = f"GGUF file {self.path}"
         self.reader = reader if reader is not None else gguf.GGUFReader(str(self.path))
@@ -98,7 +100,7 @@ class GGUFSource(Source):
         return tuple(int(n) for n in reversed(t.shape)), torch.float32
 
     def read(self, name: str, targets: Sequence[Target]) -> None:
-        gguf, _ = _libraries()
+        gguf, _, _ = _libraries()
         t = self.tensors[name]
         weights = gguf.dequantize(t.data, t.tensor_type)
         parsed = {"tensors": {}, "config": self.config}
