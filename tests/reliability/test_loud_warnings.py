@@ -13,7 +13,7 @@ import tensorshard as tp
 
 pytestmark = pytest.mark.timeout(60)
 
-REPORT = "tensorshard.engines.inprocess.split_report"
+REPORT = "tensorshard.engines.split_report"
 
 
 def conv_net() -> nn.Sequential:
@@ -89,3 +89,31 @@ def test_layers_no_style_splits_stay_whole_at_any_device_count(caplog, gen, n):
     if n > 1:
         (message,) = warnings_of(caplog)
         assert "The plan splits nothing" in message and "2 (ConvTranspose1d, 100 parameters): no style splits a ConvTranspose1d" in message
+
+
+def torchrun_ends_only_task() -> list[str]:
+    import torch.distributed as dist
+
+    from support.harness import world_mesh
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger(REPORT)
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        torch.manual_seed(0)
+        plan = {"embed": tp.EmbeddingParallel(), "head": tp.ColwiseParallel(gather_output=True)}
+        tp.parallelize(Lm(), world_mesh(), plan=plan)
+    finally:
+        log.removeHandler(handler)
+    return [f"{r.levelname} {r.getMessage()}" for r in records] if dist.get_rank() == 0 else records
+
+
+def test_under_torchrun_rank_0_warns_once(pool2):
+    on_rank0, on_rank1 = pool2.run(torchrun_ends_only_task)
+    (message,) = on_rank0
+    assert message.startswith("WARNING parallelized Lm over 2 rank(s) of mesh [0, 1]: 2 module(s) split")
+    assert "The plan splits only the ends (embeddings, output head)" in message and "body.0 (Linear" in message
+    assert on_rank1 == []

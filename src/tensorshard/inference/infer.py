@@ -137,7 +137,7 @@ def _infer(module: nn.Module, world_size: int, example_inputs: Any, check: bool)
 
 def _nothing_to_split(module: nn.Module) -> Inference:
     """No layer any style splits (a stack of ConvTranspose1d, say): an empty plan, at any device count, with
-    no input to build; the split warns that it splits nothing (engines/inprocess/split_report.py)."""
+    no input to build; the split warns that it splits nothing (engines/split_report.py)."""
     plan = Plan()
     plan.whole.update({
         name: f"no style splits a {type(m).__name__}" for name, m in module.named_modules() if any(True for _ in m.parameters(recurse=False))

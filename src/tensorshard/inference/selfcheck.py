@@ -230,10 +230,10 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 
 @contextmanager
 def _quiet():
-    """Keep the engine's per-split log lines (engines/inprocess/split_report.py: a region is a small part of
-    the model) out of the user's log while checking."""
+    """Keep the engine's per-split log lines (engines/split_report.py: a region is a small part of the
+    model) out of the user's log while checking."""
     engine = logging.getLogger("tensorshard.engines.inprocess.engine")
-    report = logging.getLogger("tensorshard.engines.inprocess.split_report")
+    report = logging.getLogger("tensorshard.engines.split_report")
     levels = engine.level, report.level
     engine.setLevel(logging.WARNING)
     report.setLevel(logging.ERROR)

@@ -40,11 +40,11 @@ from ...plans.plan import BoundPlan, Plan
 from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine
 from ..resplit import mark_consumed, mark_split, refuse_split_twice
+from ..split_report import report_split
 from .boundary import gather_outputs, replicate_inputs, to_device
 from .copies import deep_copy, refuse_pickle
 from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .rollback import Released, restore
-from .split_report import report_split
 from .unsplit_state import is_unsplit, load_unsplit
 from .workers import ThreadState, WorkerPool
 from .zero import choose_params, shard_replicated
@@ -153,7 +153,9 @@ class TensorParallel(nn.Module):
         meta = sum(1 for t in list(self.module_shards[0].parameters()) + list(self.module_shards[0].buffers()) if t.is_meta)
         if meta:
             logger.info("%d tensor(s) are on the meta device: load the weights into the split model before calling it", meta)
-        report_split(module, self.plan, {n for n, m in layout.modules.items() if m.splits}, world, self.labels)
+        split = {n for n, m in layout.modules.items() if m.splits}
+        summary = f"split {type(module).__name__} over {world} device(s) {self.labels}: {len(split)} module(s) split, {len(self.plan)} plan entries"
+        report_split(module, self.plan, split, world, summary)
         if self.debug:
             logger.info("debug: the shards run one after another on %s", placement[0])
 

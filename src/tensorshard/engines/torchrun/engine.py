@@ -56,6 +56,7 @@ from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine, run_after_split
 from ...styles.base import original_forward, wrap_forward
 from ..resplit import refuse_split_twice
+from ..split_report import report_split
 from .data import check_same_inputs
 
 logger = logging.getLogger(__name__)
@@ -155,11 +156,11 @@ def parallelize(
     run_after_split(module)  # e.g. a transformers model's save_pretrained gathers (checkpoint/gather.py)
 
     if dist.get_rank() == 0:
-        split = sum(1 for m in sharded.modules.values() if m.splits)
-        logger.info(
-            "parallelized %s over %d rank(s) of mesh %s: %d module(s) split, %d plan entries; collectives time out "
-            "after %g s", type(module).__name__, world, device_mesh.mesh.tolist(), split, len(plan), timeout,
-        )
+        split = {n for n, m in sharded.modules.items() if m.splits}
+        report_split(module, plan, split, world, (
+            f"parallelized {type(module).__name__} over {world} rank(s) of mesh {device_mesh.mesh.tolist()}: "
+            f"{len(split)} module(s) split, {len(plan)} plan entries; collectives time out after {timeout:g} s"
+        ))
     return module
 
 

@@ -1,4 +1,4 @@
-"""The one log line that ends a split, at WARNING when the split does little.
+"""The log line that ends a split (both engines), at WARNING when the split does little.
 
 Tensor parallelism pays off through the big layers it splits. A split that splits nothing, only the ends
 (the input embedding and the output head) or under half of the model's parameters leaves each device holding
@@ -13,30 +13,29 @@ import logging
 
 from torch import nn
 
-from ...layers import EMBEDDING, layer_kind
-from ...plans.plan import Plan
-from ...styles import ColwiseParallel, EmbeddingParallel, Replicate, VocabParallelHead
+from ..layers import EMBEDDING, layer_kind
+from ..plans.plan import Plan
+from ..styles import ColwiseParallel, EmbeddingParallel, Replicate, VocabParallelHead
 
 logger = logging.getLogger(__name__)
 
 SPLIT_AT_LEAST = 0.5  # of the model's parameters; below it the split is reported as a warning
 
 
-def report_split(module: nn.Module, plan: Plan, split_modules: set[str], world: int, labels: list[str], *, log=logger) -> None:
-    """Log how much of `module` the plan splits (call before the original's tensors are released or after:
-    only shapes are read)."""
+def report_split(module: nn.Module, plan: Plan, split_modules: set[str], world: int, summary: str) -> None:
+    """Log `summary` (the engine's line: what it split, over what), at WARNING with the largest layers left
+    whole when the plan splits little of `module` (only shapes are read: the module may be on meta)."""
     layers = {n: m for n, m in module.named_modules() if _numel(m)}  # every module holding parameters
     total = sum(_numel(m) for m in layers.values())
     split = sum(_numel(m) for n, m in layers.items() if n in split_modules)
     ends_only = bool(split_modules) and all(_is_end(module, n, plan) for n in split_modules)
     whole = sorted((n for n in layers if n not in split_modules), key=lambda n: -_numel(layers[n]))
-    summary = f"split {type(module).__name__} over {world} device(s) {labels}: {len(split_modules)} module(s) split, {len(plan)} plan entries"
     if world < 2 or not whole or (split >= SPLIT_AT_LEAST * total and not ends_only):
-        log.info("%s", summary)
+        logger.info("%s", summary)
         return
     what = "nothing" if not split_modules else ("only the ends (embeddings, output head)" if ends_only else f"{split / total:.0%} of the parameters")
     largest = "; ".join(f"{n} ({type(layers[n]).__name__}, {_numel(layers[n]):,} parameters): {_why(module, n, plan)}" for n in whole[:3])
-    log.warning(
+    logger.warning(
         "%s. The plan splits %s: each device holds %s model. Largest layers left whole: %s. Write a plan for them "
         "(docs/plans.md) or see why with tp.explain / `tensorshard plan`.",
         summary, what, "most of the" if split_modules else "the whole", largest,
