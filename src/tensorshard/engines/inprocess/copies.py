@@ -36,6 +36,13 @@ def deep_copy(model, memo: dict):
     for old_shard, new_shard in zip(model.module_shards, new.module_shards):
         clones: dict[int, torch.Tensor] = {}
         new_modules = dict(new_shard.named_modules(remove_duplicate=False))
+        added = sorted(n for n, _ in old_shard.named_modules(remove_duplicate=False) if n not in new_modules)
+        if added:
+            raise NotImplementedError(
+                f"copy.deepcopy of a split model whose shards gained modules after splitting ({', '.join(added[:3])}"
+                f"{', ...' if len(added) > 3 else ''}: adapters added after splitting?): add them before splitting, "
+                "or save the model (tp.save_sharded) and load it into a new split"
+            )
         for name, old in old_shard.named_modules(remove_duplicate=False):
             target = new_modules[name]
             target.training = old.training
