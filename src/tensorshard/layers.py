@@ -4,8 +4,9 @@ For every layer kind: which weight dimension holds output and input features, wh
 carries features (last for linear layers, 1 for convolutions), the attributes that record sizes, and how
 to run the layer without its bias (a row-parallel layer adds its bias once, after the all-reduce).
 
-Supported: nn.Linear (and subclasses), transformers' GPT-2 style Conv1D (weight stored (in, out)),
-nn.Conv1d/2d/3d with groups=1, nn.Embedding and nn.EmbeddingBag.
+Supported: nn.Linear (and subclasses, bitsandbytes' quantized Linear4bit / Linear8bitLt among them:
+their shapes and products go through `tensorshard.quant`), transformers' GPT-2 style Conv1D (weight stored
+(in, out)), nn.Conv1d/2d/3d with groups=1, nn.Embedding and nn.EmbeddingBag.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import quant
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,13 @@ def _conv1d_hf_matmul(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) 
     return torch.matmul(x, weight)
 
 
-LINEAR = LayerKind("Linear", 0, 1, -1, "in_features", "out_features", lambda m, x, w: F.linear(x, w))
+def _linear_matmul(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if quant.weight_kind(weight):  # a packed 4-bit or int8 weight: the layer's own kernel
+        return quant.matmul(module, x, weight)
+    return F.linear(x, weight)
+
+
+LINEAR = LayerKind("Linear", 0, 1, -1, "in_features", "out_features", _linear_matmul)
 CONV1D_HF = LayerKind("Conv1D", 1, 0, -1, "nx", "nf", _conv1d_hf_matmul)
 CONV = LayerKind("ConvNd", 0, 1, 1, "in_channels", "out_channels", _conv_matmul)
 EMBEDDING = LayerKind("Embedding", 0, 1, -1, "num_embeddings", "embedding_dim", lambda m, x, w: x)
@@ -61,6 +70,11 @@ def layer_kind(module: nn.Module) -> LayerKind | None:
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         return EMBEDDING
     return None
+
+
+def weight_shape(module: nn.Module) -> torch.Size:
+    """The shape of `module.weight` as the layer uses it: (out, in) for a packed 4-bit weight too."""
+    return quant.logical_shape(module.weight)
 
 
 def require_kind(module: nn.Module, style: str, where: str, allowed: tuple[LayerKind, ...]) -> LayerKind:

@@ -6,12 +6,15 @@ from collections import OrderedDict
 
 from torch import nn
 
+from . import quant
+
 
 def memory_per_device(model: nn.Module) -> dict[str, int]:
     """``{device label: bytes of parameters and buffers held there}``.
 
     For a TensorParallel model: one entry per device slot, in order ('cpu[0]', 'cpu[1]' for repeated
-    CPU slots). For any other module: one entry per device its tensors are on (under torchrun, the
+    CPU slots). Quantized weights count their packed data and their quantization state (absmax, scales).
+    For any other module: one entry per device its tensors are on (under torchrun, the
     local shards of this rank). Tied tensors count once.
     """
     if hasattr(model, "memory_per_device"):
@@ -24,4 +27,9 @@ def memory_per_device(model: nn.Module) -> dict[str, int]:
             continue
         seen.add(id(t))
         out[str(local.device)] = out.get(str(local.device), 0) + local.numel() * local.element_size()
+    for mod in model.modules():  # quantization state beside quantized weights (absmax, row scales)
+        extra = quant.module_bytes(mod)
+        if extra:
+            device = str(mod.weight.device)
+            out[device] = out.get(device, 0) + extra
     return dict(out)

@@ -4,8 +4,8 @@
 and asks each style how its module's tensors split. It only reads the model: every error about the plan
 (a pattern that matches nothing, a style on the wrong layer type, a dimension with fewer units than
 devices, neighbouring layers that disagree on a split (plans/validate.py), a tied weight split two
-different ways, a split tensor some module reads without calling its owner) is raised here, before any
-engine touches the model.
+different ways, a split tensor some module reads without calling its owner, a split through a quantization
+block) is raised here, before any engine touches the model.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import quant
 from ..comm.base import Comm, NoComm
 from ..partition import HeadGroups, Partition
 from ..styles.base import ShardContext, Splits, Style
@@ -81,6 +82,8 @@ def shard_plan(module: nn.Module, plan: Plan, world_size: int) -> ShardedModel:
         heads = groups.get(a.heads_owner) if a.heads_owner is not None else None
         shard = ModuleShard(name, a.pattern, a.style, heads, {})
         shard.splits = a.style.shard(by_name[name], shard.context(0, world_size, NoComm(0, world_size)))
+        for tname, (dim, part) in shard.splits.items():
+            quant.check_split(by_name[name], tname, dim, part, name or "<root>")  # no cut quantization block
         modules[name] = shard
 
     check_layouts(module, modules, world_size)  # neighbours agree on how the features they pass are split

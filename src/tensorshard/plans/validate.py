@@ -108,7 +108,7 @@ def _layers(names: list[str], by_name: dict[str, nn.Module], modules: dict[str, 
         elif (ms is None or not ms.splits) and not isinstance(style, (ColwiseParallel, RowwiseParallel, ShardParams)):
             kind = layer_kind(mod)
             if kind in (LINEAR, CONV1D_HF, CONV):
-                size = mod.weight.shape[kind.weight_in_dim]
+                size = weight_shape(mod)[kind.weight_in_dim]
                 if kind is CONV:
                     size *= mod.groups
                 out.append(_Layer(index, name, "replicated", size, style=type(mod).__name__))

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers import CONV, CONV1D_HF, LINEAR, require_kind
+from .. import quant
+from ..layers import CONV, CONV1D_HF, LINEAR, require_kind, weight_shape
 from ..partition import block_partition, kv_local_ranges
 from .base import ShardContext, Splits, Style, feature_dim, original_forward, register, wrap_forward
 
@@ -40,7 +41,7 @@ class ColwiseParallel(Style):
 
     def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
         kind = require_kind(module, "ColwiseParallel", ctx.name, (LINEAR, CONV1D_HF, CONV))
-        size = module.weight.shape[kind.weight_out_dim]
+        size = weight_shape(module)[kind.weight_out_dim]
         part = block_partition(size, ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
         if part.overlapping and self.gather_output:
             raise NotImplementedError(
@@ -72,7 +73,9 @@ class ColwiseParallel(Style):
         def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             x = comm.copy_to_parallel(x, where=name)
             if tied and torch.is_grad_enabled():
-                y = kind.matmul(module, x, local(module.weight, dim))
+                # A quantized weight is frozen: only its bias needs tying.
+                weight = module.weight if quant.weight_kind(module.weight) else local(module.weight, dim)
+                y = kind.matmul(module, x, weight)
                 if module.bias is not None:
                     bias = local(module.bias, 0)
                     y = y + (bias if kind.feature_dim == -1 else bias.view(-1, *([1] * (y.dim() - 2))))

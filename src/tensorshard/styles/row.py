@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..layers import CONV, CONV1D_HF, LINEAR, require_kind, shape_along
+from ..layers import CONV, CONV1D_HF, LINEAR, require_kind, shape_along, weight_shape
 from ..partition import block_partition
 from .base import ShardContext, Splits, Style, feature_dim, register, wrap_forward
 
@@ -35,7 +35,7 @@ class RowwiseParallel(Style):
 
     def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
         kind = require_kind(module, "RowwiseParallel", ctx.name, (LINEAR, CONV1D_HF, CONV))
-        size = module.weight.shape[kind.weight_in_dim]
+        size = weight_shape(module)[kind.weight_in_dim]
         part = block_partition(size, ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
         if part.overlapping:
             raise NotImplementedError(

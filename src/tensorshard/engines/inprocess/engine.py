@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ... import quant
 from ...comm.threads import ThreadComm, ThreadGroup
 from ...comm.timeout import resolve_timeout
 from ...devices import as_device, device_labels, resolve_devices
@@ -105,6 +106,7 @@ class TensorParallel(nn.Module):
         checkpointed = next((n for n, m in module.named_modules() if getattr(m, "gradient_checkpointing", False) is True), None)
         if checkpointed is not None:
             raise activation_checkpointing_refused(f"{type(module).__name__} has it on ({checkpointed or '<root>'})")
+        quant.check_quantized_model(module, "inprocess")  # bitsandbytes installed, a method we split
         devices = resolve_devices(device_ids)
         self.debug = _env_flag("TENSORSHARD_DEBUG") if debug is None else bool(debug)
         self.devices = devices
@@ -316,7 +318,7 @@ def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.
     """One copy of the module tree per device, holding local slices; the original's tensors are released."""
     world = len(devices)
     # 1. Skeletons: deep copies that share no tensor storage (each tensor maps to a meta placeholder).
-    placeholders = {}
+    placeholders = quant.skeleton_memo(module)  # a quantized layer's own reference to its state
     for t in list(module.parameters()) + list(module.buffers()):
         placeholders[id(t)] = torch.empty(0, device="meta")
     shards = [copy.deepcopy(module, memo=dict(placeholders)) for _ in range(world)]
@@ -328,6 +330,7 @@ def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.
     made: dict[tuple[int, int], torch.Tensor] = {}
     reused: set[int] = set()
     released: list[Released] = []
+    kept: list[torch.Tensor] = []
     where = "the shards' skeletons"
     try:
         for mod_name, mod in module.named_modules(remove_duplicate=False):
@@ -337,11 +340,20 @@ def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.
                     where = f"{mod_name}.{tname}".lstrip(".") + f" on {devices[rank]} (rank {rank})"
                     key = (id(t), rank)
                     if key not in made:
-                        made[key] = _local_tensor(t, split, rank, devices[rank], kind, reused)
+                        made[key] = (
+                            quant.take(t, mod, split, rank, devices[rank]) if quant.weight_kind(t)
+                            else _local_tensor(t, split, rank, devices[rank], kind, reused)
+                        )
                     target = shard_modules[rank][mod_name]
                     (target._parameters if kind == "param" else target._buffers)[tname] = made[key]
                 released.append(Released(mod, kind, tname, weakref.ref(t), id(t), t.device, t.requires_grad, split))
+                if quant.weight_kind(t):
+                    kept.append(t)  # a quantized weight cannot be rebuilt from its slices: keep it until done
                 _release(mod, kind, tname, t)
+        for rank in range(world):  # quantized layers: their own state now follows the local weight
+            for mod_name, target in shard_modules[rank].items():
+                if quant.weight_kind(getattr(target, "weight", None)):
+                    quant.finish_module(target, split=bool(mod_name in sharded.modules and sharded.modules[mod_name].splits))
 
         # 3. Let each style adapt its module in every shard (sizes, forward with collectives). With one device
         #    every layer is whole and runs its own forward.
@@ -455,12 +467,13 @@ def _load_unsplit(model: TensorParallel, state_dict: dict, prefix: str, *_args) 
 
 
 def _tensor_bytes(module: nn.Module) -> int:
+    """Parameters and buffers, plus the quantization state (absmax, scales) of quantized weights."""
     seen, total = set(), 0
     for t in list(module.parameters()) + list(module.buffers()):
         if id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
-    return total
+    return total + sum(quant.module_bytes(m) for m in module.modules())
 
 
 def _env_flag(name: str) -> bool:

@@ -1,0 +1,112 @@
+"""Quantized layers (bitsandbytes 4-bit and 8-bit) split without dequantizing.
+
+The engine and the styles ask this package four things about a weight, whatever its quantization:
+its logical (out, in) shape, whether a split cuts a quantization block (`check_split`, raised before the
+model changes), each device's slice with its slice of the quantization state (`take`), and the bytes that
+state adds (`module_bytes`). A row-parallel layer multiplies through `matmul` (the layer's own kernel,
+without its bias). Nothing here imports bitsandbytes until a quantized weight is met.
+
+See four_bit.py and eight_bit.py for the layouts, docs/quantization.md for what is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..partition import Partition
+from . import eight_bit, four_bit
+from .detect import EXTRA, check_quantized_model, quantization_method, require_bitsandbytes, weight_kind
+
+__all__ = [
+    "EXTRA",
+    "check_quantized_model",
+    "check_split",
+    "finish_module",
+    "logical_shape",
+    "module_bytes",
+    "quantization_method",
+    "require_bitsandbytes",
+    "skeleton_memo",
+    "take",
+    "weight_kind",
+]
+
+
+def logical_shape(weight: torch.Tensor) -> torch.Size:
+    """The (out, in) shape a weight stands for: its own shape unless it is packed 4-bit."""
+    return four_bit.logical_shape(weight) if weight_kind(weight) == "4bit" else weight.shape
+
+
+def check_split(module: nn.Module, name: str, dim: int, part: Partition, where: str) -> None:
+    """Raise ValueError, naming the fix, when splitting `module.<name>` along `dim` cuts a quantization block."""
+    weight = getattr(module, name, None)
+    if weight_kind(weight) == "4bit":
+        four_bit.check_split(weight, dim, part, where)
+    # 8-bit: one scale per output row, so every row or column split is exact.
+
+
+def take(
+    tensor: torch.Tensor, module: nn.Module, split: tuple[int, Partition] | None, rank: int, device: torch.device
+) -> torch.Tensor:
+    """Rank `rank`'s local copy of a quantized weight (None split: the whole weight) on `device`."""
+    kind = weight_kind(tensor)
+    if kind == "4bit":
+        return four_bit.take(tensor, split, rank, device)
+    return eight_bit.take(tensor, module, split, rank, device)
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of quantization state the module's own weights carry beside their data (absmax, scales)."""
+    total = 0
+    for t in module._parameters.values():
+        kind = weight_kind(t)
+        if kind == "4bit":
+            total += four_bit.state_bytes(t)
+        elif kind == "8bit":
+            total += eight_bit.state_bytes(module, t)
+    return total
+
+
+def skeleton_memo(module: nn.Module) -> dict[int, None]:
+    """`copy.deepcopy` memo entries that keep a module's own quantization state out of a shard's skeleton.
+
+    A Linear4bit points at its weight's QuantState, a Linear8bitLt keeps CB/SCB on `module.state`: copied
+    per device, each would hold the whole layer's state. `finish_module` sets them from the local weight.
+    """
+    memo: dict[int, None] = {}
+    for mod in module.modules():
+        if getattr(mod, "quant_state", None) is not None and weight_kind(getattr(mod, "weight", None)) == "4bit":
+            memo[id(mod.quant_state)] = None
+        state = getattr(mod, "state", None)
+        if weight_kind(getattr(mod, "weight", None)) == "8bit" and state is not None:
+            for name in ("CB", "SCB"):
+                if getattr(state, name, None) is not None:
+                    memo[id(getattr(state, name))] = None
+    return memo
+
+
+def finish_module(module: nn.Module, split: bool) -> None:
+    """Point a shard's quantized layer at its local weight's state, once the local weight is in place.
+
+    `split`: the layer holds a slice. A split Linear4bit runs bitsandbytes' float kernel (dequantize, then
+    matmul), as on GPUs, rather than the bf16 kernel it repacks weights for on AVX512-BF16 CPUs in eval mode:
+    that kernel rounds partial sums to bf16, so split and unsplit results would differ at bf16 precision.
+    """
+    weight = getattr(module, "weight", None)
+    kind = weight_kind(weight)
+    if kind == "4bit":
+        module.quant_state = weight.quant_state
+        weight.module = module
+        if split:
+            module.support_avx512bf16_for_cpu = False
+    elif kind == "8bit" and hasattr(module, "state"):
+        module.state.CB = None  # set again from the local weight at the next forward (init_8bit_state)
+        module.state.SCB = None
+
+
+def matmul(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ W.T through the quantized layer's own kernel, without its bias."""
+    if weight_kind(weight) == "4bit":
+        return four_bit.matmul(module, x, weight)
+    return eight_bit.matmul(module, x, weight)

@@ -1,0 +1,73 @@
+"""Recognising quantized models without importing bitsandbytes, and requiring it when one is found.
+
+A bitsandbytes layer is told by its weight's class (`Params4bit`, `Int8Params`) or, for a transformers
+model, by `config.quantization_config`. This file never imports bitsandbytes itself, so a plain model costs
+nothing and a quantized one without the package is refused with the extra to install.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+EXTRA = "pip install 'tensorshard[quant]'"  # bitsandbytes, version range in pyproject.toml
+
+_WEIGHT_CLASSES = {"Params4bit": "4bit", "Int8Params": "8bit"}
+
+
+def weight_kind(tensor: Any) -> str | None:
+    """'4bit' for a bitsandbytes Params4bit, '8bit' for an Int8Params, else None (by class name)."""
+    for cls in type(tensor).__mro__:
+        if cls.__name__ in _WEIGHT_CLASSES and cls.__module__.startswith("bitsandbytes"):
+            return _WEIGHT_CLASSES[cls.__name__]
+    return None
+
+
+def quantization_method(model: nn.Module) -> str | None:
+    """The quantization a model uses: 'bitsandbytes', another method's name (from its config), or None."""
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    if config is not None:
+        method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+        method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+        if method:
+            return str(method)
+    if any(weight_kind(p) for p in model.parameters()):
+        return "bitsandbytes"
+    return None
+
+
+def require_bitsandbytes(what: str) -> Any:
+    """Import bitsandbytes, or raise an ImportError that names `what` needs it and the extra to install."""
+    try:
+        import bitsandbytes
+    except ImportError as e:
+        raise ImportError(
+            f"{what} needs bitsandbytes, which is not installed: {EXTRA} (or pip install bitsandbytes). "
+            f"({e})"
+        ) from None
+    return bitsandbytes
+
+
+def check_quantized_model(model: nn.Module, engine: str) -> str | None:
+    """Refuse, before anything changes, a quantized model this engine cannot split; return its method.
+
+    bitsandbytes models need bitsandbytes installed; other methods (GPTQ, AWQ, ...) are not supported.
+    """
+    method = quantization_method(model)
+    if method is None:
+        return None
+    if method != "bitsandbytes":
+        raise NotImplementedError(
+            f"{type(model).__name__} is quantized with {method!r}; tensorshard splits bitsandbytes 4-bit and "
+            "8-bit models only (docs/quantization.md). Load it in full precision, or with "
+            "BitsAndBytesConfig(load_in_4bit=True) / load_in_8bit=True."
+        )
+    require_bitsandbytes(f"splitting the bitsandbytes-quantized {type(model).__name__}")
+    if engine != "inprocess":
+        raise NotImplementedError(
+            f"{type(model).__name__} is quantized with bitsandbytes; the torchrun engine (DTensor) cannot hold "
+            "quantized weights. Split it in one process: tp.tensor_parallel(model, devices) "
+            "(docs/quantization.md)."
+        )
+    return method
