@@ -52,7 +52,9 @@ def check_split(weight: torch.Tensor, dim: int, part: Partition, where: str) -> 
     if dim == 1 and inn % bs:
         raise ValueError(
             f"{where}: a 4-bit weight of {out}x{inn} quantized in blocks of {bs} values cannot be split by input "
-            f"features: {inn} input features is not a multiple of {bs}, so blocks span two rows. {fix}"
+            f"features at any device count: {inn} is not a multiple of {bs}, so blocks span two rows. Keep this "
+            "layer whole (Replicate() in the plan), or quantize with a blocksize that divides the input "
+            "features. docs/quantization.md explains the constraint."
         )
     unit = inn if dim == 0 else 1
     end = out if dim == 0 else inn

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ... import quant
 from ...comm.dist import DistComm, gather_objects
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
@@ -104,6 +105,7 @@ def parallelize(
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize() splits an nn.Module; got {type(module).__name__}")
+    quant.check_quantized_model(module, "torchrun")
     done = getattr(module, "tensorshard", None)
     if isinstance(done, TorchrunState):
         if done.mesh == device_mesh and (plan is None or (isinstance(plan, Mapping) and done.plan == Plan(plan))):

@@ -1,0 +1,16 @@
+import pytest
+
+pytest.importorskip("bitsandbytes")
+
+from quant.quantized_models import ALIGNED, UNALIGNED, save_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """A tiny random Llama whose splits at 2 and 3 devices keep 4-bit blocks whole."""
+    return save_llama(tmp_path_factory.mktemp("llama"), **ALIGNED)
+
+
+@pytest.fixture(scope="session")
+def unaligned_dir(tmp_path_factory):
+    return save_llama(tmp_path_factory.mktemp("llama_unaligned"), **UNALIGNED)

@@ -1,0 +1,100 @@
+"""Splitting bitsandbytes 4-bit and 8-bit models without dequantizing: parity, local state, memory."""
+
+from __future__ import annotations
+
+import bitsandbytes as bnb
+import pytest
+import torch
+
+import tensorshard as tp
+from helpers import rel_err
+from quant.quantized_models import load, quantized_layer_bytes
+
+pytestmark = pytest.mark.timeout(120)
+
+FOUR_BIT = [("nf4", True), ("nf4", False), ("fp4", True), ("fp4", False)]
+
+
+def _ids(gen):
+    return torch.randint(0, 128, (2, 9), generator=gen)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("quant_type,double", FOUR_BIT)
+def test_4bit_logits_equal_unsplit(llama_dir, gen, quant_type, double, n):
+    """Column (q/k/v, gate/up, lm_head) and row (o_proj, down_proj) splits, 6 heads in 3 KV groups: the
+    logits of the unsplit 4-bit model to float32 rounding (1e-4 relative), greedy tokens identical."""
+    ref = load(llama_dir, 4, quant_type, double)
+    model = tp.tensor_parallel(load(llama_dir, 4, quant_type, double), ["cpu"] * n)
+    ids = _ids(gen)
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, ref(ids).logits) < 1e-4
+    assert torch.equal(
+        model.generate(ids[:1], max_new_tokens=6, do_sample=False),
+        ref.generate(ids[:1], max_new_tokens=6, do_sample=False),
+    )
+
+
+def test_4bit_devices_hold_quantized_slices(llama_dir):
+    """Each device holds a packed 4-bit slice with a quantization state of the slice's shape: never dequantized."""
+    model = tp.tensor_parallel(load(llama_dir, 4, "nf4", True), ["cpu"] * 3)
+    for rank, shard in enumerate(model.module_shards):
+        attn, mlp = shard.model.layers[0].self_attn, shard.model.layers[0].mlp
+        for layer, shape in ((attn.q_proj, (64, 192)), (attn.k_proj, (32, 192)), (attn.o_proj, (192, 64)),
+                             (mlp.gate_proj, (128, 192)), (mlp.down_proj, (192, 128))):
+            w = layer.weight
+            assert isinstance(w, bnb.nn.Params4bit) and w.dtype == torch.uint8, (rank, layer)
+            assert tuple(w.quant_state.shape) == shape
+            assert w.numel() == shape[0] * shape[1] // 2  # two 4-bit codes per byte
+            assert w.quant_state.absmax.numel() == shape[0] * shape[1] // 64
+            assert layer.quant_state is w.quant_state
+
+
+@pytest.mark.parametrize("double", [False, True])
+def test_4bit_memory_per_device(llama_dir, double):
+    """memory_per_device counts packed weights and their quantization state; at 3 devices (every split
+    even here) each holds a third of the quantized layers' bytes. Without double quantization the slices
+    are exactly a third; with it, slices that start inside a 256-block of the nested absmax store their
+    absmax as float32 (exact, docs/quantization.md): a few percent more."""
+    ref = load(llama_dir, 4, "nf4", double)
+    full = quantized_layer_bytes(ref)
+    whole = tp.memory_per_device(ref)["cpu"]
+    other = whole - full  # embeddings, norms, lm_head: not quantized
+    model = tp.tensor_parallel(ref, ["cpu"] * 3)
+    reported = model.memory_per_device()
+    per_layer_bound = 1.005 if not double else 1.10
+    for rank, shard in enumerate(model.module_shards):
+        quantized = quantized_layer_bytes(shard)
+        assert quantized <= full / 3 * per_layer_bound, (rank, quantized, full)
+        assert quantized >= full / 3 * 0.99
+        # everything the device holds: its quantized slices, plus a third of the split embedding and head
+        # (the norms and rotary buffers, a few KiB, stay whole)
+        assert reported[f"cpu[{rank}]"] == pytest.approx(quantized + other / 3, rel=0.02)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_8bit_within_quantization_error(llama_dir, gen, n):
+    """LLM.int8(): column splits are exact; a row-parallel device quantizes its activations over its own
+    features, so the split model is not the unsplit 8-bit one, but stays within 8-bit's own error of the
+    full-precision model (measured: docs/quantization.md)."""
+    ids = _ids(gen)
+    with torch.no_grad():
+        full = load(llama_dir, None)(ids).logits
+        unsplit = load(llama_dir, 8)(ids).logits
+        model = tp.tensor_parallel(load(llama_dir, 8), ["cpu"] * n)
+        split = model(ids).logits
+    own_error = rel_err(unsplit, full)
+    assert 1e-4 < own_error < 0.05  # really quantized, and sensibly so
+    assert rel_err(split, full) < 1.5 * own_error
+    for shard in model.module_shards:
+        w = shard.model.layers[0].mlp.down_proj.weight
+        assert isinstance(w, bnb.nn.Int8Params) and w.dtype == torch.int8 and w.shape[1] == 384 // n
+
+
+def test_8bit_memory_per_device(llama_dir):
+    ref = load(llama_dir, 8)
+    full = quantized_layer_bytes(ref)
+    model = tp.tensor_parallel(ref, ["cpu"] * 3)
+    for shard in model.module_shards:
+        # int8 codes split 1/3; the row scales of row-parallel layers stay whole (a few hundred bytes)
+        assert full / 3 <= quantized_layer_bytes(shard) <= full / 3 * 1.02
