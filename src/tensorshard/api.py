@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import inference  # noqa: F401 - registers the automatic plan and the self-check with plans.resolve_plan
+from . import quant
 from .checkpoint.streaming import load_pretrained
 from .devices import resolve_devices
 from .engines.inprocess import TensorParallel
@@ -102,6 +103,7 @@ def from_pretrained(
     output_device: Any = None,
     timeout: float | None = None,
     progress: bool = True,
+    quantization_config: Any = None,
 ) -> nn.Module:
     """Build a tensor-parallel model and stream its weights from `path` into the devices.
 
@@ -126,6 +128,10 @@ def from_pretrained(
         gguf_file: the GGUF file's name inside the folder `path` (or give the file as `path`).
         output_device, timeout: as for `tensor_parallel` (in-process only).
         progress: show a tqdm progress bar (under torchrun: on global rank 0).
+        quantization_config: a transformers ``BitsAndBytesConfig`` (4-bit or 8-bit; in-process only): the
+            model gets bitsandbytes layers and each device's slices are quantized on that device as they are
+            read, so no device ever holds more than its quantized share plus one slice in full precision
+            (docs/quantization.md).
 
     Peak host memory: one device's share plus the largest tensor (see checkpoint/streaming.py).
     """
@@ -138,6 +144,13 @@ def from_pretrained(
                 "belong to the in-process engine. Drop them (ZeRO-3 under torchrun is FSDP2's fully_shard on a "
                 "data-parallel mesh, applied after loading)."
             )
+    if quantization_config is not None:
+        quant.check_config(quantization_config)
+        if mesh is not None:
+            raise NotImplementedError(
+                "from_pretrained(mesh=..., quantization_config=...): the torchrun engine (DTensor) cannot hold "
+                "quantized weights; load in one process with a list of devices (docs/quantization.md)"
+            )
     if mesh is not None:
         def split(module: nn.Module, plan) -> nn.Module:  # in place; meta stays meta, so nothing to broadcast
             return parallelize(module, mesh, plan, src_data_rank=None)
@@ -149,4 +162,5 @@ def from_pretrained(
             )
     return load_pretrained(
         path, split, in_place=mesh is not None, model=model, plan=plan, dtype=dtype, gguf_file=gguf_file, progress=progress,
+        quantization_config=quantization_config,
     )

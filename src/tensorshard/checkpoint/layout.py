@@ -201,7 +201,7 @@ class ModelLayout:
         """Put storage from `new_local` in place of rank `rank`'s tensor under every name of `entry`
         (ties stay tied)."""
         tensor = holder
-        if entry.kind == "param":
+        if entry.kind == "param" and not isinstance(holder, nn.Parameter):  # a converted one is kept as it is
             old = self.local(entry, rank)
             tensor = nn.Parameter(holder, requires_grad=old.requires_grad)
         for name in entry.names:

@@ -18,7 +18,7 @@ Host memory beyond the destination tensors: what the source needs for one tensor
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -124,10 +124,15 @@ def fill(
     *,
     progress: bool = True,
     desc: str = "loading",
+    convert: Callable[[TensorEntry, int, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Copy every paired tensor's boxes into each rank held here (in place, or into new storage for meta
-    tensors, installed once everything is read)."""
+    tensors, installed once everything is read).
+
+    `convert(entry, rank, storage)`: applied to each new storage as soon as its tensor is read, its result
+    installed instead (quantizing while loading, quant/loading.py); it returns the storage to keep it."""
     created: list[tuple[TensorEntry, int, torch.Tensor]] = []
+    pending: dict[str, list[int]] = {}  # source name -> indices into `created` not converted yet
     done: list[str] = []
     current: list[str] = []
 
@@ -138,6 +143,7 @@ def fill(
                 local = layout.local(entry, rank)
                 if local.is_meta:
                     holder, dest = layout.new_local(entry, rank)
+                    pending.setdefault(name, []).append(len(created))
                     created.append((entry, rank, holder))
                 else:
                     dest = local.detach()
@@ -149,6 +155,9 @@ def fill(
     def finished(name: str) -> None:
         done.append(name)
         bar.update(nbytes[name])
+        for i in pending.pop(name, ()) if convert is not None else ():
+            entry, rank, holder = created[i]
+            created[i] = (entry, rank, convert(entry, rank, holder))
 
     nbytes = {name: entry.nbytes for entry, name in pairs}
     bar = tqdm(total=sum(nbytes.values()), unit="B", unit_scale=True, desc=desc, disable=not progress, leave=False)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .. import quant
 from ..plans.plan import Plan
 from .describe import model_layout
 from .folders import open_folder
@@ -56,16 +57,21 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     gguf_file: str | None = None,
     progress: bool = True,
+    quantization_config: Any = None,
 ) -> nn.Module:
     """Build the model empty, ``split(module, plan)`` it, and stream its weights from `path` (what
     `tensorshard.from_pretrained` does; the front door passes the engine as `split`). `in_place`: `split`
-    splits the module in place under torchrun (every process calls this; each reads its rank's slices)."""
+    splits the module in place under torchrun (every process calls this; each reads its rank's slices).
+    `quantization_config`: a BitsAndBytesConfig (in-process only): the empty model gets bitsandbytes layers
+    and each device's slices are quantized on that device as soon as they are read (quant/loading.py)."""
     path = Path(path)
     gguf_path = _gguf_path(path, gguf_file)
     if plan is None and gguf_path is None and (path / INDEX_NAME).exists():
         plan = _stored_plan(path)
     reader = read_gguf(gguf_path, progress=progress) if gguf_path is not None else None  # parsed once
     module = _build(path, model, dtype, gguf_path, reader)
+    if quantization_config is not None:
+        quant.prepare_empty(module, quantization_config)
     source = None
     if gguf_path is not None:
         source, index = GGUFSource(gguf_path, module, reader), None  # maps names on the unsplit module
@@ -76,9 +82,12 @@ def load_pretrained(
         source, index = open_folder(path)
     layout = model_layout(wrapped)
     pairs = match_tensors(layout, source, aliases=(index or {}).get("aliases", {}), strict=False, exact_dtype=False)
-    fill(layout, pairs, source, progress=progress, desc=f"loading {path.name}")
+    convert = quant.quantizing_converter(layout) if quantization_config is not None else None
+    fill(layout, pairs, source, progress=progress, desc=f"loading {path.name}", convert=convert)
     source.close()
     _refuse_empty(layout, source)
+    if quantization_config is not None:
+        quant.finish_shards(wrapped.module_shards)
     logger.info("loaded %s into %d device(s): %d tensors", path, layout.world_size, len(pairs))
     return wrapped
 

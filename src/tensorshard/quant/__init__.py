@@ -16,13 +16,18 @@ from torch import nn
 
 from ..partition import Partition
 from . import eight_bit, four_bit
+from .loading import check_config, prepare_empty, quantizing_converter
 from .detect import EXTRA, check_quantized_model, quantization_method, require_bitsandbytes, weight_kind
 
 __all__ = [
     "EXTRA",
+    "check_config",
+    "prepare_empty",
+    "quantizing_converter",
     "check_quantized_model",
     "check_split",
     "finish_module",
+    "finish_shards",
     "logical_shape",
     "module_bytes",
     "quantization_method",
@@ -86,23 +91,31 @@ def skeleton_memo(module: nn.Module) -> dict[int, None]:
     return memo
 
 
-def finish_module(module: nn.Module, split: bool) -> None:
+def finish_module(module: nn.Module) -> None:
     """Point a shard's quantized layer at its local weight's state, once the local weight is in place.
 
-    `split`: the layer holds a slice. A split Linear4bit runs bitsandbytes' float kernel (dequantize, then
-    matmul), as on GPUs, rather than the bf16 kernel it repacks weights for on AVX512-BF16 CPUs in eval mode:
-    that kernel rounds partial sums to bf16, so split and unsplit results would differ at bf16 precision.
+    A Linear4bit of a split model runs bitsandbytes' float kernel (dequantize, then matmul), as on GPUs,
+    rather than the bf16 kernel it repacks weights for in eval mode on AVX512-BF16 CPUs: that kernel rounds
+    partial sums to bf16, so split and unsplit results would differ at bf16 precision, and it needs
+    output slices of 32 rows.
     """
     weight = getattr(module, "weight", None)
     kind = weight_kind(weight)
     if kind == "4bit":
         module.quant_state = weight.quant_state
         weight.module = module
-        if split:
-            module.support_avx512bf16_for_cpu = False
+        module.support_avx512bf16_for_cpu = False
     elif kind == "8bit" and hasattr(module, "state"):
         module.state.CB = None  # set again from the local weight at the next forward (init_8bit_state)
         module.state.SCB = None
+
+
+def finish_shards(shards) -> None:
+    """`finish_module` for every quantized layer of every shard."""
+    for shard in shards:
+        for module in shard.modules():
+            if weight_kind(getattr(module, "weight", None)):
+                finish_module(module)
 
 
 def matmul(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -350,10 +350,7 @@ def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.
                 if quant.weight_kind(t):
                     kept.append(t)  # a quantized weight cannot be rebuilt from its slices: keep it until done
                 _release(mod, kind, tname, t)
-        for rank in range(world):  # quantized layers: their own state now follows the local weight
-            for mod_name, target in shard_modules[rank].items():
-                if quant.weight_kind(getattr(target, "weight", None)):
-                    quant.finish_module(target, split=bool(mod_name in sharded.modules and sharded.modules[mod_name].splits))
+        quant.finish_shards(shards)  # quantized layers: their own state now follows the local weight
 
         # 3. Let each style adapt its module in every shard (sizes, forward with collectives). With one device
         #    every layer is whole and runs its own forward.
