@@ -30,7 +30,7 @@ def quantization_method(model: nn.Module) -> str | None:
     if config is not None:
         method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
         method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
-        if method:
+        if method and str(method) != "gguf":  # transformers dequantizes GGUF weights when it loads them
             return str(method)
     if any(weight_kind(p) for p in model.parameters()):
         return "bitsandbytes"
