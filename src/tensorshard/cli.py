@@ -43,6 +43,7 @@ def plan(
     plan: Path | None = None,
     dtype: str | None = None,
     expand: bool = False,
+    quantize: str | None = None,
 ) -> int:
     """Explain the plan for a model over N devices: style, local shapes, memory and communication per module.
 
@@ -55,12 +56,18 @@ def plan(
         plan: explain this plan file instead of the automatic one.
         dtype: activation dtype for the bytes per token (float32, bfloat16, ...); default: the weights'.
         expand: one row per module instead of one per repeated layer (layers.*.mlp).
+        quantize: count memory as bitsandbytes stores it once loaded with tp.from_pretrained(...,
+            quantization_config=...): nf4, fp4 (4-bit; add -double for double quantization: nf4-double) or int8.
     """
 
     if devices < 1:
         raise SystemExit(f"--devices must be at least 1; got {devices}")
     act_dtype = _dtype(dtype) if dtype else None
     module = load_model(model)
+    if quantize is not None:
+        from .quant import prepare_empty
+
+        prepare_empty(module, _quantization_config(quantize))
     source = f"plan file {plan}"
     trace = None
     if plan is not None:
@@ -160,6 +167,17 @@ def _from_config(config, spec: str) -> nn.Module:
         except (ValueError, KeyError) as e:
             errors.append(str(e).splitlines()[0])
     raise SystemExit(f"{spec}: transformers has no model class for this config ({'; '.join(errors)})")
+
+
+def _quantization_config(name: str):
+    from transformers import BitsAndBytesConfig
+
+    kind, _, extra = name.partition("-")
+    if kind == "int8" and not extra:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if kind in ("nf4", "fp4") and extra in ("", "double"):
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=bool(extra))
+    raise SystemExit(f"--quantize {name}: use nf4, fp4, nf4-double, fp4-double or int8")
 
 
 def _dtype(name: str) -> torch.dtype:

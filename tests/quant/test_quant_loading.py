@@ -66,3 +66,19 @@ def test_quantization_config_is_checked_first(llama_dir):
         tp.from_pretrained(llama_dir, ["cpu"] * 2, quantization_config={"load_in_4bit": True})
     with pytest.raises(NotImplementedError, match="torchrun engine \\(DTensor\\) cannot hold quantized weights"):
         tp.from_pretrained(llama_dir, mesh=object(), quantization_config=quant_config(4))
+
+
+def test_plan_cli_shows_quantized_memory(llama_dir, capsys):
+    """`tensorshard plan PATH --quantize nf4` counts what each device will hold: the bytes memory_per_device
+    reports once the model is loaded that way (built on the meta device, nothing quantized)."""
+    from tensorshard.cli import main
+    from tensorshard.plans.explain import human_bytes
+
+    assert main(["plan", llama_dir, "--devices", "3", "--quantize", "nf4"]) == 0
+    out = capsys.readouterr().out
+    assert "Linear4bit" in out and "weight (128, 192)" in out  # gate_proj's logical local shape
+    model = tp.from_pretrained(llama_dir, ["cpu"] * 3, quantization_config=quant_config(4), progress=False)
+    loaded = " | ".join(human_bytes(b) for b in model.memory_per_device().values())
+    assert f"parameters per device: {loaded} " in out
+    with pytest.raises(SystemExit, match="--quantize int4: use nf4, fp4, nf4-double, fp4-double or int8"):
+        main(["plan", llama_dir, "--quantize", "int4"])

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import quant
 from ..layers import layer_kind
 from ..styles import ColwiseParallel, EmbeddingParallel, RowwiseParallel, ShardParams, SumGradients
 from .plan import Plan
@@ -91,20 +92,21 @@ def explain(
                 shapes.append(f"{tname}: tied to {first_name[id(t)]}")
                 continue
             first_name[id(t)] = f"{name}.{tname}" if name else tname
-            whole += t.numel() * t.element_size()
+            whole += quant.stored_bytes(t)
             split = ms.splits.get(tname) if ms is not None else None
+            shape = quant.logical_shape(t)  # (out, in) for a packed 4-bit weight too
             if split is None:
-                shapes.append(f"{tname} {_shape(t.shape)}")
+                shapes.append(f"{tname} {_shape(shape)}")
                 for d in range(world_size):
-                    per_device[d] += t.numel() * t.element_size()
+                    per_device[d] += quant.stored_bytes(t)
                 continue
             dim, part = split
             sizes = [part.local_size(r) for r in range(world_size)]
-            dims = [str(s) for s in t.shape]
+            dims = [str(s) for s in shape]
             dims[dim] = "|".join(str(s) for s in sizes) if len(set(sizes)) > 1 else str(sizes[0])
             shapes.append(f"{tname} ({', '.join(dims)})")
             for d in range(world_size):
-                per_device[d] += t.numel() // max(t.shape[dim], 1) * sizes[d] * t.element_size()
+                per_device[d] += quant.stored_bytes(t, shape[:dim] + (sizes[d],) + shape[dim + 1:])
         row = ModuleRow(name or "<model>", type(mod).__name__, ms.style.describe() if ms else "-", shapes, per_device)
         if ms is not None and world_size > 1:
             _costs(row, mod, ms, world_size, dtype, shared_inputs, seen_inputs)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..layers import CONV, CONV1D_HF, LINEAR, layer_kind
+from ..layers import CONV, CONV1D_HF, LINEAR, layer_kind, weight_shape
 from ..partition import HeadGroups, Partition, block_partition, parse_block
 from ..styles.column import ColwiseParallel
 from ..styles.heads import Heads

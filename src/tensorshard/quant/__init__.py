@@ -33,6 +33,7 @@ __all__ = [
     "quantization_method",
     "require_bitsandbytes",
     "skeleton_memo",
+    "stored_bytes",
     "take",
     "weight_kind",
 ]
@@ -41,6 +42,28 @@ __all__ = [
 def logical_shape(weight: torch.Tensor) -> torch.Size:
     """The (out, in) shape a weight stands for: its own shape unless it is packed 4-bit."""
     return four_bit.logical_shape(weight) if weight_kind(weight) == "4bit" else weight.shape
+
+
+def stored_bytes(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> int:
+    """Bytes `tensor` holds, or a slice of it of logical `shape` would hold, quantization state included.
+
+    A bitsandbytes weight not quantized yet (an empty model prepared by `prepare_empty`) counts what it will
+    hold once quantized: 4-bit, half a byte per value plus an absmax per block (one byte, plus the second
+    level's, when double-quantized); 8-bit, one byte per value plus a float32 scale per row.
+    """
+    shape = torch.Size(shape if shape is not None else logical_shape(tensor))
+    n = shape.numel()
+    kind = weight_kind(tensor)
+    if kind == "4bit":
+        quantized = tensor.bnb_quantized
+        bs = tensor.quant_state.blocksize if quantized else tensor.blocksize
+        nested = tensor.quant_state.nested if quantized else bool(tensor.compress_statistics)
+        blocks = -(-n // bs)
+        absmax = blocks + (-(-blocks // four_bit.NESTED_BLOCK)) * 4 + 256 * 4 + 4 if nested else blocks * 4
+        return -(-n // 2) + absmax + 16 * 4  # packed codes, absmax, the 16-value code book
+    if kind == "8bit":
+        return n + shape[0] * 4
+    return n * tensor.element_size()
 
 
 def check_split(module: nn.Module, name: str, dim: int, part: Partition, where: str) -> None:
