@@ -52,3 +52,15 @@ def test_torchrun_engine_refuses_quantized(llama_dir):
     model = load(llama_dir, 8)
     with pytest.raises(NotImplementedError, match=r"torchrun engine \(DTensor\) cannot hold quantized weights"):
         tp.parallelize(model, None)  # refused before the mesh is looked at
+
+
+@pytest.mark.parametrize("save", ["save_sharded", "save_gathered", "save_pretrained"])
+def test_checkpoints_of_split_quantized_models_are_refused(llama_dir, tmp_path, save):
+    """Packed slices and their quantization state are not what tensorshard's checkpoints hold: refused by
+    name, pointing to loading the full-precision checkpoint quantized instead; nothing is written."""
+    model = tp.tensor_parallel(load(llama_dir, 4), ["cpu"] * 2)
+    target = tmp_path / "out"
+    with pytest.raises(NotImplementedError, match=r"bitsandbytes 4bit weight: tensorshard's checkpoints .* "
+                                                  r"tp.from_pretrained\(path, devices, quantization_config=...\)"):
+        model.save_pretrained(target) if save == "save_pretrained" else getattr(tp, save)(model, target)
+    assert not target.exists()

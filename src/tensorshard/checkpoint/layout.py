@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .. import quant
 from ..plans.slices import Placement, split_layout
 
 
@@ -257,6 +258,7 @@ def inprocess_layout(model: nn.Module) -> ModelLayout:
     else:
         shards, where, zero, plan, engine = [model], None, [], None, "plain"
         devices = [next((t.device for t in list(model.parameters()) + list(model.buffers())), torch.device("cpu"))]
+    quant.refuse_checkpoint(shards[0])
     entries = collect_entries(shards[0], lambda name, tensor: where.get(name) if where is not None else None)
     state_names = _state_dict_names(shards[0])
     return ModelLayout(len(shards), shards, entries, plan, zero, devices, state_names, engine)

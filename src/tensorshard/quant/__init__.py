@@ -31,6 +31,7 @@ __all__ = [
     "logical_shape",
     "module_bytes",
     "quantization_method",
+    "refuse_checkpoint",
     "require_bitsandbytes",
     "skeleton_memo",
     "stored_bytes",
@@ -64,6 +65,20 @@ def stored_bytes(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> 
     if kind == "8bit":
         return n + shape[0] * 4
     return n * tensor.element_size()
+
+
+def refuse_checkpoint(module: nn.Module) -> None:
+    """Refuse to save or load tensorshard checkpoints of a model holding quantized weights (not supported:
+    their slices are packed, and their quantization state is not a tensor of the state dict)."""
+    for name, p in module.named_parameters():
+        kind = weight_kind(p)
+        if (kind == "4bit" and p.bnb_quantized) or (kind == "8bit" and p.dtype == torch.int8):
+            raise NotImplementedError(
+                f"{name} is a bitsandbytes {kind} weight: tensorshard's checkpoints (save_sharded, load_sharded, "
+                "save_gathered, save_pretrained of a split model) do not handle quantized weights. Save the "
+                "full-precision checkpoint and load it quantized with tp.from_pretrained(path, devices, "
+                "quantization_config=...) (docs/quantization.md)."
+            )
 
 
 def check_split(module: nn.Module, name: str, dim: int, part: Partition, where: str) -> None:
