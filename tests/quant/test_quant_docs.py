@@ -1,0 +1,28 @@
+"""The examples of docs/quantization.md run as written (```python blocks, in order, one namespace), and the
+command it shows prints the memory it quotes."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "quantization.md"
+
+
+def test_quantization_doc_examples_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the doc saves "tiny-llama" in the working directory
+    blocks = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
+    assert len(blocks) == 3
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, str(DOC), "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert "Params4bit torch.Size([128, 192])" in printed
+    assert namespace["model"].world_size == 2  # the last block: loaded quantized over 2 devices
+
+    from tensorshard.cli import main
+
+    assert main(["plan", "tiny-llama", "--devices", "3", "--quantize", "nf4"]) == 0
+    assert "190.8 KiB | 190.8 KiB | 189.2 KiB (whole model: 561.2 KiB" in capsys.readouterr().out
