@@ -1,7 +1,7 @@
 """The numbers in docs/quantization.md: how far split 4-bit and 8-bit models are from the unsplit quantized
 model and from full precision, and what each device holds.
 
-    python examples/quantization/numbers.py            # ~1 minute on CPU; prints a markdown table
+    python examples/quantization/accuracy.py            # ~1 minute on CPU; prints a markdown table
 
 A random Llama (hidden 192, MLP 384, 6 query heads of 32 in 3 KV groups, 2 layers, vocabulary 128) is
 saved once, then loaded by transformers in full precision and quantized; each quantized model is split
