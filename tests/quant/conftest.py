@@ -2,7 +2,7 @@ import pytest
 
 pytest.importorskip("bitsandbytes")
 
-from quant.quantized_models import ALIGNED, UNALIGNED, save_llama  # noqa: E402
+from quant.quantized_models import ALIGNED, FEW_KV_HEADS, UNALIGNED, save_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +14,8 @@ def llama_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def unaligned_dir(tmp_path_factory):
     return save_llama(tmp_path_factory.mktemp("llama_unaligned"), **UNALIGNED)
+
+
+@pytest.fixture(scope="session")
+def few_kv_dir(tmp_path_factory):
+    return save_llama(tmp_path_factory.mktemp("llama_few_kv"), **FEW_KV_HEADS)

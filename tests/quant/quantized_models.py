@@ -10,6 +10,8 @@ import torch
 import transformers as T
 
 ALIGNED = dict(hidden_size=192, intermediate_size=384, num_attention_heads=6, num_key_value_heads=3, head_dim=32)
+# 4 query heads of 64 in 2 KV groups: at 4 devices each KV head is held by 2 devices (replicated KV heads)
+FEW_KV_HEADS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
 # the suite's usual tiny Llama (tests/hf/configs.py): 72 features, 9 heads of 8, MLP width 88
 UNALIGNED = dict(hidden_size=72, intermediate_size=88, num_attention_heads=9, num_key_value_heads=3)
 

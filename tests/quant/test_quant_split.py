@@ -35,6 +35,20 @@ def test_4bit_logits_equal_unsplit(llama_dir, gen, quant_type, double, n):
     )
 
 
+@pytest.mark.parametrize("quant_type,double", [("nf4", True), ("fp4", False)])
+def test_4bit_replicated_kv_heads(few_kv_dir, gen, quant_type, double):
+    """2 KV heads over 4 devices: each KV head's 4-bit rows (and absmax) are held by the 2 devices whose query
+    heads read it; logits equal the unsplit 4-bit model's."""
+    ref = load(few_kv_dir, 4, quant_type, double)
+    model = tp.tensor_parallel(load(few_kv_dir, 4, quant_type, double), ["cpu"] * 4)
+    ids = _ids(gen)
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, ref(ids).logits) < 1e-4
+    k_rows = [shard.model.layers[0].self_attn.k_proj.weight for shard in model.module_shards]
+    assert [tuple(w.quant_state.shape) for w in k_rows] == [(64, 256)] * 4
+    assert torch.equal(k_rows[0].data, k_rows[1].data) and not torch.equal(k_rows[1].data, k_rows[2].data)
+
+
 def test_4bit_devices_hold_quantized_slices(llama_dir):
     """Each device holds a packed 4-bit slice with a quantization state of the slice's shape: never dequantized."""
     model = tp.tensor_parallel(load(llama_dir, 4, "nf4", True), ["cpu"] * 3)
