@@ -112,3 +112,48 @@ def test_8bit_memory_per_device(llama_dir):
     for shard in model.module_shards:
         # int8 codes split 1/3; the row scales of row-parallel layers stay whole (a few hundred bytes)
         assert full / 3 <= quantized_layer_bytes(shard) <= full / 3 * 1.02
+
+
+def _mlp(bits: int) -> torch.nn.Module:
+    """A plain PyTorch MLP of bitsandbytes layers, quantized by moving it to its device (bitsandbytes' way)."""
+    torch.manual_seed(0)
+    if bits == 4:
+        layers = [bnb.nn.Linear4bit(128, 256, quant_type="nf4"), bnb.nn.Linear4bit(256, 128, quant_type="nf4")]
+    else:
+        layers = [bnb.nn.Linear8bitLt(128, 256, has_fp16_weights=False), bnb.nn.Linear8bitLt(256, 128, has_fp16_weights=False)]
+    model = torch.nn.Sequential(layers[0], torch.nn.GELU(), layers[1]).to("cpu").eval()
+    for module in model.modules():  # the float kernel, as split layers use
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_plain_module_with_inferred_plan(gen, bits):
+    """No preset: plan inference traces the quantized model and self-checks the column -> row pair on a copy
+    that keeps the quantized weights."""
+    ref = _mlp(bits)
+    x = torch.randn(4, 128, generator=gen)
+    model = tp.tensor_parallel(_mlp(bits), ["cpu"] * 2)
+    assert model.plan["0"] == tp.ColwiseParallel() and model.plan["2"] == tp.RowwiseParallel()
+    with torch.no_grad():
+        # 4-bit: the unsplit numbers; 8-bit: the second layer's activations are quantized per device
+        assert rel_err(model(x), ref(x)) < (1e-4 if bits == 4 else 2e-2)
+
+
+def test_4bit_weights_repacked_by_an_eval_forward_still_split(gen):
+    """On AVX512-BF16 CPUs an eval-mode forward repacks 4-bit weights for bitsandbytes' bf16 kernel, rounding
+    absmax to bf16. Splitting afterwards unpacks them: the split model computes with that bf16 absmax, so it
+    is within bf16 rounding (not 1e-4) of the model before the repacking."""
+    ref = _mlp(4)
+    x = torch.randn(4, 128, generator=gen)
+    model = _mlp(4)
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = bnb.functional.has_avx512bf16()
+    with torch.no_grad():
+        model(x)
+    plan = tp.Plan({"0": tp.ColwiseParallel(), "2": tp.RowwiseParallel()})
+    split = tp.tensor_parallel(model, ["cpu"] * 2, plan=plan)
+    with torch.no_grad():
+        assert rel_err(split(x), ref(x)) < 1e-2

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..layers import EMBEDDING
+from ..layers import EMBEDDING, weight_shape
 from ..plans.direct_reads import direct_reads
 from ..plans.plan import Plan, escape
 from ..plans.sharding import shard_plan
@@ -200,8 +200,7 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
 def _gather(g: Group, info, world_size: int, module: nn.Module, trace: Trace) -> Group:
     """The output head: a lone column whose features reach the model's output, as wide as the vocabulary
     of the embedding the input ids go to. Split by output features, its logits gathered."""
-    w = info.module.weight
-    out_f = w.shape[info.kind.weight_out_dim]
+    out_f = weight_shape(info.module)[info.kind.weight_out_dim]
     vocabularies = {
         other.module.num_embeddings for other in trace.layers.values() if other.kind is EMBEDDING and other.reads_model_input
     }
@@ -228,8 +227,7 @@ def _row_labels(fs, ids: torch.Tensor, feature_dim: int) -> torch.Tensor | None:
 
 
 def _blocks(blocks: tuple, info, row: bool = False) -> tuple | None:
-    w = info.module.weight
-    size = w.shape[info.kind.weight_in_dim if row else info.kind.weight_out_dim]
+    size = weight_shape(info.module)[info.kind.weight_in_dim if row else info.kind.weight_out_dim]
     if len(blocks) == 1 and blocks[0] == size:
         return None
     return tuple(blocks)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import CONV, EMBEDDING, layer_kind
+from ..layers import CONV, EMBEDDING, layer_kind, weight_shape
 
 BATCH, SEQ = 2, 5  # the tiny synthetic input: 2 sequences of 5 tokens (or 2 x 5 x in_features)
 
@@ -55,7 +55,7 @@ def input_candidates(model: nn.Module, *, generator: torch.Generator | None = No
         spatial = [max(8, 2 * k) for k in mod.kernel_size][:dims]
         yield (_on(torch.randn(BATCH, mod.in_channels, *spatial, generator=gen, dtype=dtype), mod),), {}
         return
-    width = mod.weight.shape[kind.weight_in_dim]
+    width = weight_shape(mod)[kind.weight_in_dim]
     sizes = [SEQ] + sorted({m.in_features for m in model.modules() if isinstance(m, nn.Linear)} - {SEQ})
     for seq in sizes[:8]:
         yield (_on(torch.randn(BATCH, seq, width, generator=gen, dtype=dtype), mod),), {}

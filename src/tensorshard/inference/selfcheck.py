@@ -5,7 +5,8 @@ that holds all of them and whose input the trace captured. The check builds a sc
 region, in fp32 on the CPU with fresh random weights (so it needs none of the real weights, and a layer
 initialised to zero cannot hide a mistake), splits a second copy with just these entries over
 ``["cpu"] * world_size``, and runs both on the captured input: outputs, input gradients and every
-parameter gradient must agree within `TOLERANCE`. Anything else (an error while splitting or running,
+parameter gradient must agree within `TOLERANCE` (LLM.int8() regions: within 8-bit's own error, since
+their activations are quantized per device; quantized weights keep their values). Anything else (an error while splitting or running,
 a shape or value mismatch) is a failure, reported as one line that says why.
 
 Memory: three fp32 copies of one region's parameters at a time (the reference, the split copy, the
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .. import quant
 from ..engines.inprocess import TensorParallel
 from ..plans.plan import Plan
 from ..styles import ColwiseParallel, Heads, Replicate, Style
@@ -108,6 +110,7 @@ def _relative(name: str, region: str) -> str:
 
 def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dict], world_size: int, region: str) -> str | None:
     gen = torch.Generator().manual_seed(1234)
+    tolerance = quant.selfcheck_tolerance(sub, TOLERANCE)
     ref = _Outputs(scratch_copy(sub.inner, gen), sub.keep)
     work = copy.deepcopy(ref)
     with _quiet():
@@ -125,12 +128,12 @@ def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dic
         if a.shape != b.shape:
             return f"output {i} has shape {tuple(a.shape)} split but {tuple(b.shape)} whole"
         err = _rel_err(a, b, _norm(b))
-        if not err <= TOLERANCE:
+        if not err <= tolerance:
             return f"output {i} differs from the unsplit module (relative error {err:.1e})"
     with torch.no_grad():  # inference can take other code paths (PyTorch's fused encoder layer does)
         plain_ref, plain_split = _floats(ref(*args_ref[0], **args_ref[1])), _floats(split(*args_split[0], **args_split[1]))
     for i, (a, b) in enumerate(zip(plain_split, plain_ref)):
-        if a.shape != b.shape or not _rel_err(a, b, _norm(b)) <= TOLERANCE:
+        if a.shape != b.shape or not _rel_err(a, b, _norm(b)) <= tolerance:
             return f"output {i} differs from the unsplit module without gradients (inference takes another path)"
     weights = [torch.randn(y.shape, generator=gen) for y in ys_ref]
     grads = [y for y in ys_ref if y.requires_grad]
@@ -145,7 +148,7 @@ def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dic
     for i, (a, b) in enumerate(zip(_leaves(args_split), _leaves(args_ref))):
         if (a.grad is None) != (b.grad is None):
             return f"input {i} gets a gradient in only one of the two"
-        if a.grad is not None and not _rel_err(a.grad, b.grad, floor) <= TOLERANCE:
+        if a.grad is not None and not _rel_err(a.grad, b.grad, floor) <= tolerance:
             return f"the gradient of input {i} differs (relative error {_rel_err(a.grad, b.grad, floor):.1e})"
     for name, p in ref.named_parameters():
         per_shard = [shard.get_parameter(name).grad for shard in split.module_shards]
@@ -163,13 +166,14 @@ def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dic
             candidates = [part.assemble([g.detach() for g in per_shard], dim)]
         for g in candidates:
             err = _rel_err(g, p.grad, floor)
-            if not err <= TOLERANCE:
+            if not err <= tolerance:
                 return f"the gradient of {name} differs (relative error {err:.1e})"
     return None
 
 
 def scratch_copy(sub: nn.Module, gen: torch.Generator) -> nn.Module:
-    """An fp32 CPU copy of `sub` with the same buffers and fresh random parameters."""
+    """An fp32 CPU copy of `sub` with the same buffers and fresh random parameters (quantized weights keep
+    their values: random packed codes would not be a quantized weight)."""
     memo: dict[int, Any] = {}
     for p in sub.parameters():
         memo[id(p)] = nn.Parameter(torch.empty(0), requires_grad=p.requires_grad)
@@ -181,9 +185,14 @@ def scratch_copy(sub: nn.Module, gen: torch.Generator) -> nn.Module:
             if p is None:
                 continue
             full = f"{mod_name}.{pname}" if mod_name else pname
+            original = originals[full]
+            if id(p) not in done and quant.weight_kind(original):  # quantized: its own values, copied
+                done[id(p)] = quant.take(original, sub.get_submodule(mod_name), None, 0, torch.device("cpu"))
             if id(p) not in done:
-                done[id(p)] = nn.Parameter(_random_like(originals[full], gen), requires_grad=p.requires_grad)
+                done[id(p)] = nn.Parameter(_random_like(original, gen), requires_grad=p.requires_grad)
             mod._parameters[pname] = done[id(p)]
+            if quant.weight_kind(done[id(p)]):
+                quant.finish_module(mod)
     return clone.to(device="cpu").float()
 
 

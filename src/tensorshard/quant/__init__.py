@@ -33,6 +33,7 @@ __all__ = [
     "quantization_method",
     "refuse_checkpoint",
     "require_bitsandbytes",
+    "selfcheck_tolerance",
     "skeleton_memo",
     "stored_bytes",
     "take",
@@ -65,6 +66,17 @@ def stored_bytes(tensor: torch.Tensor, shape: tuple[int, ...] | None = None) -> 
     if kind == "8bit":
         return n + shape[0] * 4
     return n * tensor.element_size()
+
+
+INT8_TOLERANCE = 5e-2  # relative; LLM.int8()'s own error is ~1e-2, a wrong split is off by O(1)
+
+
+def selfcheck_tolerance(module: nn.Module, default: float) -> float:
+    """How close a split copy must come to the whole one in the plan self-check: 8-bit layers quantize
+    their activations per device, so row-parallel splits differ at 8-bit precision (eight_bit.py)."""
+    if any(weight_kind(p) == "8bit" for p in module.parameters()):
+        return max(default, INT8_TOLERANCE)
+    return default
 
 
 def refuse_checkpoint(module: nn.Module) -> None:

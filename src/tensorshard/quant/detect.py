@@ -53,6 +53,7 @@ def check_quantized_model(model: nn.Module, engine: str) -> str | None:
     """Refuse, before anything changes, a quantized model this engine cannot split; return its method.
 
     bitsandbytes models need bitsandbytes installed; other methods (GPTQ, AWQ, ...) are not supported.
+    The in-process engine also turns bitsandbytes' CPU bf16 kernel off in the model it is about to consume.
     """
     method = quantization_method(model)
     if method is None:
@@ -64,6 +65,12 @@ def check_quantized_model(model: nn.Module, engine: str) -> str | None:
             "BitsAndBytesConfig(load_in_4bit=True) / load_in_8bit=True."
         )
     require_bitsandbytes(f"splitting the bitsandbytes-quantized {type(model).__name__}")
+    if engine == "inprocess":
+        # Plan inference runs the model once; in eval mode on an AVX512-BF16 CPU that would repack its 4-bit
+        # weights for bitsandbytes' bf16 kernel, rounding absmax to bf16 for good (quant/four_bit.py).
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     if engine != "inprocess":
         raise NotImplementedError(
             f"{type(model).__name__} is quantized with bitsandbytes; the torchrun engine (DTensor) cannot hold "
