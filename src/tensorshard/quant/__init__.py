@@ -16,7 +16,7 @@ from torch import nn
 
 from ..partition import Partition
 from . import eight_bit, four_bit
-from .loading import check_config, prepare_empty, quantizing_converter
+from .loading import check_config, prepare_empty, quantize_slice, quantizing_converter
 from .detect import EXTRA, check_quantized_model, quantization_method, require_bitsandbytes, weight_kind
 
 __all__ = [
@@ -96,6 +96,11 @@ def refuse_checkpoint(module: nn.Module) -> None:
 def check_split(module: nn.Module, name: str, dim: int, part: Partition, where: str) -> None:
     """Raise ValueError, naming the fix, when splitting `module.<name>` along `dim` cuts a quantization block."""
     weight = getattr(module, name, None)
+    if weight_kind(weight) and not isinstance(module, nn.Linear):
+        raise NotImplementedError(
+            f"{where}: splitting a quantized {type(module).__name__} is not supported (bitsandbytes Linear4bit and "
+            "Linear8bitLt are); keep it whole with Replicate() in the plan"
+        )
     if weight_kind(weight) == "4bit":
         four_bit.check_split(weight, dim, part, where)
     # 8-bit: one scale per output row, so every row or column split is exact.
@@ -142,7 +147,8 @@ def skeleton_memo(module: nn.Module) -> dict[int, None]:
 
 
 def finish_module(module: nn.Module) -> None:
-    """Point a shard's quantized layer at its local weight's state, once the local weight is in place.
+    """Point a shard's quantized layer at its local weight's state, once the local weight is in place
+    (quantizing it first if it holds full-precision values, as a layer bitsandbytes has not quantized yet does).
 
     A Linear4bit of a split model runs bitsandbytes' float kernel (dequantize, then matmul), as on GPUs,
     rather than the bf16 kernel it repacks weights for in eval mode on AVX512-BF16 CPUs: that kernel rounds
@@ -151,6 +157,10 @@ def finish_module(module: nn.Module) -> None:
     """
     weight = getattr(module, "weight", None)
     kind = weight_kind(weight)
+    if kind and not weight.is_meta:  # full-precision values not quantized yet (loaded in place): now
+        quantized = quantize_slice(weight, weight.data)
+        if quantized is not None:
+            module.weight = weight = quantized
     if kind == "4bit":
         module.quant_state = weight.quant_state
         weight.module = module
