@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import quant
 from .checkpoint.gguf import gguf_config
 from .inference.infer import infer
 from .inference.trace import trace_model
@@ -65,9 +66,7 @@ def plan(
     act_dtype = _dtype(dtype) if dtype else None
     module = load_model(model)
     if quantize is not None:
-        from .quant import prepare_empty
-
-        prepare_empty(module, _quantization_config(quantize))
+        quant.prepare_empty(module, _quantization_config(quantize, model))
     source = f"plan file {plan}"
     trace = None
     if plan is not None:
@@ -169,9 +168,11 @@ def _from_config(config, spec: str) -> nn.Module:
     raise SystemExit(f"{spec}: transformers has no model class for this config ({'; '.join(errors)})")
 
 
-def _quantization_config(name: str):
-    from transformers import BitsAndBytesConfig
-
+def _quantization_config(name: str, spec: str):
+    transformers = sys.modules.get("transformers")  # loaded by load_model for transformers models
+    if transformers is None:
+        raise SystemExit(f"--quantize applies to transformers models (a model type, config.json or checkpoint folder), not {spec}")
+    BitsAndBytesConfig = transformers.BitsAndBytesConfig
     kind, _, extra = name.partition("-")
     if kind == "int8" and not extra:
         return BitsAndBytesConfig(load_in_8bit=True)

@@ -2,7 +2,7 @@ import pytest
 
 pytest.importorskip("bitsandbytes")
 
-from quant.quantized_models import ALIGNED, FEW_KV_HEADS, UNALIGNED, save_llama  # noqa: E402
+from support.quantized_models import ALIGNED, FEW_KV_HEADS, UNALIGNED, save_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import tensorshard as tp
-from helpers import rel_err
-from quant.quantized_models import load
+from support.helpers import rel_err
+from support.quantized_models import load
 
 pytestmark = pytest.mark.timeout(120)
 

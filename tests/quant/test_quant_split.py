@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import tensorshard as tp
-from helpers import rel_err
-from quant.quantized_models import load, quantized_layer_bytes
+from support.helpers import rel_err
+from support.quantized_models import load, quantized_layer_bytes
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,8 +6,9 @@ region, in fp32 on the CPU with fresh random weights (so it needs none of the re
 initialised to zero cannot hide a mistake), splits a second copy with just these entries over
 ``["cpu"] * world_size``, and runs both on the captured input: outputs, input gradients and every
 parameter gradient must agree within `TOLERANCE` (LLM.int8() regions: within 8-bit's own error, since
-their activations are quantized per device; quantized weights keep their values). Anything else (an error while splitting or running,
-a shape or value mismatch) is a failure, reported as one line that says why.
+their activations are quantized per device; quantized weights keep their values). Anything else (an
+error while splitting or running, a shape or value mismatch) is a failure, reported as one line that says
+why.
 
 Memory: three fp32 copies of one region's parameters at a time (the reference, the split copy, the
 random source), e.g. one transformer MLP; a group that spans the whole model (a custom model whose

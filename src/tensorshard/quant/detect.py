@@ -7,6 +7,7 @@ nothing and a quantized one without the package is refused with the extra to ins
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
@@ -40,6 +41,7 @@ def quantization_method(model: nn.Module) -> str | None:
 def require_bitsandbytes(what: str) -> Any:
     """Import bitsandbytes, or raise an ImportError that names `what` needs it and the extra to install."""
     try:
+        # deferred: an optional extra ([quant]) that takes seconds to import; only quantized models need it
         import bitsandbytes
     except ImportError as e:
         raise ImportError(
@@ -78,3 +80,10 @@ def check_quantized_model(model: nn.Module, engine: str) -> str | None:
             "(docs/quantization.md)."
         )
     return method
+
+
+def bitsandbytes_module() -> Any:
+    """The bitsandbytes module. Whoever holds a bitsandbytes weight has imported it already; otherwise it is
+    imported here (`require_bitsandbytes`)."""
+    module = sys.modules.get("bitsandbytes")
+    return module if module is not None else require_bitsandbytes("a bitsandbytes-quantized layer")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..partition import Partition
+from .detect import bitsandbytes_module
 
 
 def codes_and_scales(module: nn.Module | None, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -33,8 +34,7 @@ def take(
     weight: torch.Tensor, module: nn.Module | None, split: tuple[int, Partition] | None, rank: int, device: torch.device
 ) -> torch.Tensor:
     """Rank `rank`'s slice of an Int8Params (None: the whole weight) as a new Int8Params on `device`."""
-    import bitsandbytes as bnb
-
+    bnb = bitsandbytes_module()
     codes, scales = codes_and_scales(module, weight)
     if split is not None:
         dim, part = split
@@ -57,8 +57,7 @@ def state_bytes(module: nn.Module | None, weight: torch.Tensor) -> int:
 
 def matmul(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ W.T for a Linear8bitLt's (local) weight, without its bias, as `Linear8bitLt.forward` computes it."""
-    import bitsandbytes as bnb
-
+    bnb = bitsandbytes_module()
     module.state.is_training = module.training
     if weight.CB is not None:
         module.init_8bit_state()

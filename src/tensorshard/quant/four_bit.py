@@ -23,12 +23,14 @@ that kernel used).
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Sequence
 
 import torch
 
-from ..partition import Partition, Range
+from ..partition import Partition
+from .detect import bitsandbytes_module
 
 NESTED_BLOCK = 256  # bitsandbytes double-quantizes absmax in blocks of 256
 
@@ -71,8 +73,7 @@ def check_split(weight: torch.Tensor, dim: int, part: Partition, where: str) -> 
 
 def take(weight: torch.Tensor, split: tuple[int, Partition] | None, rank: int, device: torch.device) -> torch.Tensor:
     """Rank `rank`'s slice of a Params4bit (None: the whole weight) as a new Params4bit on `device`."""
-    import bitsandbytes as bnb
-
+    bnb = bitsandbytes_module()
     if not weight.bnb_quantized:  # not quantized yet: an ordinary slice, quantized once loaded
         data = weight.data if split is None else split[1].take(weight.data, split[0], rank)
         return _like(weight, data if data.is_meta else data.to(device, copy=True), None)
@@ -136,8 +137,7 @@ def state_bytes(weight: torch.Tensor) -> int:
 
 
 def _like(weight: torch.Tensor, data: torch.Tensor, state) -> torch.Tensor:
-    import bitsandbytes as bnb
-
+    bnb = bitsandbytes_module()
     return bnb.nn.Params4bit(
         data,
         requires_grad=False,
@@ -158,8 +158,7 @@ def _absmax(qs) -> torch.Tensor:
     """The float32 absmax per block that bitsandbytes dequantizes with (undoing double quantization)."""
     if not qs.nested:
         return qs.absmax.float()
-    import bitsandbytes as bnb
-
+    bnb = bitsandbytes_module()
     return (bnb.functional.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset).float()
 
 
@@ -173,8 +172,6 @@ def _nested_slice(qs, start: int, stop: int):
 
 def _copy_state(qs, device):
     """A QuantState whose tensors are copies on `device` (None: same device, still copies)."""
-    import copy
-
     out = copy.copy(qs)
     for name in ("absmax", "code", "offset"):
         t = getattr(qs, name, None)
@@ -190,8 +187,7 @@ def _standard_layout(weight: torch.Tensor):
     qs = weight.quant_state
     if not getattr(qs, "packing_format_for_cpu", False):
         return weight.data, qs
-    import bitsandbytes as bnb
-
+    bnb = bitsandbytes_module()
     # The repacking turned absmax into bf16, shape (in/blocksize, out), and dropped double quantization.
     probe = _copy_state(qs, None)
     probe.original_nested = False  # keep bitsandbytes' inverse from requantizing absmax
@@ -209,8 +205,7 @@ def _standard_layout(weight: torch.Tensor):
 
 def matmul(module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ W.T for a Linear4bit's (local) weight, without its bias, as `Linear4bit.forward` computes it."""
-    import bitsandbytes as bnb
-
+    bnb = bitsandbytes_module()
     if not module.compute_type_is_set:
         module.set_compute_type(x)
         module.compute_type_is_set = True

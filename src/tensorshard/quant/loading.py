@@ -17,18 +17,19 @@ quantization, whose second-level blocks are formed from the device's own absmax 
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-from .detect import require_bitsandbytes, weight_kind
+from .detect import bitsandbytes_module, require_bitsandbytes, weight_kind
 
 
 def check_config(config: Any) -> None:
     """Accept a transformers BitsAndBytesConfig for 4-bit or 8-bit; refuse anything else by name."""
     require_bitsandbytes("from_pretrained(..., quantization_config=...)")
-    if type(config).__name__ != "BitsAndBytesConfig":
+    if type(config).__name__ != "BitsAndBytesConfig" or not type(config).__module__.startswith("transformers."):
         raise TypeError(
             f"quantization_config must be a transformers BitsAndBytesConfig (load_in_4bit=True or load_in_8bit=True); "
             f"got {type(config).__name__}"
@@ -40,14 +41,13 @@ def check_config(config: Any) -> None:
 def prepare_empty(model: nn.Module, config: Any) -> nn.Module:
     """Swap the empty model's Linear layers for bitsandbytes ones (still empty, not yet quantized)."""
     check_config(config)
-    from transformers import PreTrainedModel
-    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
-    from transformers.quantizers.base import HfQuantizer
-
+    transformers = sys.modules["transformers"]  # loaded: `config` is one of its classes (check_config)
     skip = list(config.llm_int8_skip_modules or [])
-    if isinstance(model, PreTrainedModel):  # what transformers keeps whole: lm_head, tied and fp32 modules
-        skip = HfQuantizer.get_modules_to_not_convert(model, config.llm_int8_skip_modules, model._keep_in_fp32_modules)
-    replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=config)
+    if isinstance(model, transformers.PreTrainedModel):  # what transformers keeps whole: lm_head, tied, fp32 modules
+        skip = transformers.quantizers.HfQuantizer.get_modules_to_not_convert(
+            model, config.llm_int8_skip_modules, model._keep_in_fp32_modules
+        )
+    transformers.integrations.replace_with_bnb_linear(model, modules_to_not_convert=skip, quantization_config=config)
     if hasattr(model, "config"):
         model.config.quantization_config = config
         setattr(model, "is_loaded_in_4bit" if config.load_in_4bit else "is_loaded_in_8bit", True)
@@ -57,8 +57,7 @@ def prepare_empty(model: nn.Module, config: Any) -> nn.Module:
 def quantize_slice(template: torch.Tensor, data: torch.Tensor) -> torch.Tensor | None:
     """`data`, one device's full-precision slice of the weight `template` stands for, quantized on its
     device with `template`'s settings; None when `template` is not a weight waiting to be quantized."""
-    import bitsandbytes as bnb
-
+    bnb = bitsandbytes_module()
     kind = weight_kind(template)
     if kind == "4bit" and not template.bnb_quantized:
         weight = bnb.nn.Params4bit(
