@@ -3,8 +3,9 @@
 The engine and the styles ask this package four things about a weight, whatever its quantization:
 its logical (out, in) shape, whether a split cuts a quantization block (`check_split`, raised before the
 model changes), each device's slice with its slice of the quantization state (`take`), and the bytes that
-state adds (`module_bytes`). A row-parallel layer multiplies through `matmul` (the layer's own kernel,
-without its bias). Nothing here imports bitsandbytes until a quantized weight is met.
+state adds (`module_bytes`, `stored_bytes`). A row-parallel layer multiplies through `matmul` (the layer's
+own kernel, without its bias). Loading quantized is in loading.py, recognising quantized models (without
+importing bitsandbytes) in detect.py.
 
 See four_bit.py and eight_bit.py for the layouts, docs/quantization.md for what is exact.
 """
@@ -16,21 +17,23 @@ from torch import nn
 
 from ..partition import Partition
 from . import eight_bit, four_bit
-from .loading import check_config, prepare_empty, quantize_slice, quantizing_converter
 from .detect import EXTRA, check_quantized_model, quantization_method, require_bitsandbytes, weight_kind
+from .loading import check_config, prepare_empty, quantize_slice, quantizing_converter
 
 __all__ = [
     "EXTRA",
     "check_config",
-    "prepare_empty",
-    "quantizing_converter",
     "check_quantized_model",
     "check_split",
     "finish_module",
     "finish_shards",
     "logical_shape",
+    "matmul",
     "module_bytes",
+    "prepare_empty",
     "quantization_method",
+    "quantize_slice",
+    "quantizing_converter",
     "refuse_checkpoint",
     "require_bitsandbytes",
     "selfcheck_tolerance",

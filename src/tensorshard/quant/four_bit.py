@@ -73,7 +73,6 @@ def check_split(weight: torch.Tensor, dim: int, part: Partition, where: str) -> 
 
 def take(weight: torch.Tensor, split: tuple[int, Partition] | None, rank: int, device: torch.device) -> torch.Tensor:
     """Rank `rank`'s slice of a Params4bit (None: the whole weight) as a new Params4bit on `device`."""
-    bnb = bitsandbytes_module()
     if not weight.bnb_quantized:  # not quantized yet: an ordinary slice, quantized once loaded
         data = weight.data if split is None else split[1].take(weight.data, split[0], rank)
         return _like(weight, data if data.is_meta else data.to(device, copy=True), None)
@@ -101,7 +100,7 @@ def take(weight: torch.Tensor, split: tuple[int, Partition] | None, rank: int, d
         local = _cat([rows[:, a // 2 : b // 2] for a, b in ranges], 1).reshape(-1)
         per_row = _absmax(qs).view(out, inn // bs)
         absmax, offset, state2 = _cat([per_row[:, a // bs : b // bs] for a, b in ranges], 1).reshape(-1), None, None
-    state = bnb.functional.QuantState(
+    state = bitsandbytes_module().functional.QuantState(
         absmax=absmax.to(device, copy=True),
         shape=torch.Size(local_shape),
         code=qs.code.to(device, copy=True),
