@@ -60,7 +60,20 @@ def test_checkpoints_of_split_quantized_models_are_refused(llama_dir, tmp_path, 
     name, pointing to loading the full-precision checkpoint quantized instead; nothing is written."""
     model = tp.tensor_parallel(load(llama_dir, 4), ["cpu"] * 2)
     target = tmp_path / "out"
-    with pytest.raises(NotImplementedError, match=r"bitsandbytes 4bit weight: tensorshard's checkpoints .* "
+    with pytest.raises(NotImplementedError, match=r"is a bitsandbytes quantized weight: tensorshard.s checkpoints .* "
                                                   r"tp.from_pretrained\(path, devices, quantization_config=...\)"):
         model.save_pretrained(target) if save == "save_pretrained" else getattr(tp, save)(model, target)
     assert not target.exists()
+
+
+def test_loading_a_checkpoint_into_a_split_quantized_model_is_refused(llama_dir, tmp_path, gen):
+    """A full-precision sharded checkpoint would be copied over the packed codes: refused before reading."""
+    tp.save_sharded(tp.tensor_parallel(load(llama_dir, None), ["cpu"] * 2), tmp_path / "ckpt")
+    model = tp.tensor_parallel(load(llama_dir, 4), ["cpu"] * 2)
+    ids = torch.randint(0, 128, (1, 5), generator=gen)
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises(NotImplementedError, match=r"model.layers.0.self_attn.q_proj.weight is a bitsandbytes quantized weight"):
+        tp.load_sharded(model, tmp_path / "ckpt")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)

@@ -133,6 +133,7 @@ def save_gathered(
     _require_split(model, "save_gathered")
     folder = Path(path)
     layout = model_layout(model)
+    layout.refuse_quantized()
     job = job_of(layout)
     limit = _parse_size(max_shard_size)
 

@@ -164,6 +164,15 @@ class ModelLayout:
     state_names: list[str] = field(default_factory=list)  # persistent names, in state-dict order
     engine: str = "inprocess"  # "inprocess", "plain" or "torchrun"
     writes: bool = True  # this process writes checkpoint files (not a data-parallel replica under torchrun)
+    quantized: frozenset[str] = frozenset()  # names of bitsandbytes-quantized weights: never saved or loaded
+
+    def refuse_quantized(self, *entries: TensorEntry) -> None:
+        """Raise for a checkpoint that would read or write a quantized weight among `entries` (default: all of
+        the model's), before anything is written (quant/__init__.py)."""
+        for entry in entries or self.entries.values():
+            hit = next((n for n in entry.names if n in self.quantized), None)
+            if hit is not None:
+                raise quant.checkpoint_error(hit)
 
     @property
     def ranks(self) -> list[int]:
@@ -212,6 +221,7 @@ class ModelLayout:
 
     def gather(self, entry: TensorEntry, device: torch.device | str = "cpu") -> torch.Tensor:
         """The whole tensor of `entry`, assembled from every rank's part on `device` (a new tensor)."""
+        self.refuse_quantized(entry)
         pieces = [self.local(entry, r).detach() for r in range(self.world_size)]
         if entry.placement is None:
             return pieces[0].to(device, copy=True)
@@ -258,10 +268,11 @@ def inprocess_layout(model: nn.Module) -> ModelLayout:
     else:
         shards, where, zero, plan, engine = [model], None, [], None, "plain"
         devices = [next((t.device for t in list(model.parameters()) + list(model.buffers())), torch.device("cpu"))]
-    quant.refuse_checkpoint(shards[0])
     entries = collect_entries(shards[0], lambda name, tensor: where.get(name) if where is not None else None)
     state_names = _state_dict_names(shards[0])
-    return ModelLayout(len(shards), shards, entries, plan, zero, devices, state_names, engine)
+    return ModelLayout(
+        len(shards), shards, entries, plan, zero, devices, state_names, engine, quantized=quant.quantized_names(shards[0])
+    )
 
 
 def _state_dict_names(root: nn.Module) -> list[str]:

@@ -55,6 +55,7 @@ def match_tensors(
                 missing.append(entry.name)
             continue
         used.add(found)
+        layout.refuse_quantized(entry)
         shape, dtype = source.info(found)
         if tuple(shape) != tuple(entry.shape):
             wrong_shape.append(f"{entry.name}: checkpoint {list(shape)}, model {list(entry.shape)}")

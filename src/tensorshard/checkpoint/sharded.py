@@ -76,6 +76,7 @@ def save_sharded(
     """
     folder = Path(path)
     layout = model_layout(model)
+    layout.refuse_quantized()
     job = job_of(layout)
 
     def prepare() -> int | None:

@@ -34,7 +34,8 @@ __all__ = [
     "quantization_method",
     "quantize_slice",
     "quantizing_converter",
-    "refuse_checkpoint",
+    "checkpoint_error",
+    "quantized_names",
     "require_bitsandbytes",
     "selfcheck_tolerance",
     "skeleton_memo",
@@ -82,18 +83,23 @@ def selfcheck_tolerance(module: nn.Module, default: float) -> float:
     return default
 
 
-def refuse_checkpoint(module: nn.Module) -> None:
-    """Refuse to save or load tensorshard checkpoints of a model holding quantized weights (not supported:
-    their slices are packed, and their quantization state is not a tensor of the state dict)."""
-    for name, p in module.named_parameters():
-        kind = weight_kind(p)
-        if (kind == "4bit" and p.bnb_quantized) or (kind == "8bit" and p.dtype == torch.int8):
-            raise NotImplementedError(
-                f"{name} is a bitsandbytes {kind} weight: tensorshard's checkpoints (save_sharded, load_sharded, "
-                "save_gathered, save_pretrained of a split model) do not handle quantized weights. Save the "
-                "full-precision checkpoint and load it quantized with tp.from_pretrained(path, devices, "
-                "quantization_config=...) (docs/quantization.md)."
-            )
+def quantized_names(module: nn.Module) -> frozenset[str]:
+    """Names of the parameters of `module` that hold quantized values (not a template waiting to be quantized)."""
+    return frozenset(
+        name for name, p in module.named_parameters(remove_duplicate=False)
+        if (weight_kind(p) == "4bit" and p.bnb_quantized) or (weight_kind(p) == "8bit" and p.dtype == torch.int8)
+    )
+
+
+def checkpoint_error(name: str) -> NotImplementedError:
+    """The error for a checkpoint that would read or write the quantized weight `name`."""
+    return NotImplementedError(
+        f"{name} is a bitsandbytes quantized weight: tensorshard's checkpoints (save_sharded, load_sharded, "
+        "save_gathered, save_pretrained of a split model) do not handle quantized weights (their slices are "
+        "packed, their quantization state is not in the state dict). Save the full-precision checkpoint and load "
+        "it quantized with tp.from_pretrained(path, devices, quantization_config=...) (docs/quantization.md); an "
+        "adapter alone (QLoRA) saves as usual."
+    )
 
 
 def check_split(module: nn.Module, name: str, dim: int, part: Partition, where: str) -> None:
