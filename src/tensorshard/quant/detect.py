@@ -1,12 +1,13 @@
 """Recognising quantized models without importing bitsandbytes, and requiring it when one is found.
 
 A bitsandbytes layer is told by its weight's class (`Params4bit`, `Int8Params`) or, for a transformers
-model, by `config.quantization_config`. This file never imports bitsandbytes itself, so a plain model costs
+model, by `config.quantization_config`. tensorshard never imports bitsandbytes itself, so a plain model costs
 nothing and a quantized one without the package is refused with the extra to install.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import Any
 
@@ -38,17 +39,18 @@ def quantization_method(model: nn.Module) -> str | None:
     return None
 
 
-def require_bitsandbytes(what: str) -> Any:
-    """Import bitsandbytes, or raise an ImportError that names `what` needs it and the extra to install."""
-    try:
-        # deferred: an optional extra ([quant]) that takes seconds to import; only quantized models need it
-        import bitsandbytes
-    except ImportError as e:
-        raise ImportError(
-            f"{what} needs bitsandbytes, which is not installed: {EXTRA} (or pip install bitsandbytes). "
-            f"({e})"
-        ) from None
-    return bitsandbytes
+def require_bitsandbytes(what: str) -> None:
+    """Raise an ImportError naming `what` and the extra to install when bitsandbytes cannot be imported.
+
+    tensorshard never imports bitsandbytes itself (seconds of import for every user): whoever made a
+    quantized weight has, and so has transformers' bitsandbytes integration, which quantized loading uses.
+    """
+    if "bitsandbytes" in sys.modules:
+        available = sys.modules["bitsandbytes"] is not None  # None: its import was blocked
+    else:
+        available = importlib.util.find_spec("bitsandbytes") is not None
+    if not available:
+        raise ImportError(f"{what} needs bitsandbytes, which is not installed: {EXTRA} (or pip install bitsandbytes)")
 
 
 def check_quantized_model(model: nn.Module, engine: str) -> str | None:
@@ -83,7 +85,5 @@ def check_quantized_model(model: nn.Module, engine: str) -> str | None:
 
 
 def bitsandbytes_module() -> Any:
-    """The bitsandbytes module. Whoever holds a bitsandbytes weight has imported it already; otherwise it is
-    imported here (`require_bitsandbytes`)."""
-    module = sys.modules.get("bitsandbytes")
-    return module if module is not None else require_bitsandbytes("a bitsandbytes-quantized layer")
+    """The bitsandbytes module, for code that holds a bitsandbytes weight or layer (so it is imported)."""
+    return sys.modules["bitsandbytes"]
