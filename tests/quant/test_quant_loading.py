@@ -9,13 +9,9 @@ import torch
 
 import tensorshard as tp
 from support.helpers import rel_err
-from support.quantized_models import load, quant_config, quantized_layer_bytes
+from support.quantized_models import load, quant_config, quantized_layer_bytes, random_ids
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _ids(gen):
-    return torch.randint(0, 128, (2, 9), generator=gen)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -25,7 +21,7 @@ def test_4bit_load_equals_transformers_quantized(llama_dir, gen, quant_type, n):
     logits of transformers' own 4-bit load to float32 rounding, and a third (half) of its quantized bytes."""
     model = tp.from_pretrained(llama_dir, ["cpu"] * n, quantization_config=quant_config(4, quant_type), progress=False)
     ref = load(llama_dir, 4, quant_type)
-    ids = _ids(gen)
+    ids = random_ids(gen)
     with torch.no_grad():
         assert rel_err(model(ids).logits, ref(ids).logits) < 1e-4
     gate = model.module_shards[0].model.layers[1].mlp.gate_proj
@@ -41,7 +37,7 @@ def test_4bit_double_quantization_load(llama_dir, gen):
     device's own), so the nested state stays nested and the logits are as close to the full-precision
     model's as those of transformers' double-quantized load."""
     model = tp.from_pretrained(llama_dir, ["cpu"] * 2, quantization_config=quant_config(4, "nf4", True), progress=False)
-    ids = _ids(gen)
+    ids = random_ids(gen)
     with torch.no_grad():
         full = load(llama_dir, None)(ids).logits
         own_error = rel_err(load(llama_dir, 4, "nf4", True)(ids).logits, full)
@@ -52,7 +48,7 @@ def test_4bit_double_quantization_load(llama_dir, gen):
 
 def test_8bit_load_within_quantization_error(llama_dir, gen):
     model = tp.from_pretrained(llama_dir, ["cpu"] * 3, quantization_config=quant_config(8), progress=False)
-    ids = _ids(gen)
+    ids = random_ids(gen)
     with torch.no_grad():
         full = load(llama_dir, None)(ids).logits
         own_error = rel_err(load(llama_dir, 8)(ids).logits, full)

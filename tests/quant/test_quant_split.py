@@ -8,15 +8,11 @@ import torch
 
 import tensorshard as tp
 from support.helpers import rel_err
-from support.quantized_models import load, quantized_layer_bytes
+from support.quantized_models import float_kernel, load, quantized_layer_bytes, random_ids
 
 pytestmark = pytest.mark.timeout(120)
 
 FOUR_BIT = [("nf4", True), ("nf4", False), ("fp4", True), ("fp4", False)]
-
-
-def _ids(gen):
-    return torch.randint(0, 128, (2, 9), generator=gen)
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -26,7 +22,7 @@ def test_4bit_logits_equal_unsplit(llama_dir, gen, quant_type, double, n):
     logits of the unsplit 4-bit model to float32 rounding (1e-4 relative), greedy tokens identical."""
     ref = load(llama_dir, 4, quant_type, double)
     model = tp.tensor_parallel(load(llama_dir, 4, quant_type, double), ["cpu"] * n)
-    ids = _ids(gen)
+    ids = random_ids(gen)
     with torch.no_grad():
         assert rel_err(model(ids).logits, ref(ids).logits) < 1e-4
     assert torch.equal(
@@ -41,7 +37,7 @@ def test_4bit_replicated_kv_heads(few_kv_dir, gen, quant_type, double):
     heads read it; logits equal the unsplit 4-bit model's."""
     ref = load(few_kv_dir, 4, quant_type, double)
     model = tp.tensor_parallel(load(few_kv_dir, 4, quant_type, double), ["cpu"] * 4)
-    ids = _ids(gen)
+    ids = random_ids(gen)
     with torch.no_grad():
         assert rel_err(model(ids).logits, ref(ids).logits) < 1e-4
     k_rows = [shard.model.layers[0].self_attn.k_proj.weight for shard in model.module_shards]
@@ -91,7 +87,7 @@ def test_8bit_within_quantization_error(llama_dir, gen, n):
     """LLM.int8(): column splits are exact; a row-parallel device quantizes its activations over its own
     features, so the split model is not the unsplit 8-bit one, but stays within 8-bit's own error of the
     full-precision model (measured: docs/quantization.md)."""
-    ids = _ids(gen)
+    ids = random_ids(gen)
     with torch.no_grad():
         full = load(llama_dir, None)(ids).logits
         unsplit = load(llama_dir, 8)(ids).logits
@@ -121,11 +117,7 @@ def _mlp(bits: int) -> torch.nn.Module:
         layers = [bnb.nn.Linear4bit(128, 256, quant_type="nf4"), bnb.nn.Linear4bit(256, 128, quant_type="nf4")]
     else:
         layers = [bnb.nn.Linear8bitLt(128, 256, has_fp16_weights=False), bnb.nn.Linear8bitLt(256, 128, has_fp16_weights=False)]
-    model = torch.nn.Sequential(layers[0], torch.nn.GELU(), layers[1]).to("cpu").eval()
-    for module in model.modules():  # the float kernel, as split layers use
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-    return model
+    return float_kernel(torch.nn.Sequential(layers[0], torch.nn.GELU(), layers[1]).to("cpu").eval())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -167,7 +159,7 @@ def test_4bit_trains_its_full_precision_parameters(llama_dir, gen):
     model = tp.tensor_parallel(load(llama_dir, 4, "nf4", True).train(), ["cpu"] * 3)
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (ref, model)]
     for _ in range(3):
-        ids = _ids(gen)
+        ids = random_ids(gen)
         losses = []
         for m, opt in zip((ref, model), opts):
             opt.zero_grad()

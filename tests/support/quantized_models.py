@@ -45,6 +45,10 @@ def float_kernel(model):
     return model
 
 
+def random_ids(gen: torch.Generator, batch: int = 2, length: int = 9) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, length), generator=gen)
+
+
 def quantized_layer_bytes(module) -> int:
     """Bytes of the 4/8-bit layers' weights and quantization state, counted from bitsandbytes' own fields."""
     import bitsandbytes as bnb

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tensorshard as tp
+from support.quantized_models import float_kernel
 from tensorshard import demo
 
 pytestmark = pytest.mark.timeout(400)
@@ -34,10 +35,7 @@ def test_4bit_smollm2_answers_the_demo_prompt_split_over_2_and_3(smollm2, smollm
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
     ids = demo.chat_ids(tokenizer, "Name three colors.")
     generate = dict(max_new_tokens=12, do_sample=False)
-    ref = AutoModelForCausalLM.from_pretrained(smollm2_folder, quantization_config=config, device_map="cpu").eval()
-    for module in ref.modules():  # the float kernel, as split layers use (quant/__init__.py)
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+    ref = float_kernel(AutoModelForCausalLM.from_pretrained(smollm2_folder, quantization_config=config, device_map="cpu").eval())
     expected = ref.generate(ids, **generate)
     answer = tokenizer.decode(expected[0, ids.shape[1]:])
     assert len(answer.split()) >= 3  # a real answer (NF4 changes it from the float model's "1. Red ...")
