@@ -14,13 +14,14 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "quantization.md"
 def test_quantization_doc_examples_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the doc saves "tiny-llama" in the working directory
     blocks = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     namespace: dict = {}
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), namespace)
     printed = capsys.readouterr().out
     assert "Params4bit torch.Size([128, 192])" in printed
-    assert namespace["model"].world_size == 2  # the last block: loaded quantized over 2 devices
+    assert namespace["model"].world_size == 2  # the last block: QLoRA over 2 devices
+    assert (tmp_path / "qlora-adapter" / "adapter_model.safetensors").exists()
 
     from tensorshard.cli import main
 
