@@ -1,22 +1,28 @@
-"""Coverage of automatic plans over every causal-LM architecture in transformers.
+"""Coverage of automatic plans over every architecture of transformers' auto-model mappings, per family.
 
-    PYTHONPATH=src python benchmarks/coverage.py              # resume the sweep, then write docs/coverage.md
+    PYTHONPATH=src python benchmarks/coverage.py                        # causal LMs: resume, then write docs/coverage.md
+    PYTHONPATH=src python benchmarks/coverage.py --family image-classification
+    PYTHONPATH=src python benchmarks/coverage.py --family all           # every family, one after another
     PYTHONPATH=src python benchmarks/coverage.py --only llama gpt2 --redo
-    PYTHONPATH=src python benchmarks/coverage.py --table      # rewrite the table from the stored results
+    PYTHONPATH=src python benchmarks/coverage.py --table                # rewrite the tables from the stored results
 
-For each model type in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: build it from a tiny random config (its
-defaults with hidden sizes, layers, heads, experts and vocabulary shrunk), fp32, eval mode. A type that does
-not build, or whose forward does not run on ``input_ids`` alone, is counted as *not buildable*, with the
-reason. Every other type is split with ``tp.tensor_parallel(model, ["cpu"] * n)`` and no plan (a preset if
-one exists, else an inferred, self-checked plan) for n = 2 and 3, and passes when:
+Families (`FAMILIES`): causal LM, masked LM, seq2seq LM, sequence classification, image classification,
+speech seq2seq, image-text-to-text. For each model type of the family's mapping: build it from a tiny random
+config (its defaults with hidden sizes, layers, heads, experts, vocabulary and image size shrunk), fp32, eval
+mode, and run it on the input it describes (`tensorshard.plans.model_inputs`: its main input sized by its
+config, decoder ids for an encoder-decoder). A type that does not build or run is counted as *not
+buildable*, with the reason. Every other type is split with ``tp.tensor_parallel(model, ["cpu"] * n)`` and no
+plan (a preset if one exists, else an inferred, self-checked plan) for n = 2 and 3, and passes when:
 
-- logits on a random batch are within 1e-4 (max absolute difference) of the unsplit model's,
-- greedy decoding of 6 tokens is identical (``generate()`` when the split model has it, else a loop of
-  full forwards without a cache),
+- its main output (logits) on a random batch is within 1e-4 of the unsplit model's, relative to the
+  largest reference value (at least 1),
+- for families that generate: greedy decoding of 6 tokens is identical (``generate()``; image-text-to-text
+  models decode from text alone),
 - the largest device holds fewer parameter bytes than the whole model.
 
-Results are appended to benchmarks/results/coverage.jsonl one architecture at a time, so an interrupted
-sweep resumes where it stopped (it takes tens of minutes on two CPU cores; run it with nohup).
+Results are appended to benchmarks/results/coverage[-family].jsonl one architecture at a time, so an
+interrupted sweep resumes where it stopped (it takes tens of minutes per family on two CPU cores; run it
+with nohup and nice).
 """
 
 from __future__ import annotations
@@ -31,17 +37,43 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "coverage.jsonl"
+RESULTS_DIR = ROOT / "benchmarks" / "results"
 TABLE = ROOT / "docs" / "coverage.md"
 WORLDS = (2, 3)
 TOL = 1e-4
 NEW_TOKENS = 6
 TIMEOUT = 600  # seconds per architecture
+
+
+@dataclass(frozen=True)
+class Family:
+    title: str
+    mapping: str  # the auto-model mapping of transformers.models.auto.modeling_auto
+    auto_class: str
+    generates: bool
+
+    def results(self, name: str) -> Path:
+        return RESULTS_DIR / ("coverage.jsonl" if name == "causal-lm" else f"coverage-{name}.jsonl")
+
+
+FAMILIES = {
+    "causal-lm": Family("Causal LM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM", True),
+    "masked-lm": Family("Masked LM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM", False),
+    "seq2seq-lm": Family("Seq2seq LM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM", True),
+    "sequence-classification": Family("Sequence classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+                                      "AutoModelForSequenceClassification", False),
+    "image-classification": Family("Image classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+                                   "AutoModelForImageClassification", False),
+    "speech-seq2seq": Family("Speech seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "AutoModelForSpeechSeq2Seq", True),
+    "image-text-to-text": Family("Image-text-to-text", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+                                 "AutoModelForImageTextToText", True),
+}
 
 # Tiny sizes, by config attribute name. Heads 4 with 2 KV heads keeps grouped-query attention in play.
 HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "embedding_size", "word_embed_proj_dim",
@@ -73,17 +105,28 @@ SMALL = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_
          "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1}
 
 
-def tiny_config(model_type: str, keep_layers: bool = False):
+def tiny_config(model_type: str, keep_layers: bool = False, images: bool = True):
     """The default config of `model_type`, shrunk; `keep_layers` keeps the layer count and per-layer lists
-    (some hybrids need layers of every kind in a fixed pattern)."""
+    (some hybrids need layers of every kind in a fixed pattern); `images` shrinks the image size."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(model_type)
-    _shrink(cfg, keep_layers=keep_layers)
+    _shrink(cfg, keep_layers=keep_layers, images=images)
     return cfg
 
 
-def _shrink(cfg, depth: int = 0, keep_layers: bool = False) -> None:
+def _narrow(widths: list[int]) -> list[int]:
+    """Per-stage widths of a vision backbone, scaled so the first is about 32, multiples of 8."""
+    factor = max(1, widths[0] // 32)
+    return [max(8, v // factor // 8 * 8) for v in widths]
+
+
+IMAGE = 64  # image side of tiny vision configs
+STAGE_LISTS = {"depths": lambda v: [1] * len(v), "hidden_sizes": _narrow, "embed_dims": _narrow,
+               "neck_hidden_sizes": _narrow, "num_heads": lambda v: [4] * len(v), "num_attention_heads": lambda v: [4] * len(v)}
+
+
+def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True) -> None:
     from transformers import PretrainedConfig
 
     values = cfg.to_dict()
@@ -110,7 +153,7 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False) -> None:
         pick = sorted(pick)
     for key, value in values.items():
         if isinstance(getattr(cfg, key, None), PretrainedConfig) and depth < 2:
-            _shrink(getattr(cfg, key), depth + 1, keep_layers)
+            _shrink(getattr(cfg, key), depth + 1, keep_layers, images)
             continue
         if isinstance(value, bool) or not isinstance(value, (int, list)):
             continue
@@ -139,6 +182,10 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False) -> None:
             put(key, SMALL[key])
         elif isinstance(value, list) and pick is not None and len(value) == layers0:
             put(key, [value[i] for i in pick])  # per-layer lists (layer_types, ...)
+        elif key in STAGE_LISTS and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            put(key, STAGE_LISTS[key](value))  # per-stage lists of vision backbones
+        elif key in ("image_size", "img_size") and images:
+            put(key, IMAGE if isinstance(value, int) else [IMAGE] * len(value))
     # Sizes that must agree with others.
     if "qk_rope_head_dim" in values and "head_dim" in values:
         put("head_dim", SMALL["qk_rope_head_dim"])  # multi-head latent attention: rotary part of the head
@@ -162,55 +209,84 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False) -> None:
                 put(key, 1)
 
 
-def build(model_type: str):
-    """A tiny random model of this type: fully shrunk, else with its layer pattern kept (hybrids)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build(model_type: str, family: str = "causal-lm"):
+    """A tiny random model of this type and the inputs it runs on: fully shrunk, else with its layer pattern
+    kept (hybrids), else with its default image size."""
+    import transformers
+    from transformers import AutoConfig
 
+    auto = getattr(transformers, FAMILIES[family].auto_class)
     errors = []
-    for keep_layers in (False, True):
+    for keep_layers, images in ((False, True), (True, True), (False, False)):
         try:
-            cfg = tiny_config(model_type, keep_layers)
+            cfg = tiny_config(model_type, keep_layers, images)
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(cfg).float().eval()
+            model = auto.from_config(cfg).float().eval()
             if hasattr(model, "set_default_language"):  # X-MOD: adapters per language
                 model.set_default_language(next(iter(getattr(cfg, "languages", ["en_XX"]))))
-            _smoke(model, cfg)
-            return model, cfg
+            return model, cfg, inputs_for(model, cfg, family)
         except Exception as e:
             errors.append(f"{type(e).__name__}: {_first(e)}")
     try:  # is it our shrinking, or does the default config not build either?
         with torch.device("meta"):
-            AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type))
+            auto.from_config(AutoConfig.for_model(model_type))
     except Exception as e:
         raise RuntimeError(f"its default config does not build either ({type(e).__name__}: {_first(e)})") from e
     raise RuntimeError(errors[0])
 
 
-def _smoke(model, cfg) -> None:
-    vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 512)
-    with torch.no_grad():
-        model(input_ids=torch.randint(4, max(5, min(int(vocab), 512)), (1, 4)))
+def inputs_for(model, cfg, family: str) -> dict:
+    """The batch parity is measured on: 8 random ids for causal LMs (4 and up: clear of special tokens),
+    else the first input the model describes itself (model_inputs.py) that it runs on."""
+    from tensorshard.plans.model_inputs import model_input_candidates
+
+    gen = torch.Generator().manual_seed(1)
+    if family == "causal-lm":
+        vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 512)
+        candidates = [{"input_ids": torch.randint(4, max(5, min(int(vocab), 512)), (2, 8), generator=gen)}]
+    else:
+        candidates = list(model_input_candidates(model, gen))
+        if not candidates:
+            raise RuntimeError(f"{type(model).__name__} describes no input (main_input_name {model.main_input_name!r})")
+    errors = []
+    for inputs in candidates:
+        inputs = {k: v for k, v in inputs.items() if k != "use_cache"}
+        try:
+            with torch.no_grad():
+                model(**inputs)
+            return inputs
+        except Exception as e:
+            errors.append(f"forward on {', '.join(inputs)}: {type(e).__name__}: {_first(e)}")
+    raise RuntimeError(errors[0])
 
 
-def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
-    out = model(input_ids=ids)
-    return (out.logits if hasattr(out, "logits") else out[0]).float()
+def main_output(model, inputs: dict) -> torch.Tensor:
+    out = model(**inputs)
+    for key in ("logits", "last_hidden_state"):
+        value = out.get(key) if isinstance(out, dict) else None
+        if isinstance(value, torch.Tensor):
+            return value.float()
+    return (out[0] if isinstance(out, (tuple, list)) else out).float()
 
 
-def greedy(model, ids: torch.Tensor, use_generate: bool) -> list[int]:
-    """Greedy continuation: `generate()` (KV cache) when asked, else full forwards without a cache."""
+def greedy(model, inputs: dict, use_generate: bool) -> list[int]:
+    """Greedy continuation of the first sample: `generate()` (KV cache) when asked, else full forwards
+    without a cache (decoder-only models)."""
+    first = {k: v[:1] for k, v in inputs.items() if not k.startswith("decoder_")}
     if use_generate:
-        out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
-        return out[0, ids.shape[1]:].tolist()
-    seq = ids
+        out = model.generate(**first, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        prompt = first.get("input_ids")
+        start = prompt.shape[1] if prompt is not None and not getattr(model.config, "is_encoder_decoder", False) else 0
+        return out[0, start:].tolist()
+    seq = first["input_ids"]
     with torch.no_grad():
         for _ in range(NEW_TOKENS):
-            nxt = logits_of(model, seq)[:, -1].argmax(-1, keepdim=True)
+            nxt = main_output(model, {"input_ids": seq})[:, -1].argmax(-1, keepdim=True)
             seq = torch.cat([seq, nxt], 1)
-    return seq[0, ids.shape[1]:].tolist()
+    return seq[0, first["input_ids"].shape[1]:].tolist()
 
 
-def run_one(model_type: str) -> dict:
+def run_one(model_type: str, family: str = "causal-lm") -> dict:
     import tensorshard as tp
     from tensorshard.inference.infer import infer
     from tensorshard.plans.presets import PRESETS, preset_for
@@ -218,21 +294,24 @@ def run_one(model_type: str) -> dict:
     rec: dict = {"arch": model_type}
     t0 = time.time()
     try:
-        model, cfg = build(model_type)
+        model, cfg, inputs = build(model_type, family)
     except Exception as e:
         return rec | {"buildable": False, "reason": _first(e)}
     rec["class"] = type(model).__name__
-    vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 512)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, max(5, min(int(vocab), 512)), (2, 8), generator=gen)
+    generates = FAMILIES[family].generates and "input_ids" in inputs or FAMILIES[family].generates and model.can_generate()
     try:
         with torch.no_grad():
-            ref = logits_of(model, ids)
-            ref_tokens = {False: greedy(model, ids[:1], False)}
+            ref = main_output(model, inputs)
+            ref_tokens = {}
+            if generates:
+                use_generate = model.can_generate()
+                ref_tokens[use_generate] = greedy(model, inputs, use_generate)
     except Exception as e:
-        return rec | {"buildable": False, "reason": f"forward on input_ids: {type(e).__name__}: {_first(e)}"}
+        return rec | {"buildable": False, "reason": f"unsplit run: {type(e).__name__}: {_first(e)}"}
     whole = _param_bytes(model)  # parameters only (buffers such as rotary tables stay whole everywhere)
-    rec.update(buildable=True, params=sum(p.numel() for p in model.parameters()), whole_bytes=whole)
+    rec.update(buildable=True, params=sum(p.numel() for p in model.parameters()), whole_bytes=whole,
+               inputs=sorted(inputs))
+    scale = max(1.0, ref.abs().max().item())
     for n in WORLDS:
         r: dict = {}
         try:
@@ -253,18 +332,19 @@ def run_one(model_type: str) -> dict:
                 split = tp.tensor_parallel(work, ["cpu"] * n, plan=report.plan)
                 r["plan"] = "inferred"
             with torch.no_grad():
-                out = logits_of(split, ids)
+                out = main_output(split, inputs)
                 r["max_diff"] = (out - ref).abs().max().item()
-                r["logits_ok"] = bool(r["max_diff"] <= TOL)
-                use_generate = hasattr(split, "generate")  # the transformers integration, once merged
-                if use_generate and use_generate not in ref_tokens:
-                    ref_tokens[True] = greedy(model, ids[:1], True)
-                r["greedy_ok"] = greedy(split, ids[:1], use_generate) == ref_tokens[use_generate]
-                r["generate"] = use_generate
+                r["logits_ok"] = bool(r["max_diff"] <= TOL * scale)
+                if generates:
+                    use_generate = hasattr(split, "generate") and model.can_generate()
+                    if use_generate not in ref_tokens:
+                        ref_tokens[use_generate] = greedy(model, inputs, use_generate)
+                    r["greedy_ok"] = greedy(split, inputs, use_generate) == ref_tokens[use_generate]
+                    r["generate"] = use_generate
             per_device = max(_param_bytes(shard) for shard in split.module_shards)
             r["mem_ratio"] = per_device / whole
             r["mem_ok"] = per_device < whole
-            r["ok"] = r["logits_ok"] and r["greedy_ok"] and r["mem_ok"]
+            r["ok"] = r["logits_ok"] and r.get("greedy_ok", True) and r["mem_ok"]
         except Exception as e:
             r.update(ok=False, error=f"{type(e).__name__}: {_first(e)}", trace=traceback.format_exc(limit=-3))
         rec[str(n)] = r
@@ -295,24 +375,25 @@ def _first(e: BaseException) -> str:
 MEMORY_LIMIT = 6 << 30  # bytes of address space per architecture: a runaway model fails alone
 
 
-def sweep(types: list[str], redo: bool) -> None:
+def sweep(types: list[str], redo: bool, family: str = "causal-lm") -> None:
     """Each architecture in its own process, under a time and memory limit; results appended as it goes."""
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results = FAMILIES[family].results(family)
+    results.parent.mkdir(parents=True, exist_ok=True)
     if redo:
-        _rewrite([r for r in load() if r["arch"] not in types])
-    done = {r["arch"] for r in load()}
+        _rewrite(results, [r for r in load(family) if r["arch"] not in types])
+    done = {r["arch"] for r in load(family)}
     for i, t in enumerate(types):
         if t in done:
             continue
-        rec = _isolated(t)
-        with RESULTS.open("a") as f:
+        rec = _isolated(t, family)
+        with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         status = "not buildable" if not rec.get("buildable") else " ".join(
             f"{n}:{'ok' if rec.get(str(n), {}).get('ok') else 'FAIL'}" for n in WORLDS)
-        print(f"[{i + 1}/{len(types)}] {t}: {status} ({rec.get('seconds', '?')} s)", flush=True)
+        print(f"[{family} {i + 1}/{len(types)}] {t}: {status} ({rec.get('seconds', '?')} s)", flush=True)
 
 
-def _isolated(model_type: str) -> dict:
+def _isolated(model_type: str, family: str) -> dict:
     def limit():
         import resource
 
@@ -321,7 +402,7 @@ def _isolated(model_type: str) -> dict:
     failed = {"ok": False}
     try:
         proc = subprocess.run(
-            [sys.executable, __file__, "--worker", model_type], capture_output=True, text=True,
+            [sys.executable, __file__, "--worker", model_type, "--family", family], capture_output=True, text=True,
             timeout=TIMEOUT, preexec_fn=limit, cwd=ROOT,
         )
     except subprocess.TimeoutExpired:
@@ -334,35 +415,81 @@ def _isolated(model_type: str) -> dict:
     return json.loads(lines[-1])
 
 
-def load() -> list[dict]:
-    if not RESULTS.exists():
+def load(family: str = "causal-lm") -> list[dict]:
+    results = FAMILIES[family].results(family)
+    if not results.exists():
         return []
     latest = {}
-    for line in RESULTS.read_text().splitlines():
+    for line in results.read_text().splitlines():
         if line.strip():
             rec = json.loads(line)
             latest[rec["arch"]] = rec
     return list(latest.values())
 
 
-def _rewrite(records: list[dict]) -> None:
-    tmp = RESULTS.with_suffix(".tmp")
+def _rewrite(results: Path, records: list[dict]) -> None:
+    tmp = results.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(RESULTS)
+    tmp.replace(results)
 
 
 def write_table() -> None:
+    """docs/coverage.md: a summary per family, then each family's table (families without results are left
+    out)."""
     import transformers
 
     import tensorshard
 
-    records = sorted(load(), key=lambda r: r["arch"])
+    commit = _git("rev-parse", "--short", "HEAD")
+    measured = [(name, sorted(load(name), key=lambda r: r["arch"])) for name in FAMILIES]
+    measured = [(name, records) for name, records in measured if records]
+    lines = [
+        "# Coverage of automatic plans",
+        "",
+        f"Measured {datetime.date.today().isoformat()} by `benchmarks/coverage.py` on {platform.machine()} CPU "
+        f"({platform.system()}), torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"tensorshard {tensorshard.__version__} (commit {commit}).",
+        "",
+        "Every architecture of transformers' auto-model mappings, one family per mapping, built from a tiny "
+        "random config (2 layers, hidden 64, 4 heads with 2 KV heads where the architecture has them, "
+        f"vocabulary 512, {IMAGE} x {IMAGE} images, one block per stage of a vision backbone, fp32), run on the "
+        "input it describes itself (its main input sized by its config, decoder ids for an encoder-decoder) and "
+        "split with `tp.tensor_parallel(model, [\"cpu\"] * n)` without a plan. A pass at n devices: the main "
+        f"output (logits) within {TOL:g} of the unsplit model's (relative to the largest value, at least 1), "
+        f"greedy decoding of {NEW_TOKENS} tokens identical where the family generates (image-text-to-text "
+        "models decode from text alone), and less parameter memory on the largest device than the whole model.",
+        "",
+        "| family | architectures | buildable | pass on 2 devices | pass on 3 devices | pass on both |",
+        "|---|---|---|---|---|---|",
+    ]
+    sections: list[str] = []
+    for name, records in measured:
+        built = [r for r in records if r.get("buildable")]
+        both = [r for r in built if all(r.get(str(n), {}).get("ok") for n in WORLDS)]
+        ok = {n: sum(1 for r in built if r.get(str(n), {}).get("ok")) for n in WORLDS}
+        pct = 100 * len(both) / max(len(built), 1)
+        title = FAMILIES[name].title
+        lines.append(f"| [{title}](#{title.lower().replace(' ', '-')}) | {len(records)} | {len(built)} | {ok[2]} | "
+                     f"{ok[3]} | {len(both)} ({pct:.1f}%) |")
+        sections += _family_section(name, records)
+        print(f"{name}: {len(both)}/{len(built)} buildable architectures pass on 2 and 3 devices ({pct:.1f}%)")
+    lines += [
+        "",
+        "Memory is the largest device's parameter bytes over the unsplit model's. Split: the "
+        "groups the plan splits (attention with its head counts, column -> row pairs such as MLPs, channel "
+        "groups of ConvNets, the output head, embeddings by vocabulary). Kept whole: layers that fell back, "
+        "with the first reason.",
+    ]
+    TABLE.parent.mkdir(parents=True, exist_ok=True)
+    tmp = TABLE.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines + sections) + "\n")
+    tmp.replace(TABLE)
+    print(f"wrote {TABLE}")
+
+
+def _family_section(name: str, records: list[dict]) -> list[str]:
     built = [r for r in records if r.get("buildable")]
     broken = [r for r in records if not r.get("buildable")]
-    ok = {n: [r for r in built if r.get(str(n), {}).get("ok")] for n in WORLDS}
-    both = [r for r in built if all(r.get(str(n), {}).get("ok") for n in WORLDS)]
-    commit = _git("rev-parse", "--short", "HEAD")
-    pct = 100 * len(both) / max(len(built), 1)
     names = {"preset": "hand-written presets", "translated": "translated base_model_tp_plan",
              "inferred (translated plan did not fit)": "inferred after the translated plan did not fit",
              "inferred": "inferred"}
@@ -371,27 +498,12 @@ def write_table() -> None:
         source = names.get(r.get("2", {}).get("plan", "inferred"), "inferred")
         sources[source] = sources.get(source, 0) + 1
     lines = [
-        "# Coverage of automatic plans",
         "",
-        f"Measured {datetime.date.today().isoformat()} by `benchmarks/coverage.py` on {platform.machine()} CPU "
-        f"({platform.system()}), torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"tensorshard {tensorshard.__version__} (commit {commit}).",
+        f"## {FAMILIES[name].title}",
         "",
-        "Every causal-LM architecture of transformers' auto mapping, built from a tiny random config (2 layers, "
-        "hidden 64, 4 heads with 2 KV heads where the architecture has them, vocabulary 512, fp32) and split "
-        "with `tp.tensor_parallel(model, [\"cpu\"] * n)` without a plan. A pass at n devices: logits within "
-        f"{TOL:g} of the unsplit model, greedy decoding of {NEW_TOKENS} tokens identical, and less parameter "
-        "memory on the largest device than the whole model.",
-        "",
-        f"- architectures in the mapping: **{len(records)}**",
-        f"- buildable from a tiny random config: **{len(built)}** (not buildable: {len(broken)}, listed below)",
-        f"- pass on 2 devices: **{len(ok[2])}**; on 3 devices: **{len(ok[3])}**",
-        f"- pass on both: **{len(both)} of {len(built)} buildable ({pct:.1f}%)**",
-        "- plans used (2 devices): " + ", ".join(f"{v} {k}" for k, v in sorted(sources.items(), key=lambda kv: -kv[1])),
-        "",
-        "Memory is the largest device's parameter bytes over the unsplit model's. Split: the "
-        "groups the plan splits (attention with its head counts, column -> row pairs such as MLPs, the output "
-        "head, embeddings by vocabulary). Kept whole: layers that fell back, with the first reason.",
+        f"`{FAMILIES[name].auto_class}` ({FAMILIES[name].mapping}): {len(records)} architectures, {len(built)} "
+        f"buildable. Plans used (2 devices): "
+        + (", ".join(f"{v} {k}" for k, v in sorted(sources.items(), key=lambda kv: -kv[1])) or "-") + ".",
         "",
         "| architecture | 2 devices | 3 devices | max abs diff | memory (2 / 3) | split | kept whole |",
         "|---|---|---|---|---|---|---|",
@@ -417,7 +529,8 @@ def write_table() -> None:
             if x.get("error"):
                 notes.append(f"{n}: {x['error']}")
             elif not x.get("ok") and x:
-                why = [w for w, flag in (("logits", "logits_ok"), ("greedy", "greedy_ok"), ("memory", "mem_ok")) if not x.get(flag)]
+                why = [w for w, flag in (("logits", "logits_ok"), ("greedy", "greedy_ok"), ("memory", "mem_ok"))
+                       if flag in x and not x.get(flag)]
                 notes.append(f"{n}: {', '.join(why)} off")
         fb = info.get("fallbacks") or []
         if fb:
@@ -426,14 +539,12 @@ def write_table() -> None:
             f"| {r['arch']} | {cells[0]} | {cells[1]} | {'-' if diff is None else f'{diff:.1e}'} | {mem} | "
             f"{_cell(split or '-')} | {_cell('; '.join(notes) or '-')} |"
         )
-    lines += ["", "## Not buildable from a tiny random config", "", "| architecture | reason |", "|---|---|"]
-    for r in broken:
-        lines.append(f"| {r['arch']} | {_cell(r.get('reason', '?'))} |")
-    TABLE.parent.mkdir(parents=True, exist_ok=True)
-    tmp = TABLE.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(TABLE)
-    print(f"wrote {TABLE}: {len(both)}/{len(built)} buildable architectures pass on 2 and 3 devices ({pct:.1f}%)")
+    if broken:
+        lines += ["", f"Not buildable from a tiny random config ({FAMILIES[name].title}):", "",
+                  "| architecture | reason |", "|---|---|"]
+        for r in broken:
+            lines.append(f"| {r['arch']} | {_cell(r.get('reason', '?'))} |")
+    return lines
 
 
 def _cell(text: str, limit: int = 220) -> str:
@@ -449,9 +560,10 @@ def _git(*args: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto import modeling_auto
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", default="causal-lm", choices=[*FAMILIES, "all"], help="which mapping to sweep")
     parser.add_argument("--only", nargs="*", help="model types to run (default: all)")
     parser.add_argument("--redo", action="store_true", help="run again even if results exist")
     parser.add_argument("--table", action="store_true", help="only rewrite docs/coverage.md from stored results")
@@ -460,11 +572,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     if args.worker:
-        print(json.dumps(run_one(args.worker)), flush=True)
+        print(json.dumps(run_one(args.worker, args.family)), flush=True)
         return
     if not args.table:
-        types = args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-        sweep(types, args.redo)
+        for family in FAMILIES if args.family == "all" else [args.family]:
+            types = args.only or sorted(getattr(modeling_auto, FAMILIES[family].mapping))
+            sweep(types, args.redo, family)
     write_table()
 
 

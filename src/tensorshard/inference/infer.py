@@ -31,7 +31,7 @@ from ..styles import Style
 from .groups import (
     Group, decide, decide_embeddings, escape, find_groups, forget_model, resolve_conflicts, resolve_ties,
 )
-from .inputs import as_inputs, input_candidates
+from .inputs import as_inputs, first_that_runs, input_candidates
 from .selfcheck import check_entries
 from .trace import Trace, trace_model
 
@@ -148,18 +148,11 @@ def _nothing_to_split(module: nn.Module) -> Inference:
 
 def _first_input_that_runs(module: nn.Module):
     """The first synthetic input the model runs on (see `input_candidates`), or the error of the first."""
-    candidates = list(input_candidates(module))
-    if len(candidates) == 1:
-        return candidates[0]  # nothing to choose: the traced pass itself reports a failure
-    first_error = None
-    for inputs in candidates:
-        try:
-            trace_model(module, inputs, capture=False)
-            return inputs
-        except Exception as e:
-            first_error = first_error or e
-    _run(module, next(iter(input_candidates(module))), {}, False)  # raises, with the first guess's error
-    raise first_error  # pragma: no cover
+    try:
+        return first_that_runs(module, lambda inputs: trace_model(module, inputs, capture=False))
+    except Exception:
+        _run(module, next(input_candidates(module)), {}, False)  # raises, with the first guess's error and the fix
+        raise
 
 
 def _run(module: nn.Module, inputs, fixed: dict[str, str], capture: bool) -> Trace:

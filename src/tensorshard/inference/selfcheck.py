@@ -32,7 +32,7 @@ from ..engines.inprocess import TensorParallel
 from ..plans.plan import Plan
 from ..styles import ColwiseParallel, Heads, Replicate, Style
 from .groups import find_groups, shared_path
-from .inputs import as_inputs, synthetic_inputs
+from .inputs import as_inputs, first_that_runs
 from .trace import Trace, output_tensors, trace_model
 
 TOLERANCE = 1e-4  # relative (norm) error, fp32; a wrong split is off by O(1)
@@ -264,7 +264,10 @@ def check_plan(module: nn.Module, plan: Plan, world_size: int, *, example_inputs
 
     if world_size < 2:
         return plan
-    inputs = as_inputs(example_inputs) if example_inputs is not None else synthetic_inputs(module)
+    if example_inputs is not None:
+        inputs = as_inputs(example_inputs)
+    else:
+        inputs = first_that_runs(module, lambda inputs: trace_model(module, inputs, capture=False))
     trace = trace_model(module, inputs, capture=True)
     assigned = plan.assign(module)
     split = {n: a for n, a in assigned.items() if not isinstance(a.style, (Replicate, Heads))}
