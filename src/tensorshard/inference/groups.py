@@ -4,8 +4,9 @@ A *group* is a set of column layers and the row layers that consume their featur
 MLP, the output head): `find_groups` collects them from a trace, `decide` chooses per group:
 
 - **split**: a column -> row group whose units lay out as blocks (structure.py), with a `Heads` entry on
-  its smallest enclosing module when its units are heads, and `SumGradients` for whole parameters its split
-  features read (per-head norms);
+  its smallest enclosing module when its units are heads, `SumGradients` for whole parameters its split
+  features read (per-head norms), and `ChannelParallel` for the channel-wise layers its features pass
+  through (a ConvNet's BatchNorms and depthwise convolutions between its column and row convolutions);
 - **gather**: a lone column whose features only reach the model's output and which is as wide as the
   vocabulary of the embedding the input ids go to (the output head);
 - **whole**: everything else, with the reason.
@@ -27,7 +28,8 @@ from ..layers import EMBEDDING, weight_shape
 from ..plans.direct_reads import direct_reads
 from ..plans.plan import Plan, escape
 from ..plans.sharding import shard_plan
-from ..styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style, SumGradients
+from ..styles import ChannelParallel, ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style, SumGradients
+from ..styles.channel import channel_count
 from .structure import Layout, LayoutError, head_attrs, infer_layout
 from .trace import Poison, Trace
 
@@ -45,6 +47,7 @@ class Group:
     owner: str | None = None  # the module that gets the Heads entry
     layout: Layout | None = None
     entries: dict[str, Style] = field(default_factory=dict)
+    channels: list[str] = field(default_factory=list)  # channel-wise layers its features pass through
 
     @property
     def layers(self) -> list[str]:
@@ -75,6 +78,9 @@ def find_groups(trace: Trace) -> list[Group]:
         if ids:
             names.append(name)
             ids_of.append(fs.classes(torch.cat([i.reshape(-1) for i in ids])))
+    for name, ids in trace.channels.items():  # a channel-wise layer joins the groups whose features it holds
+        names.append(name)
+        ids_of.append(fs.classes(ids))
     # Vectorised: every class points at the first layer holding it; layers meeting that way are joined.
     roots = torch.cat(ids_of) if ids_of else torch.empty(0, dtype=torch.long)
     layer = torch.cat([torch.full((len(r),), i, dtype=torch.long) for i, r in enumerate(ids_of)]) if ids_of else roots
@@ -109,8 +115,10 @@ def find_groups(trace: Trace) -> list[Group]:
         members.setdefault(find(i), []).append(names[i])
     groups: dict[int, Group] = {}
     for r, group_names in members.items():
-        cols = [n for n in group_names if trace.layers[n].out_ids is not None]
-        groups[r] = Group(cols, [n for n in group_names if n not in cols])
+        channels = [n for n in group_names if n in trace.channels]
+        cols = [n for n in group_names if n not in trace.channels and trace.layers[n].out_ids is not None]
+        rows = [n for n in group_names if n not in cols and n not in channels]
+        groups[r] = Group(cols, rows, channels=channels)
 
     def groups_of(ids: torch.Tensor) -> set[int]:
         held = owner[fs.classes(ids)]
@@ -155,6 +163,8 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
                 return g.fail(f"{name} is called on different features in different calls")
             seen = lab
         labels[name] = seen
+    for name in g.channels:
+        labels[name] = fs.find(trace.channels[name])
     units = set(fs.distinct(torch.cat(list(labels.values()))).tolist())
     needer, needed = fs.needs()
     needs: dict[int, set[int]] = {}
@@ -183,6 +193,10 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
         entries[name] = ColwiseParallel(blocks=_blocks(layout.blocks[name], layers[name]))
     for name in g.rows:
         entries[name] = RowwiseParallel(blocks=_blocks(layout.blocks[name], layers[name], row=True))
+    for name in g.channels:
+        blocks = tuple(layout.blocks[name])
+        size = channel_count(module.get_submodule(name))
+        entries[name] = ChannelParallel(blocks=None if len(blocks) == 1 and blocks[0] == size else blocks)
     problem = _validate(module, entries, world_size)
     if problem:
         return g.fail(problem)

@@ -8,7 +8,10 @@ pass reaches plays a role, decided from its input:
   carries a shadow of those ids (see oprules.py for how shadows follow the data);
 - input carrying split features on its feature dimension -> **row** candidate (the features' consumer);
   when all its input features belong to one unit (a per-head projection) it runs **through**, whole;
-- an embedding fed with the model's own input ids -> vocabulary-split candidate.
+- an embedding fed with the model's own input ids -> vocabulary-split candidate;
+- a layer that never mixes channels (BatchNorm, a depthwise convolution: `styles.channel.is_channelwise`)
+  fed split channels -> **channel**: it runs on each device's channels alone, so the features pass through
+  it unchanged (its per-channel parameters will be split with them).
 
 Anything that reads split features in a way a split model cannot reproduce *poisons* them (with a reason
 and the module where it happened): the model's outputs, host reads, ops without a rule, a layer kept whole.
@@ -34,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..layers import CONV, EMBEDDING, LayerKind, layer_kind
+from ..styles.channel import is_channelwise
 from .features import FeatureSet, Ids, compact
 from .inputs import synthetic_inputs
 from .oprules import Call, IDENTITY, NO_TRACK, Rules, STRUCTURAL, tensors_of
@@ -92,6 +96,7 @@ class Trace:
     inputs: tuple[tuple, dict]
     syncs: list["Sync"] = field(default_factory=list)
     split_outputs: dict[str, list[Ids | None]] = field(default_factory=dict)  # module -> shadow per output
+    channels: dict[str, Ids] = field(default_factory=dict)  # channel-wise module -> ids of the channels it got
 
 
 @dataclass(eq=False)
@@ -122,6 +127,7 @@ class Tracer(TorchFunctionMode):
         self.syncs: list[Sync] = []
         self._sources: dict[int, tuple[weakref.ref, Any]] = {}
         self.split_outputs: dict[str, list[Ids | None]] = {}
+        self.channels: dict[str, Ids] = {}
         self.param_names: dict[int, tuple[str, str]] = {}
         for mname, mod in model.named_modules():
             for pname, p in mod._parameters.items():
@@ -321,6 +327,15 @@ class Tracer(TorchFunctionMode):
                     self.captures[name] = None
             frame = (name, None, None)
             changed = None
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if is_channelwise(module) and isinstance(x, torch.Tensor) and self.shadow(x) is not None:
+                self._inputs.append(x)
+                self._frames.append((name, self._channel_role(name, x), x))
+                self.suspended += 1  # its own ops are not traced: it keeps each channel's features apart
+                weights = next(module.parameters(), None)
+                if self.meta and not x.is_meta and weights is not None and weights.is_meta:
+                    return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
+                return None
             if kind is not None:
                 x = args[0] if args else next(iter(kwargs.values()), None)
                 self._inputs.append(x)  # alive until the end, so id(x) names one tensor (shared inputs)
@@ -340,7 +355,10 @@ class Tracer(TorchFunctionMode):
             if frame is None:
                 return None
             _, role, x = frame
-            if kind is not None:
+            if role in ("channel", "channel-mixed"):
+                self.suspended -= 1
+                self._channel_output(name, role, x, out)
+            elif kind is not None:
                 self.suspended -= 1
                 self._layer_output(name, kind, role, x, out)
             if name not in self.split_outputs:
@@ -374,6 +392,36 @@ class Tracer(TorchFunctionMode):
             self.poison(s, f"read by {name} ({type(info.module).__name__}), which is kept whole")
             return "whole"
         return "row"
+
+    def _channel_role(self, name: str, x: torch.Tensor) -> str:
+        """"channel" when each channel of `x` (dim 1) carries one feature, the same at every batch and
+        spatial position, and the module saw the same features before; else the features are poisoned."""
+        s = self.shadow(x)
+        per_channel = self._per_channel(s)
+        seen = self.channels.get(name)
+        if per_channel is None or seen is not None and not torch.equal(seen, per_channel):
+            self.poison(s, f"{name} reads split features other than one per channel")
+            return "channel-mixed"
+        self.channels[name] = per_channel
+        return "channel"
+
+    @staticmethod
+    def _per_channel(s: Ids) -> Ids | None:
+        if s.dim() < 2:
+            return None
+        rep = s.narrow(0, 0, 1)
+        for d in range(2, s.dim()):
+            rep = rep.narrow(d, 0, 1)
+        if not bool((s == rep).all()) or not bool((rep >= 0).all()):
+            return None
+        return rep.reshape(-1)
+
+    def _channel_output(self, name: str, role: str, x: torch.Tensor, out: Any) -> None:
+        for t in tensors_of(out):
+            self.set_sources(t, LONG)
+        if role == "channel" and isinstance(out, torch.Tensor) and out.dim() == x.dim() and out.shape[1] == x.shape[1]:
+            ids = self.channels[name]
+            self.set_shadow(out, ids.view(1, -1, *([1] * (out.dim() - 2))).expand(out.shape))
 
     def _layer_output(self, name: str, kind: LayerKind, role: str, x: Any, out: Any) -> None:
         info = self.layers[name]
@@ -445,7 +493,7 @@ def trace_model(
             tracer.poison(s, "reaches the model's output", kind="output")
     return Trace(
         tracer.fs, tracer.layers, tracer.poisons, tracer.captures, tracer.call_order, (args, kwargs), tracer.syncs,
-        tracer.split_outputs,
+        tracer.split_outputs, tracer.channels,
     )
 
 

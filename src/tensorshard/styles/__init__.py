@@ -2,6 +2,7 @@
 
 from .attention_heads import AttentionHeads
 from .base import STYLES, ShardContext, Style
+from .channel import ChannelParallel
 from .column import ColwiseParallel
 from .embedding import EmbeddingParallel
 from .heads import Heads
@@ -16,6 +17,7 @@ from .vocab_head import VocabParallelHead
 __all__ = [
     "AttentionHeads",
     "STYLES",
+    "ChannelParallel",
     "ColwiseParallel",
     "EmbeddingParallel",
     "Heads",

@@ -1,0 +1,81 @@
+"""Channel-parallel: a layer that works on each channel alone, run on the channels a device already holds.
+
+Between a column-parallel convolution (output channels split) and the row-parallel one that consumes
+them, a ConvNet applies layers that never mix channels:
+
+    BatchNorm:            y[:, c] = (x[:, c] - mean_c) / sqrt(var_c + eps) * weight[c] + bias[c]
+    depthwise conv:       y[:, c] = conv(x[:, c], weight[c])          (groups = in = out channels)
+
+so device r, holding channels C_r of x, computes exactly channels C_r of y from its slice of the
+per-channel parameters and buffers (weight, bias, running_mean, running_var) and nothing else. In train
+mode BatchNorm's batch statistics are per channel too, and so is the running-statistics update: training
+is exact. No communication forward or backward; each parameter's gradient lives on its one device.
+
+The channels split exactly like the column that produced them (same blocks, same heads), so the slices
+line up: plan inference gives the style the same block layout it gives that column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..partition import block_partition
+from .base import ShardContext, Splits, Style, register
+
+_BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)  # BatchNorm1d/2d/3d, SyncBatchNorm, Lazy variants
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def is_channelwise(module: nn.Module) -> bool:
+    """A layer that never mixes channels: BatchNorm, or a depthwise convolution (groups = in = out
+    channels, zero padding)."""
+    if isinstance(module, _BATCH_NORMS):
+        return True
+    return (
+        isinstance(module, _CONVS) and module.groups > 1 and module.groups == module.in_channels == module.out_channels
+        and module.padding_mode == "zeros"
+    )
+
+
+def channel_count(module: nn.Module) -> int:
+    return module.num_features if isinstance(module, _BATCH_NORMS) else module.out_channels
+
+
+@register("channel")
+@dataclass(frozen=True, kw_only=True)
+class ChannelParallel(Style):
+    """Split a BatchNorm or a depthwise convolution by channels; its input arrives split by channels (from a
+    column-parallel layer) and its output stays split.
+
+    Args:
+        blocks: the layout of the channels, as the producing column's ``blocks`` (default: one block).
+    """
+
+    blocks: tuple[int | str, ...] | None = None
+
+    def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
+        if not is_channelwise(module):
+            raise NotImplementedError(
+                f"ChannelParallel cannot split {ctx.name} ({type(module).__name__}): it applies to BatchNorm and "
+                "depthwise convolutions (groups == in_channels == out_channels). Use Replicate() for this module."
+            )
+        part = block_partition(channel_count(module), ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
+        if part.overlapping:
+            raise NotImplementedError(f"{ctx.name}: ChannelParallel cannot follow KV heads replicated over devices")
+        splits: Splits = {}
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            tensor = getattr(module, name, None)
+            if tensor is not None:
+                splits[name] = (0, part)  # per channel: BatchNorm (C,), depthwise conv weight (C, 1, *kernel)
+        return splits
+
+    def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
+        part = next(iter(splits.values()))[1] if splits else block_partition(
+            channel_count(module), ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
+        local = part.local_size(ctx.rank)
+        if isinstance(module, _BATCH_NORMS):
+            module.num_features = local
+        else:  # a depthwise convolution: one group per local channel
+            module.in_channels = module.out_channels = module.groups = local
