@@ -193,6 +193,10 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
         put("qk_head_dim", SMALL["qk_rope_head_dim"] + SMALL["qk_nope_head_dim"])
     if "expand" in values and "num_heads" in values and "head_dim" in values:  # Mamba-2: heads x head_dim = expand x hidden
         put("num_heads", values["expand"] * 64 // 16)
+    if "width_coefficient" in values and "hidden_dim" in values:  # EfficientNet: B0's widths (hidden_dim is its top conv)
+        put("width_coefficient", 1.0)
+        put("depth_coefficient", 1.0)
+        put("hidden_dim", 1280)
     if any(values.get(k) for k in EXPERTS) and any(k in values and values[k] is None for k in TOP_K):
         put(next(k for k in TOP_K if k in values), 2)  # DeepSeek-V2's default leaves the top-k unset
     kinds = getattr(cfg, "layer_types", None)
