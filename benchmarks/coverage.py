@@ -206,7 +206,14 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
         put("attn_layer_indices", [1])  # Bamba's default has no attention layer, which its cache cannot handle
     if "is_decoder" in values and not getattr(cfg, "is_encoder_decoder", False):
         put("is_decoder", True)  # BERT-like models as causal LMs
-    vocab = getattr(cfg, "vocab_size", None)
+    if "mm_tokens_per_image" in values:  # Gemma3: image tokens pooled from the tiny image's patches
+        put("mm_tokens_per_image", 4)
+    rope = getattr(cfg, "rope_parameters", None)
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(getattr(cfg, "head_dim", None) or 16, int):
+        half = (getattr(cfg, "head_dim", None) or 16) // 2  # Qwen2-VL: the rotary sections must cover half a head
+        put("rope_parameters", dict(rope, mrope_section=[half - 2 * (half // 3), half // 3, half // 3]))
+    text = getattr(cfg, "text_config", None)
+    vocab = getattr(cfg, "vocab_size", None) or getattr(text, "vocab_size", None)
     if isinstance(vocab, int):
         for key, value in cfg.to_dict().items():
             if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int) and value >= vocab:
@@ -245,6 +252,11 @@ def inputs_for(model, cfg, family: str) -> dict:
     from tensorshard.plans.model_inputs import model_input_candidates
 
     gen = torch.Generator().manual_seed(1)
+    if family == "image-text-to-text":
+        try:
+            return image_text_inputs(model, cfg, gen)
+        except Exception:
+            pass  # decoded from text alone (the table's inputs column says so)
     if family == "causal-lm":
         vocab = getattr(cfg, "vocab_size", None) or getattr(getattr(cfg, "text_config", None), "vocab_size", 512)
         candidates = [{"input_ids": torch.randint(4, max(5, min(int(vocab), 512)), (2, 8), generator=gen)}]
@@ -262,6 +274,38 @@ def inputs_for(model, cfg, family: str) -> dict:
         except Exception as e:
             errors.append(f"forward on {', '.join(inputs)}: {type(e).__name__}: {_first(e)}")
     raise RuntimeError(errors[0])
+
+
+def image_text_inputs(model, cfg, gen: torch.Generator) -> dict:
+    """Text with one image per sample: pixel_values at the vision config's size, and as many image tokens
+    as the model's own `get_image_features` makes of them, between a few text ids."""
+    import inspect
+
+    from tensorshard.plans.model_inputs import vocab_size
+
+    token = next(v for v in (getattr(cfg, "image_token_id", None), getattr(cfg, "image_token_index", None))
+                 if isinstance(v, int))
+    vision = cfg.vision_config
+    size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[-1]
+    pixels = torch.randn(2, getattr(vision, "num_channels", 3), size, size, generator=gen)
+    extra = {}
+    if "image_sizes" in inspect.signature(model.get_image_features).parameters:
+        extra["image_sizes"] = torch.tensor([[size, size]] * 2)
+    with torch.no_grad():
+        features = model.get_image_features(pixel_values=pixels[:1], **{k: v[:1] for k, v in extra.items()})
+    features = getattr(features, "pooler_output", features)
+    if isinstance(features, (list, tuple)):
+        count = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)
+    else:
+        count = features.reshape(-1, features.shape[-1]).shape[0]
+    vocab = vocab_size(model)
+    text = torch.randint(4, max(5, min(vocab, 512)), (2, 6), generator=gen)
+    text[text == token] = 4
+    ids = torch.cat([text[:, :3], torch.full((2, count), token), text[:, 3:]], 1)
+    inputs = {"input_ids": ids, "pixel_values": pixels, **extra}
+    with torch.no_grad():
+        model(**inputs)
+    return inputs
 
 
 def main_output(model, inputs: dict) -> torch.Tensor:
@@ -333,6 +377,7 @@ def run_one(model_type: str, family: str = "causal-lm") -> dict:
                 r["groups"] = {k: sum(1 for g in report.groups if g.outcome != "whole" and g.describe() == k)
                                for k in {g.describe() for g in report.groups if g.outcome != "whole"}}
                 r["embeddings"] = len(report.embeddings)
+                r["parts"] = {name: _describe(part) for name, part in report.parts.items()}
                 split = tp.tensor_parallel(work, ["cpu"] * n, plan=report.plan)
                 r["plan"] = "inferred"
             with torch.no_grad():
@@ -354,6 +399,15 @@ def run_one(model_type: str, family: str = "causal-lm") -> dict:
         rec[str(n)] = r
     rec["seconds"] = round(time.time() - t0, 1)
     return rec
+
+
+def _describe(report) -> str:
+    """What an inferred plan splits, in a few words (the groups of a part inferred on its own)."""
+    kinds: dict[str, int] = {}
+    for g in report.groups:
+        if g.outcome != "whole":
+            kinds[g.describe()] = kinds.get(g.describe(), 0) + 1
+    return ", ".join(f"{v} x {k}" for k, v in sorted(kinds.items())) or "nothing"
 
 
 def _param_bytes(module) -> int:
@@ -525,6 +579,8 @@ def _family_section(name: str, records: list[dict]) -> list[str]:
         split = ", ".join(f"{v} x {k}" for k, v in sorted(groups.items()))
         if info.get("embeddings"):
             split += (", " if split else "") + f"{info['embeddings']} embedding"
+        for part, what in (info.get("parts") or {}).items():  # towers the main input does not reach
+            split += (", " if split else "") + f"{part.rsplit('.', 1)[-1]}: {what}"
         if info.get("plan", "inferred") != "inferred":
             split = {"preset": "hand-written preset", "translated": "translated base_model_tp_plan"}.get(info["plan"], info["plan"])
         notes = []

@@ -12,6 +12,8 @@
 3. A group that falls back frees its rows to pair with later layers: trace again with its columns fixed,
    until nothing changes. With ``check=True`` every split group is then verified numerically in
    isolation (selfcheck.py); a mismatch is one more fallback.
+4. Parts the pass did not reach (a vision-language model's vision tower on a text input) get plans of
+   their own, inferred on their own inputs (parts.py).
 
 The communication this reaches is a hand-written plan's: per transformer block one all-reduce forward
 after attention and one after the MLP, and one backward for each (q, k, v read one tensor).
@@ -20,7 +22,7 @@ after attention and one after the MLP, and one backward for each (q, k, v read o
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -32,6 +34,7 @@ from .groups import (
     Group, decide, decide_embeddings, escape, find_groups, forget_model, resolve_conflicts, resolve_ties,
 )
 from .inputs import as_inputs, first_that_runs, input_candidates
+from .parts import infer_parts, prefixed
 from .selfcheck import check_entries
 from .trace import Trace, trace_model
 
@@ -64,6 +67,7 @@ class Inference:
     trace: Trace
     rounds: int
     checked: int = 0
+    parts: dict[str, "Inference"] = field(default_factory=dict)  # unreached parts, inferred on their own
 
 
 def infer_plan(
@@ -130,7 +134,16 @@ def _infer(module: nn.Module, world_size: int, example_inputs: Any, check: bool)
             break
     plan = assemble(module, groups, embeddings)
     plan.whole.update({layer: f"plan inference kept it whole ({f.reason})" for f in fallbacks for layer in f.layers})
-    result = Inference(plan, groups, embeddings, fallbacks, trace, rounds, checked)
+    parts = {}
+    if example_inputs is None:  # given inputs reach what the caller wants reached
+        parts = infer_parts(module, set(trace.call_order), lambda part: _infer(part, world_size, None, check))
+        if parts:
+            merged = Plan(list(plan.items()) + [e for name, r in parts.items() for e in prefixed(name, r.plan)])
+            merged.whole.update(plan.whole)
+            for name, r in parts.items():
+                merged.whole.update({f"{name}.{layer}" if layer else name: why for layer, why in r.plan.whole.items()})
+            plan = merged
+    result = Inference(plan, groups, embeddings, fallbacks, trace, rounds, checked, parts)
     _log_summary(module, world_size, result)
     return result
 

@@ -39,8 +39,8 @@ def model_input_candidates(model: nn.Module, generator: torch.Generator) -> Iter
         inner = getattr(getattr(model, "encoder", None), "main_input_name", None)
         name = inner if isinstance(inner, str) and inner in params else name
     extra: dict[str, Any] = {}
-    if "use_cache" in params:
-        extra["use_cache"] = False
+    if "use_cache" in params or _passes_kwargs(model) and _config_has(config, "use_cache"):
+        extra["use_cache"] = False  # a cache built by the pass would be captured as the self-check's input
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         extra["decoder_input_ids"] = _on(decoder_ids(model, generator), model)
     for main in _main_inputs(model, name, generator):
@@ -99,6 +99,17 @@ def vocab_size(model: nn.Module) -> int | None:
         if isinstance(vocab, int) and vocab > 0:
             return vocab
     return None
+
+
+def _passes_kwargs(model: nn.Module) -> bool:
+    try:
+        return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+
+
+def _config_has(config, key: str) -> bool:
+    return any(hasattr(c, key) for c in (config, getattr(config, "text_config", None)) if c is not None)
 
 
 def forward_params(model: nn.Module) -> set[str]:

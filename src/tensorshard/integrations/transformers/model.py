@@ -16,7 +16,9 @@ shards. What differs from the unsplit model:
 - the KV cache is sharded: each device caches its own heads (cache.py); a cache filled by the unsplit
   model is divided by heads on first use (unsplit_cache.py);
 - ``get_input_embeddings()``, ``get_output_embeddings()``, ``get_encoder()`` return views that run that part
-  of every shard (T5's ``generate`` runs the encoder through one);
+  of every shard (T5's ``generate`` runs the encoder through one); a multimodal model's
+  ``get_image_features()`` (``_video_``, ``_audio_``) runs on every shard at once (``generate`` encodes the
+  images through it before the first token);
 - ``save_pretrained`` gathers the unsplit weights (on the CPU, one tensor at a time, then the whole state
   dict: peak host memory is one full copy of the model) and writes them with transformers' own
   ``save_pretrained`` of the original class, into a temporary folder moved into place;
@@ -67,7 +69,37 @@ def split_class(model_class: type) -> type:
     forward.__signature__ = inspect.signature(model_class.forward)  # generate() inspects the argument names
     forward.__doc__ = model_class.forward.__doc__
     name = f"TensorParallel{model_class.__name__}"
-    return type(name, (TransformersTensorParallel, model_class), {"forward": forward, "__module__": __name__})
+    methods = {"forward": forward, "__module__": __name__}
+    for method in _ENCODER_METHODS:
+        if callable(getattr(model_class, method, None)):
+            methods[method] = _on_every_shard(method, getattr(model_class, method))
+    return type(name, (TransformersTensorParallel, model_class), methods)
+
+
+_ENCODER_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
+
+
+def _on_every_shard(method: str, original):
+    """A model method that runs split towers (a VLM's vision tower and projector): called on every shard at
+    once, through the engine, like forward; the result of the output device."""
+
+    def run(self, *args, **kwargs):
+        return self._method_view(method)(*args, **kwargs)
+
+    run.__signature__ = inspect.signature(original)  # generate picks the arguments by these names
+    run.__name__ = method
+    return run
+
+
+class _CallMethod(nn.Module):
+    """Holds one shard; its forward is one of the shard's methods (for `_method_view`)."""
+
+    def __init__(self, shard: nn.Module, method: str) -> None:
+        super().__init__()
+        self.shard, self.method = shard, method
+
+    def forward(self, *args, **kwargs):
+        return getattr(self.shard, self.method)(*args, **kwargs)
 
 
 def transformers_view(model: TensorParallel, path: str, original: nn.Module) -> "TransformersTensorParallel":
@@ -182,6 +214,15 @@ class TransformersTensorParallel(TensorParallel):
             view.forward = forward
             self._views[path] = view
         return self._views[path]
+
+    def _method_view(self, method: str) -> nn.Module:
+        """A TensorParallel view whose shards run `method` of the model's shards."""
+        key = f"method:{method}"
+        if key not in self._views:
+            view = self.view("")
+            view.module_shards = nn.ModuleList(_CallMethod(shard, method) for shard in self.module_shards)
+            self._views[key] = view
+        return self._views[key]
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """Write an unsplit checkpoint that ``from_pretrained`` loads into a plain model.
