@@ -23,7 +23,8 @@ shards. What differs from the unsplit model:
   dict: peak host memory is one full copy of the model) and writes them with transformers' own
   ``save_pretrained`` of the original class, into a temporary folder moved into place;
 - ``state_dict()`` is the shards' (use ``tp.save_tensor_parallel`` for the unsplit one); submodules such
-  as ``model.model`` live in ``model.module_shards[r]``;
+  as ``model.model`` live in ``model.module_shards[r]``; ``split.model.encoder`` is a view that runs that
+  submodule on every device, and reads its other attributes from the first device's copy;
 - unsupported, with an error saying so: output_attentions, static caches, resizing embeddings, activation
   (gradient) checkpointing (the engine refuses it: its recomputation would re-run collectives outside the call);
 - training with dropout > 0 is not exact (each device draws its own masks): a warning says so.
@@ -84,7 +85,7 @@ def _on_every_shard(method: str, original):
     once, through the engine, like forward; the result of the output device."""
 
     def run(self, *args, **kwargs):
-        return self._method_view(method)(*args, **kwargs)
+        return _method_view(self, method)(*args, **kwargs)
 
     run.__signature__ = inspect.signature(original)  # generate picks the arguments by these names
     run.__name__ = method
@@ -216,13 +217,7 @@ class TransformersTensorParallel(TensorParallel):
         return self._views[path]
 
     def _method_view(self, method: str) -> nn.Module:
-        """A TensorParallel view whose shards run `method` of the model's shards."""
-        key = f"method:{method}"
-        if key not in self._views:
-            view = self.view("")
-            view.module_shards = nn.ModuleList(_CallMethod(shard, method) for shard in self.module_shards)
-            self._views[key] = view
-        return self._views[key]
+        return _method_view(self, method)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """Write an unsplit checkpoint that ``from_pretrained`` loads into a plain model.
@@ -252,14 +247,65 @@ class TransformersTensorParallel(TensorParallel):
         except AttributeError:
             original = self.__dict__.get("_original")
             if original is not None and name in original._modules:
-                raise AttributeError(
-                    f"{type(self).__name__} has no {name!r}: the model is split over {self.labels}; the copy "
-                    f"on device r is model.module_shards[r].{name}"
-                ) from None
+                return _submodule_view(self, name)
             raise
 
 
 # --- helpers ------------------------------------------------------------------------------------------
+
+
+class _SubmoduleView(TensorParallel):
+    """``split.model.encoder``: calling it runs that submodule on every device (a `TensorParallel.view`);
+    its submodules are views too, its methods run on every device as well (``split.model.get_image_features``,
+    which generate calls), and its other attributes (a convolution's stride, a config) are read from the
+    first device's copy, as generation code reads them (Whisper's reads its encoder's strides)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            first = self.module_shards[0]
+            local = getattr(first, name)
+            if isinstance(local, nn.Module) and name in first._modules:
+                return _submodule_view(self, name)
+            if inspect.ismethod(local) and local.__self__ is first:
+                view = _method_view(self, name)
+
+                def run(*args, **kwargs):
+                    return view(*args, **kwargs)
+
+                run.__signature__ = inspect.signature(local)  # generate picks the arguments by these names
+                return run
+            return local
+
+
+def _method_view(model: TensorParallel, method: str) -> TensorParallel:
+    """A view of `model` whose shards run `method` of its shards."""
+    views = model.__dict__.setdefault("_method_views", {})
+    if method not in views:
+        view = model.view("")
+        view.module_shards = nn.ModuleList(_CallMethod(shard, method) for shard in model.module_shards)
+        views[method] = view
+    return views[method]
+
+
+def _submodule_view(model: TensorParallel, name: str) -> "_SubmoduleView":
+    views = model.__dict__.setdefault("_submodule_views", {})
+    if name not in views:
+        view = model.view(name) if not isinstance(model, _SubmoduleView) else _view_below(model, name)
+        view.__class__ = _SubmoduleView
+        views[name] = view
+    return views[name]
+
+
+def _view_below(view: TensorParallel, name: str) -> TensorParallel:
+    """A view of child `name` of every shard of `view` (a view of a view)."""
+    below = view.view("")
+    below.module_shards = nn.ModuleList(shard.get_submodule(name) for shard in view.module_shards)
+    prefix = f"{name}."
+    below.splits = {k[len(prefix):]: v for k, v in view.splits.items() if k.startswith(prefix)}
+    below.training = below.module_shards[0].training
+    return below
 
 
 def _uses_dropout(config) -> bool:
