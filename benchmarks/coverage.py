@@ -206,6 +206,9 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
         put("attn_layer_indices", [1])  # Bamba's default has no attention layer, which its cache cannot handle
     if "is_decoder" in values and not getattr(cfg, "is_encoder_decoder", False):
         put("is_decoder", True)  # BERT-like models as causal LMs
+    if values.get("is_encoder_decoder") and getattr(cfg, "decoder_start_token_id", None) is None:
+        pad = getattr(cfg, "pad_token_id", None)
+        put("decoder_start_token_id", pad if isinstance(pad, int) else 0)  # T5's default leaves it to the tokenizer
     if "mm_tokens_per_image" in values:  # Gemma3: image tokens pooled from the tiny image's patches
         put("mm_tokens_per_image", 4)
     rope = getattr(cfg, "rope_parameters", None)

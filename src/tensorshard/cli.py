@@ -156,10 +156,14 @@ def _config_from_file(path: Path, spec: str):
 
 
 def _from_config(config, spec: str) -> nn.Module:
+    """The model with its head: an encoder-decoder's generating class (Whisper's WhisperForConditionalGeneration,
+    not its decoder-only WhisperForCausalLM), a causal LM, a vision-language model, else the bare model."""
     transformers = _transformers(spec)
-    AutoModel, AutoModelForCausalLM = transformers.AutoModel, transformers.AutoModelForCausalLM
     errors = []
-    for auto in (AutoModelForCausalLM, AutoModel):
+    autos = [transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText, transformers.AutoModel]
+    if getattr(config, "is_encoder_decoder", False):
+        autos = [transformers.AutoModelForSpeechSeq2Seq, transformers.AutoModelForSeq2SeqLM] + autos
+    for auto in autos:
         try:
             with torch.device("meta"):
                 return auto.from_config(config)

@@ -53,3 +53,28 @@ def test_plan_explains_bad_model_names():
         main(["plan", "no_such_module:build", "--devices", "2"])
     with pytest.raises(SystemExit, match="no such file"):
         main(["plan", "missing/config.json", "--devices", "2"])
+
+
+def test_plan_explains_a_convnet_and_a_speech_model(tmp_path, capsys):
+    """A ResNet (BatchNorm split with its convolution's channels) and Whisper (the encoder-decoder with its
+    head, not the decoder-only class): both from small config files, on the meta device."""
+    resnet = tmp_path / "resnet.json"
+    resnet.write_text(json.dumps({"model_type": "resnet", "embedding_size": 16, "hidden_sizes": [32, 64],
+                                  "depths": [1, 1], "layer_type": "bottleneck"}))
+    assert main(["plan", str(resnet), "--devices", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "BatchNorm2d" in out and "ChannelParallel()" in out and "running_var (" in out
+    whisper = tmp_path / "whisper.json"
+    whisper.write_text(json.dumps({"model_type": "whisper", "d_model": 64, "encoder_layers": 2, "decoder_layers": 2,
+                                   "encoder_attention_heads": 4, "decoder_attention_heads": 4, "vocab_size": 96,
+                                   "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "num_mel_bins": 16,
+                                   "max_source_positions": 20, "pad_token_id": 0, "bos_token_id": 1,
+                                   "eos_token_id": 2, "decoder_start_token_id": 3}))
+    path = tmp_path / "whisper-plan.json"
+    assert main(["plan", str(whisper), "--devices", "2", "--json", str(path)]) == 0
+    assert "WhisperForConditionalGeneration" in capsys.readouterr().out
+    plan = tp.Plan.load(path)
+    for attention in ("model.encoder.layers.*.self_attn", "model.decoder.layers.*.encoder_attn"):
+        assert plan[attention].num_heads == 4
+    assert plan["model.encoder.layers.*.fc1"] == tp.ColwiseParallel()
+    assert plan["proj_out"] == tp.ColwiseParallel(gather_output=True)
