@@ -84,7 +84,7 @@ MOE_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_i
            "moe_ffn_hidden_size", "moe_hidden_size", "shared_intermediate_size", "expert_hidden_size",
            "expert_ffn_hidden_size", "shared_experts_intermediate_size")
 LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
-          "num_decoder_layers", "num_encoder_layers", "num_blocks")
+          "num_decoder_layers", "num_encoder_layers", "num_blocks", "depth")
 HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads", "encoder_attention_heads")
 KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv", "num_kv")
 HEAD_DIM = ("head_dim", "attention_head_dim", "kv_channels", "head_size", "attention_head_size")
@@ -212,7 +212,9 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
     if "mm_tokens_per_image" in values:  # Gemma3: image tokens pooled from the tiny image's patches
         put("mm_tokens_per_image", 4)
     rope = getattr(cfg, "rope_parameters", None)
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list) and isinstance(getattr(cfg, "head_dim", None) or 16, int):
+    multimodal_rope = "mrope_section" in getattr(type(cfg), "ignore_keys_at_rope_validation", ()) or (
+        isinstance(rope, dict) and "mrope_section" in rope)
+    if isinstance(rope, dict) and multimodal_rope:
         half = (getattr(cfg, "head_dim", None) or 16) // 2  # Qwen2-VL: the rotary sections must cover half a head
         put("rope_parameters", dict(rope, mrope_section=[half - 2 * (half // 3), half // 3, half // 3]))
     text = getattr(cfg, "text_config", None)
@@ -286,16 +288,24 @@ def image_text_inputs(model, cfg, gen: torch.Generator) -> dict:
 
     from tensorshard.plans.model_inputs import vocab_size
 
+    from tensorshard.plans.model_inputs import patch_grid_inputs
+
     token = next(v for v in (getattr(cfg, "image_token_id", None), getattr(cfg, "image_token_index", None))
                  if isinstance(v, int))
     vision = cfg.vision_config
-    size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[-1]
-    pixels = torch.randn(2, getattr(vision, "num_channels", 3), size, size, generator=gen)
+    takes = inspect.signature(model.get_image_features).parameters
     extra = {}
-    if "image_sizes" in inspect.signature(model.get_image_features).parameters:
-        extra["image_sizes"] = torch.tensor([[size, size]] * 2)
+    if "image_grid_thw" in takes:  # Qwen2-VL style: flattened patches and their grid
+        grid = patch_grid_inputs(vision, gen, images=2, key="pixel_values", grid_key="image_grid_thw")
+        pixels, extra["image_grid_thw"] = grid["pixel_values"], grid["image_grid_thw"]
+    else:
+        size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[-1]
+        pixels = torch.randn(2, getattr(vision, "num_channels", 3), size, size, generator=gen)
+        if "image_sizes" in takes:
+            extra["image_sizes"] = torch.tensor([[size, size]] * 2)
+    first = pixels[: len(pixels) // 2]  # one image's patches (flattened patches: half the rows)
     with torch.no_grad():
-        features = model.get_image_features(pixel_values=pixels[:1], **{k: v[:1] for k, v in extra.items()})
+        features = model.get_image_features(pixel_values=first, **{k: v[:1] for k, v in extra.items()})
     features = getattr(features, "pooler_output", features)
     if isinstance(features, (list, tuple)):
         count = sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features)
@@ -306,9 +316,20 @@ def image_text_inputs(model, cfg, gen: torch.Generator) -> dict:
     text[text == token] = 4
     ids = torch.cat([text[:, :3], torch.full((2, count), token), text[:, 3:]], 1)
     inputs = {"input_ids": ids, "pixel_values": pixels, **extra}
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # Qwen2-VL's multimodal positions
+        inputs["mm_token_type_ids"] = (ids == token).long()
     with torch.no_grad():
         model(**inputs)
     return inputs
+
+
+def first_sample(inputs: dict) -> dict:
+    """The first sample of a batch, without decoder inputs (generate makes them); flattened image patches
+    (Qwen2-VL) are cut at the first image's grid."""
+    first = {k: v[:1] for k, v in inputs.items() if not k.startswith("decoder_")}
+    if "image_grid_thw" in inputs:
+        first["pixel_values"] = inputs["pixel_values"][: int(inputs["image_grid_thw"][0].prod())]
+    return first
 
 
 def main_output(model, inputs: dict) -> torch.Tensor:
@@ -323,7 +344,7 @@ def main_output(model, inputs: dict) -> torch.Tensor:
 def greedy(model, inputs: dict, use_generate: bool) -> list[int]:
     """Greedy continuation of the first sample: `generate()` (KV cache) when asked, else full forwards
     without a cache (decoder-only models)."""
-    first = {k: v[:1] for k, v in inputs.items() if not k.startswith("decoder_")}
+    first = first_sample(inputs)
     if use_generate:
         out = model.generate(**first, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         prompt = first.get("input_ids")

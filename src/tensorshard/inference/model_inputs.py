@@ -33,6 +33,9 @@ def model_input_candidates(model: nn.Module, generator: torch.Generator) -> Iter
     config = getattr(model, "config", None)
     name = getattr(model, "main_input_name", None)
     params = forward_params(model)
+    if config is not None and "grid_thw" in params:  # Qwen2-VL-style vision tower: flattened patches + grid
+        yield patch_grid_inputs(config, generator, dtype=_float_dtype(model), images=BATCH, device=model)
+        return
     if config is None or not isinstance(name, str) or name not in params:
         return
     if name == "inputs":  # SpeechEncoderDecoder and friends: the encoder says what its inputs are
@@ -68,6 +71,22 @@ def _main_inputs(model: nn.Module, name: str, gen: torch.Generator) -> Iterator[
     elif name == "input_values":
         length = _waveform_length(config)
         yield {name: _on(torch.randn(BATCH, length, generator=gen, dtype=_float_dtype(model)), model)}
+
+
+def patch_grid_inputs(config, gen: torch.Generator, *, dtype=torch.float32, images: int = BATCH,
+                      device: nn.Module | None = None, key: str = "hidden_states", grid_key: str = "grid_thw"):
+    """A Qwen2-VL-style vision input: each image a grid of (1, 2m, 2m) patches (m = the spatial merge
+    size), flattened to rows of channels x temporal patch x patch x patch values, with the grid beside."""
+    merge = _config_int(config, ("spatial_merge_size",), 1)
+    patch = _config_int(config, ("patch_size",), 14)
+    temporal = _config_int(config, ("temporal_patch_size",), 1)
+    channels = _config_int(config, ("in_channels", "num_channels", "in_chans"), 3)
+    side = 2 * merge
+    rows = torch.randn(images * side * side, channels * temporal * patch * patch, generator=gen, dtype=dtype)
+    grid = torch.tensor([[1, side, side]] * images)
+    if device is not None:
+        rows, grid = _on(rows, device), _on(grid, device)
+    return {key: rows, grid_key: grid}
 
 
 def decoder_ids(model: nn.Module, gen: torch.Generator, length: int = DECODER_SEQ) -> torch.Tensor:

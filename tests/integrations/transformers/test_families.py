@@ -1,5 +1,5 @@
 """Families beyond causal LMs, split without a plan: a speech encoder-decoder (Whisper), vision-language
-models (LLaVA, Gemma3: a vision tower, a projector, a language model), a seq2seq LM that builds no decoder
+models (LLaVA, Gemma3, Qwen2-VL: a vision tower, a projector, a language model), a seq2seq LM that builds no decoder
 inputs itself (Pegasus), a masked LM and a ConvNet classifier (transformers' MobileNetV2). Each: output
 parity (fp32, 1e-5 relative), generate token-identical where the model generates, a real split (the largest
 device holds less than the whole model), and each device's cache its own heads."""
@@ -69,7 +69,8 @@ def test_whisper_splits_encoder_decoder_and_generates_identically(n, gen):
 
 # Gemma3's projector is a bare weight matrix (no Linear): nothing to split there
 PARTS = {"llava": ("model.vision_tower", "model.multi_modal_projector", "model.language_model"),
-         "gemma3": ("model.vision_tower", "model.language_model")}
+         "gemma3": ("model.vision_tower", "model.language_model"),
+         "qwen2_vl": ("model.visual", "model.language_model")}  # flattened patches with their grid
 
 
 @pytest.mark.parametrize("arch", sorted(PARTS))
@@ -84,7 +85,7 @@ def test_vision_language_model_splits_every_part_and_generates_with_an_image(arc
     _split_is_real(model, ref)
     with torch.no_grad():
         assert rel_err(model(**inputs).logits, ref(**inputs).logits) < 1e-5
-        first = {k: v[:1] for k, v in inputs.items()}
+        first = coverage.first_sample(inputs)
         options = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, return_dict_in_generate=True)
         expected = ref.generate(**first, **options).sequences
         out = model.generate(**first, **options)
