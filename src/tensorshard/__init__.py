@@ -30,6 +30,7 @@ from .plans.plan import Plan
 from .plans.presets import preset_for
 from .styles import (
     AttentionHeads,
+    ChannelParallel,
     ColwiseParallel,
     EmbeddingParallel,
     Heads,
@@ -47,6 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionHeads",
+    "ChannelParallel",
     "CollectiveAborted",
     "CollectiveCounter",
     "ColwiseParallel",
