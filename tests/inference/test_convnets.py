@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tensorshard as tp
-from custom_models import TinyEfficientNet, TinyResNet
 from helpers import check_training_parity, rel_err, split_copy
+from models import TinyEfficientNet, TinyResNet
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -127,3 +127,72 @@ class TwoBlocks(nn.Module):
 
     def forward(self, x):
         return self.b2(self.a2(self.b1(self.a1(x))))
+
+
+class SqueezeExcite(nn.Module):
+    """Squeeze-and-excitation: channel weights from the pooled input, through a bottleneck."""
+
+    def __init__(self, channels: int, reduced: int) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(channels, reduced, 1)
+        self.expand = nn.Conv2d(reduced, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
+        s = F.adaptive_avg_pool2d(x, 1)  # (B, C, 1, 1)
+        return x * torch.sigmoid(self.expand(F.silu(self.reduce(s))))
+
+
+class MBConv(nn.Module):
+    """MobileNetV2 / EfficientNet block: 1x1 expansion, BatchNorm, depthwise 3x3, BatchNorm, squeeze-and-
+    excitation, 1x1 projection, BatchNorm, residual."""
+
+    def __init__(self, channels: int, hidden: int) -> None:
+        super().__init__()
+        self.expand = nn.Conv2d(channels, hidden, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(hidden)
+        self.depthwise = nn.Conv2d(hidden, hidden, 3, padding=1, groups=hidden, bias=False)
+        self.bn2 = nn.BatchNorm2d(hidden)
+        self.se = SqueezeExcite(hidden, 4)
+        self.project = nn.Conv2d(hidden, channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu6(self.bn1(self.expand(x)))
+        h = F.relu6(self.bn2(self.depthwise(h)))
+        return x + self.bn3(self.project(self.se(h)))
+
+
+class TinyEfficientNet(nn.Module):
+    def __init__(self, channels: int = 8, hidden: int = 28, depth: int = 2, classes: int = 5) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(MBConv(channels, hidden) for _ in range(depth)))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, channels, H, W)
+        return self.head(self.blocks(x).mean((2, 3)))
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3x3 convolutions with BatchNorm, residual."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, width: int = 14, depth: int = 2, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                                  nn.MaxPool2d(2))
+        self.blocks = nn.Sequential(*(BasicBlock(width) for _ in range(depth)))
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W)
+        return self.fc(self.blocks(self.stem(x)).mean((2, 3)))

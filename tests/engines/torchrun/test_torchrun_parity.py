@@ -13,7 +13,7 @@ import tensorshard as tp
 from support import plans
 from support.harness import world_mesh
 from support.helpers import check_training_parity
-from support.models import ConvNet, FeedForward, Transformer
+from support.models import ConvNet, FeedForward, TinyEfficientNet, Transformer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,6 +29,10 @@ def parity_task(kind: str, args: tuple) -> str:
         dim, heads, kv_heads = args
         ref, plan = Transformer(dim=dim, n_heads=heads, n_kv_heads=kv_heads, hidden=176), plans.transformer(heads, kv_heads)
         make_input = lambda: torch.randint(0, 96, (2, 9), generator=gen)  # noqa: E731
+    elif kind == "efficientnet":  # inferred: BatchNorm and depthwise convolutions split by channels
+        ref = TinyEfficientNet()
+        plan = tp.infer_plan(ref, torch.distributed.get_world_size())
+        make_input = lambda: torch.randn(4, 8, 6, 6, generator=gen)  # noqa: E731
     else:
         ref, plan = ConvNet(channels=12), plans.CONV_NET
         make_input = lambda: torch.randn(3, 3, 6, 6, generator=gen)  # noqa: E731
@@ -52,6 +56,11 @@ def test_transformer(pool2, pool4, args):
 def test_conv_net(pool2, pool4):
     for pool in (pool2, pool4):
         assert pool.run(parity_task, "conv", ()) == ["ok"] * pool.world
+
+
+def test_efficientnet_block_trains_in_train_mode(pool2, pool3):
+    for pool in (pool2, pool3):
+        assert pool.run(parity_task, "efficientnet", ()) == ["ok"] * pool.world
 
 
 class Logits(torch.nn.Module):
