@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tensorshard as tp
-from helpers import check_training_parity, rel_err, split_copy
-from models import TinyEfficientNet, TinyResNet
+from support.helpers import check_training_parity, rel_err, split_copy
+from support.models import TinyEfficientNet, TinyResNet
 
 pytestmark = pytest.mark.timeout(90)
 

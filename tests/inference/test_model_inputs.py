@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 import tensorshard as tp
-from helpers import rel_err, split_copy
-from tensorshard.plans.inputs import input_candidates, synthetic_inputs
-from tensorshard.plans.model_inputs import model_input_candidates, receptive_field
+from support.helpers import rel_err, split_copy
+from tensorshard.inference.inputs import input_candidates, synthetic_inputs
+from tensorshard.inference.model_inputs import model_input_candidates, receptive_field
 
 pytestmark = pytest.mark.timeout(60)
 

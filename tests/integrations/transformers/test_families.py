@@ -4,7 +4,7 @@ inputs itself (Pegasus), a masked LM and a ConvNet classifier (transformers' Mob
 parity (fp32, 1e-5 relative), generate token-identical where the model generates, a real split (the largest
 device holds less than the whole model), and each device's cache its own heads."""
 
-import copy
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -13,13 +13,24 @@ import torch
 import transformers as T
 
 import tensorshard as tp
-from helpers import rel_err, split_copy
+from support.helpers import rel_err, split_copy
 from tensorshard.integrations.transformers import rank_caches
 
 pytestmark = pytest.mark.timeout(120)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import coverage  # noqa: E402  (the sweep's tiny configs and image-text inputs)
+
+def _load_sweep():
+    """benchmarks/coverage.py (the sweep's tiny configs and image-text inputs), loaded by path under another
+    name: on sys.path it would shadow the coverage package."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "coverage.py"
+    spec = importlib.util.spec_from_file_location("coverage_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["coverage_sweep"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+coverage = _load_sweep()
 
 
 def _whole_bytes(model) -> int:
