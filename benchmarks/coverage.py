@@ -241,6 +241,8 @@ def build(model_type: str, family: str = "causal-lm"):
             model = auto.from_config(cfg).float().eval()
             if hasattr(model, "set_default_language"):  # X-MOD: adapters per language
                 model.set_default_language(next(iter(getattr(cfg, "languages", ["en_XX"]))))
+            if family != "causal-lm":
+                _randomize_zeros(model)
             return model, cfg, inputs_for(model, cfg, family)
         except Exception as e:
             errors.append(f"{type(e).__name__}: {_first(e)}")
@@ -250,6 +252,16 @@ def build(model_type: str, family: str = "causal-lm"):
     except Exception as e:
         raise RuntimeError(f"its default config does not build either ({type(e).__name__}: {_first(e)})") from e
     raise RuntimeError(errors[0])
+
+
+def _randomize_zeros(model) -> None:
+    """Parameters initialised to zero (classifier heads, biases, layer scales) get small random values: a
+    zero head makes every logit 0, and the parity of zeros proves nothing."""
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.numel() and not bool(p.any()):
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
 
 
 def inputs_for(model, cfg, family: str) -> dict:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..layers import layer_kind
 from ..plans.plan import Plan, match_pattern
+from ..plans.sharding import shard_plan
 from ..styles import Style
 from .groups import (
     Group, decide, decide_embeddings, escape, find_groups, forget_model, resolve_conflicts, resolve_ties,
@@ -130,6 +131,8 @@ def _infer(module: nn.Module, world_size: int, example_inputs: Any, check: bool)
                     fallbacks.append(Fallback([name], f"self-check: {verdict}", "self-check"))
             resolve_ties(module, groups, embeddings)
             retrace = _record_failures(groups, trace, fixed, fallbacks, "self-check")
+        if not retrace and _refuse_unvalidated(module, groups, embeddings, world_size):
+            retrace = _record_failures(groups, trace, fixed, fallbacks, "layout check")
         if not retrace:
             break
     plan = assemble(module, groups, embeddings)
@@ -157,6 +160,34 @@ def _nothing_to_split(module: nn.Module) -> Inference:
     })
     logger.info("inferred plan for %s: nothing to split (no Linear, Conv or Embedding layer)", type(module).__name__)
     return Inference(plan, [], {}, [], None, 0)
+
+
+def _refuse_unvalidated(module: nn.Module, groups: list[Group], embeddings: dict[str, Style], world_size: int) -> bool:
+    """Dry-run the whole plan as the engine will (shard_plan's layout checks read neighbours in module
+    order, so a pair split across sibling blocks, column at the end of one and row at the start of the
+    next, can look wrong to them). Groups the error names stay whole; True when any did."""
+    try:
+        shard_plan(module, assemble(module, groups, embeddings), world_size)
+        return False
+    except (ValueError, NotImplementedError, TypeError) as e:
+        message = str(e)
+    named = [g for g in groups if g.outcome != "whole" and any(_names(message, n) for n in g.layers + g.channels)]
+    for g in named:
+        g.fail(f"the whole plan's layout check refused it: {message.splitlines()[0]}")
+    return bool(named)
+
+
+def _names(message: str, name: str) -> bool:
+    """`message` mentions module `name` itself (not a longer name it prefixes)."""
+    start = message.find(name)
+    while start >= 0:
+        end = start + len(name)
+        if (start == 0 or not (message[start - 1].isalnum() or message[start - 1] in "._")) and (
+                end == len(message) or not (message[end].isalnum() or message[end] in "_") and
+                not (message[end] == "." and end + 1 < len(message) and message[end + 1].isalnum())):
+            return True
+        start = message.find(name, start + 1)
+    return False
 
 
 def _first_input_that_runs(module: nn.Module):

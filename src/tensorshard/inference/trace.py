@@ -441,6 +441,12 @@ class Tracer(TorchFunctionMode):
             self.set_shadow(out, info.out_ids.view(shape).expand(out.shape))
         elif role == "through":
             rep = s.narrow(kind.feature_dim % x.dim(), 0, 1)
+            if kind is CONV:  # a window mixes positions (and a stride changes their number): one unit throughout
+                for d in range(2, rep.dim()):
+                    rep = rep.narrow(d, 0, 1)
+                if not bool((s == rep).all()):
+                    self.poison(s, f"{name} mixes positions that hold different split features")
+                    return
             self.set_shadow(out, rep.expand(out.shape) if rep.dim() == out.dim() else None)
         elif role == "row":
             call.row_ids = s
