@@ -216,9 +216,6 @@ class TransformersTensorParallel(TensorParallel):
             self._views[path] = view
         return self._views[path]
 
-    def _method_view(self, method: str) -> nn.Module:
-        return _method_view(self, method)
-
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """Write an unsplit checkpoint that ``from_pretrained`` loads into a plain model.
 
@@ -269,19 +266,13 @@ class _SubmoduleView(TensorParallel):
             if isinstance(local, nn.Module) and name in first._modules:
                 return _submodule_view(self, name)
             if inspect.ismethod(local) and local.__self__ is first:
-                view = _method_view(self, name)
-
-                def run(*args, **kwargs):
-                    return view(*args, **kwargs)
-
-                run.__signature__ = inspect.signature(local)  # generate picks the arguments by these names
-                return run
+                return functools.partial(_on_every_shard(name, getattr(type(first), name)), self)
             return local
 
 
 def _method_view(model: TensorParallel, method: str) -> TensorParallel:
-    """A view of `model` whose shards run `method` of its shards."""
-    views = model.__dict__.setdefault("_method_views", {})
+    """A view of `model` whose shards run `method` of its shards (cached on `model`)."""
+    views = _own_cache(model, "_method_views")
     if method not in views:
         view = model.view("")
         view.module_shards = nn.ModuleList(_CallMethod(shard, method) for shard in model.module_shards)
@@ -290,12 +281,22 @@ def _method_view(model: TensorParallel, method: str) -> TensorParallel:
 
 
 def _submodule_view(model: TensorParallel, name: str) -> "_SubmoduleView":
-    views = model.__dict__.setdefault("_submodule_views", {})
+    """A view running child `name` of every shard of `model` (cached on `model`)."""
+    views = _own_cache(model, "_submodule_views")
     if name not in views:
         view = model.view(name) if not isinstance(model, _SubmoduleView) else _view_below(model, name)
         view.__class__ = _SubmoduleView
         views[name] = view
     return views[name]
+
+
+def _own_cache(model: TensorParallel, key: str) -> dict:
+    """A dict of `model`'s own: a view starts with a copy of its model's attributes, caches included."""
+    owner = model.__dict__.get(f"{key}_owner")
+    if owner is not model:
+        model.__dict__[key] = {}
+        model.__dict__[f"{key}_owner"] = model
+    return model.__dict__[key]
 
 
 def _view_below(view: TensorParallel, name: str) -> TensorParallel:
