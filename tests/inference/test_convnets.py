@@ -113,3 +113,25 @@ def test_depthwise_with_channel_multiplier_stays_whole(gen):
     model = split_copy(ref, 2)
     x = torch.randn(2, 3, 6, 6, generator=gen)
     assert rel_err(model(x), ref(x)) < 1e-5
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_groupnorm_splits_on_group_boundaries(n, gen):
+    """GroupNorm(4 groups of 6 channels) between two convolutions: each group is one unit, like a head, so
+    the channels split 12/12 or 12/6/6 and each device normalises whole groups."""
+    from torch import nn
+    import torch.nn.functional as F
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.gn, self.b = nn.Conv2d(6, 24, 1), nn.GroupNorm(4, 24), nn.Conv2d(24, 6, 3, padding=1)
+
+        def forward(self, x):
+            return x + self.b(F.silu(self.gn(self.a(x))))
+
+    ref = Net()
+    model = split_copy(ref, n)
+    assert type(model.plan["gn"]).__name__ == "ChannelParallel"
+    assert [s.gn.num_groups for s in model.module_shards] == ([2, 2] if n == 2 else [2, 1, 1])
+    check_training_parity(ref, model, lambda: torch.randn(3, 6, 5, 5, generator=gen))

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..layers import CONV, EMBEDDING, LayerKind, layer_kind
-from ..styles.channel import is_channelwise
+from ..styles.channel import channel_group, is_channelwise
 from .features import FeatureSet, Ids, compact
 from .inputs import synthetic_inputs
 from .oprules import Call, IDENTITY, NO_TRACK, Rules, STRUCTURAL, tensors_of
@@ -128,6 +128,7 @@ class Tracer(TorchFunctionMode):
         self._sources: dict[int, tuple[weakref.ref, Any]] = {}
         self.split_outputs: dict[str, list[Ids | None]] = {}
         self.channels: dict[str, Ids] = {}
+        self.modules = dict(model.named_modules())
         self.param_names: dict[int, tuple[str, str]] = {}
         for mname, mod in model.named_modules():
             for pname, p in mod._parameters.items():
@@ -402,6 +403,9 @@ class Tracer(TorchFunctionMode):
         if per_channel is None or seen is not None and not torch.equal(seen, per_channel):
             self.poison(s, f"{name} reads split features other than one per channel")
             return "channel-mixed"
+        group = channel_group(self.modules[name])
+        if group > 1:  # a GroupNorm normalises each group of channels together: one unit per group
+            self.fs.union_along(per_channel.view(-1, group), 1)
         self.channels[name] = per_channel
         return "channel"
 
