@@ -467,6 +467,7 @@ def _first(e: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
+CAUSAL_MEASURED = "2026-11-21 (commit 85de0f5)"
 MEMORY_LIMIT = 6 << 30  # bytes of address space per architecture: a runaway model fails alone
 
 
@@ -551,11 +552,17 @@ def write_table() -> None:
         "input it describes itself (its main input sized by its config, decoder ids for an encoder-decoder) and "
         "split with `tp.tensor_parallel(model, [\"cpu\"] * n)` without a plan. A pass at n devices: the main "
         f"output (logits) within {TOL:g} of the unsplit model's (relative to the largest value, at least 1), "
-        f"greedy decoding of {NEW_TOKENS} tokens identical where the family generates (image-text-to-text "
-        "models decode from text alone), and less parameter memory on the largest device than the whole model.",
+        f"greedy decoding of {NEW_TOKENS} tokens identical where the family generates, and less parameter memory "
+        "on the largest device than the whole model. Image-text-to-text models get one image per prompt when "
+        "their own `get_image_features` says how many image tokens it makes (else text only, as the table notes). "
+        "Parameters a tiny config initialises to zero (classifier heads) get small random values, so equal "
+        "outputs mean something.",
         "",
-        "| family | architectures | buildable | pass on 2 devices | pass on 3 devices | pass on both |",
-        "|---|---|---|---|---|---|",
+        f"The causal-LM table is the sweep of {CAUSAL_MEASURED}, not rerun since; the other families were "
+        "measured on the branch that added them (see each record in benchmarks/results/).",
+        "",
+        "| family | architectures | measured | buildable | pass on 2 devices | pass on 3 devices | pass on both |",
+        "|---|---|---|---|---|---|---|",
     ]
     sections: list[str] = []
     for name, records in measured:
@@ -564,8 +571,9 @@ def write_table() -> None:
         ok = {n: sum(1 for r in built if r.get(str(n), {}).get("ok")) for n in WORLDS}
         pct = 100 * len(both) / max(len(built), 1)
         title = FAMILIES[name].title
-        lines.append(f"| [{title}](#{title.lower().replace(' ', '-')}) | {len(records)} | {len(built)} | {ok[2]} | "
-                     f"{ok[3]} | {len(both)} ({pct:.1f}%) |")
+        total = len(_mapping(name))
+        lines.append(f"| [{title}](#{title.lower().replace(' ', '-')}) | {total} | {len(records)} | {len(built)} | "
+                     f"{ok[2]} | {ok[3]} | {len(both)} ({pct:.1f}%) |")
         sections += _family_section(name, records)
         print(f"{name}: {len(both)}/{len(built)} buildable architectures pass on 2 and 3 devices ({pct:.1f}%)")
     lines += [
@@ -582,6 +590,12 @@ def write_table() -> None:
     print(f"wrote {TABLE}")
 
 
+def _mapping(family: str) -> list[str]:
+    from transformers.models.auto import modeling_auto
+
+    return sorted(getattr(modeling_auto, FAMILIES[family].mapping))
+
+
 def _family_section(name: str, records: list[dict]) -> list[str]:
     built = [r for r in records if r.get("buildable")]
     broken = [r for r in records if not r.get("buildable")]
@@ -596,8 +610,10 @@ def _family_section(name: str, records: list[dict]) -> list[str]:
         "",
         f"## {FAMILIES[name].title}",
         "",
-        f"`{FAMILIES[name].auto_class}` ({FAMILIES[name].mapping}): {len(records)} architectures, {len(built)} "
-        f"buildable. Plans used (2 devices): "
+        f"`{FAMILIES[name].auto_class}` ({FAMILIES[name].mapping}): {len(_mapping(name))} architectures, "
+        f"{len(records)} measured" + (f" (not yet: {', '.join(sorted(set(_mapping(name)) - {r['arch'] for r in records}))})"
+                                     if len(records) < len(_mapping(name)) else "")
+        + f", {len(built)} buildable. Plans used (2 devices): "
         + (", ".join(f"{v} {k}" for k, v in sorted(sources.items(), key=lambda kv: -kv[1])) or "-") + ".",
         "",
         "| architecture | 2 devices | 3 devices | max abs diff | memory (2 / 3) | split | kept whole |",
@@ -629,6 +645,8 @@ def _family_section(name: str, records: list[dict]) -> list[str]:
                 why = [w for w, flag in (("logits", "logits_ok"), ("greedy", "greedy_ok"), ("memory", "mem_ok"))
                        if flag in x and not x.get(flag)]
                 notes.append(f"{n}: {', '.join(why)} off")
+        if name == "image-text-to-text" and "pixel_values" not in r.get("inputs", []):
+            notes.insert(0, "text only (no image input built)")
         fb = info.get("fallbacks") or []
         if fb:
             notes.append(f"{len(fb)} fallback(s), e.g. {fb[0]}")
@@ -657,8 +675,6 @@ def _git(*args: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from transformers.models.auto import modeling_auto
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="causal-lm", choices=[*FAMILIES, "all"], help="which mapping to sweep")
     parser.add_argument("--only", nargs="*", help="model types to run (default: all)")
@@ -673,7 +689,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not args.table:
         for family in FAMILIES if args.family == "all" else [args.family]:
-            types = args.only or sorted(getattr(modeling_auto, FAMILIES[family].mapping))
+            types = args.only or _mapping(family)
             sweep(types, args.redo, family)
     write_table()
 
