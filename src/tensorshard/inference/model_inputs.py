@@ -8,7 +8,9 @@ This file turns the two into keyword arguments, batch 2, smallest that the model
   ``vision_config`` too); a config without one gets 64 x 64, then 224 x 224;
 - ``input_features``: Whisper-style (2, num_mel_bins, 2 * max_source_positions) when the config has both,
   else (2, frames, features) or (2, channels, frames) shaped for the first layer that reads them;
-- ``input_values``: a waveform long enough for the convolutional feature extractor's receptive field.
+- ``input_values``: a waveform long enough for the convolutional feature extractor's receptive field;
+- a vision tower that takes flattened patches and their ``grid_thw`` (Qwen2-VL's): two images of
+  (1, 2m, 2m) patches, m its spatial merge size.
 
 An encoder-decoder (``config.is_encoder_decoder``) also gets ``decoder_input_ids`` (4 ids starting with the
 decoder start token) and nothing else on the decoder side, so models that cannot build decoder inputs
@@ -33,7 +35,7 @@ def model_input_candidates(model: nn.Module, generator: torch.Generator) -> Iter
     config = getattr(model, "config", None)
     name = getattr(model, "main_input_name", None)
     params = forward_params(model)
-    if config is not None and "grid_thw" in params:  # Qwen2-VL-style vision tower: flattened patches + grid
+    if config is not None and "grid_thw" in params:  # Qwen2-VL-style vision tower (main_input_name is wrong there)
         yield patch_grid_inputs(config, generator, dtype=_float_dtype(model), images=BATCH, device=model)
         return
     if config is None or not isinstance(name, str) or name not in params:
@@ -55,7 +57,7 @@ def model_input_candidates(model: nn.Module, generator: torch.Generator) -> Iter
 
 def _main_inputs(model: nn.Module, name: str, gen: torch.Generator) -> Iterator[dict[str, torch.Tensor]]:
     config = model.config
-    if name in ("input_ids", "inputs", "decoder_input_ids"):
+    if name in ("input_ids", "inputs"):
         vocab = vocab_size(model)
         if vocab:
             yield {name: _on(torch.randint(0, vocab, (BATCH, SEQ), generator=gen), model)}
