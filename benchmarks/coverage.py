@@ -32,6 +32,7 @@ import copy
 import datetime
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "benchmarks" / "results"
+RESULTS_DIR = Path(os.environ.get("COVERAGE_RESULTS", ROOT / "benchmarks" / "results"))  # another folder: a second sweep
 TABLE = ROOT / "docs" / "coverage.md"
 WORLDS = (2, 3)
 TOL = 1e-4
