@@ -48,6 +48,8 @@ def model_input_candidates(model: nn.Module, generator: torch.Generator) -> Iter
         extra["use_cache"] = False  # a cache built by the pass would be captured as the self-check's input
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         extra["decoder_input_ids"] = _on(decoder_ids(model, generator), model)
+    for other in _required(model) - {name} - set(extra):  # BLIP-2 reads pixel_values first, input_ids too
+        extra.update(next(_main_inputs(model, other, generator), {}))
     for main in _main_inputs(model, name, generator):
         yield {**main, **extra}
     dummy = _dummy_inputs(model, name, params)
@@ -120,6 +122,16 @@ def vocab_size(model: nn.Module) -> int | None:
         if isinstance(vocab, int) and vocab > 0:
             return vocab
     return None
+
+
+def _required(model: nn.Module) -> set[str]:
+    """Arguments the forward cannot do without (no default) that this file knows how to build."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    known = {"input_ids", "pixel_values", "input_features", "input_values"}
+    return {p.name for p in params if p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD and p.name in known}
 
 
 def _passes_kwargs(model: nn.Module) -> bool:
