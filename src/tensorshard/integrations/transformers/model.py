@@ -274,9 +274,7 @@ def _method_view(model: TensorParallel, method: str) -> TensorParallel:
     """A view of `model` whose shards run `method` of its shards (cached on `model`)."""
     views = _own_cache(model, "_method_views")
     if method not in views:
-        view = model.view("")
-        view.module_shards = nn.ModuleList(_CallMethod(shard, method) for shard in model.module_shards)
-        views[method] = view
+        views[method] = _with_shards(model.view(""), [_CallMethod(shard, method) for shard in model.module_shards])
     return views[method]
 
 
@@ -290,6 +288,15 @@ def _submodule_view(model: TensorParallel, name: str) -> "_SubmoduleView":
     return views[name]
 
 
+def _with_shards(view: TensorParallel, parts: list[nn.Module]) -> TensorParallel:
+    """`view` running `parts` (one per device), with the module census the engine checks before each call
+    (modules added after splitting are refused there)."""
+    view.module_shards = nn.ModuleList(parts)
+    view._module_names = {n for n, _ in parts[0].named_modules()}
+    view._module_count = len(view._module_names)
+    return view
+
+
 def _own_cache(model: TensorParallel, key: str) -> dict:
     """A dict of `model`'s own: a view starts with a copy of its model's attributes, caches included."""
     owner = model.__dict__.get(f"{key}_owner")
@@ -301,8 +308,7 @@ def _own_cache(model: TensorParallel, key: str) -> dict:
 
 def _view_below(view: TensorParallel, name: str) -> TensorParallel:
     """A view of child `name` of every shard of `view` (a view of a view)."""
-    below = view.view("")
-    below.module_shards = nn.ModuleList(shard.get_submodule(name) for shard in view.module_shards)
+    below = _with_shards(view.view(""), [shard.get_submodule(name) for shard in view.module_shards])
     prefix = f"{name}."
     below.splits = {k[len(prefix):]: v for k, v in view.splits.items() if k.startswith(prefix)}
     below.training = below.module_shards[0].training
