@@ -9,9 +9,10 @@ pass reaches plays a role, decided from its input:
 - input carrying split features on its feature dimension -> **row** candidate (the features' consumer);
   when all its input features belong to one unit (a per-head projection) it runs **through**, whole;
 - an embedding fed with the model's own input ids -> vocabulary-split candidate;
-- a layer that never mixes channels (BatchNorm, a depthwise convolution: `styles.channel.is_channelwise`)
-  fed split channels -> **channel**: it runs on each device's channels alone, so the features pass through
-  it unchanged (its per-channel parameters will be split with them).
+- a layer that mixes channels at most within fixed groups (BatchNorm, GroupNorm, a depthwise convolution:
+  `styles.channel.is_channelwise`) fed split channels -> **channel**: it runs on each device's channels
+  alone, so the features pass through it unchanged (a GroupNorm's groups become units) and its per-channel
+  parameters will be split with them.
 
 Anything that reads split features in a way a split model cannot reproduce *poisons* them (with a reason
 and the module where it happened): the model's outputs, host reads, ops without a rule, a layer kept whole.
@@ -338,7 +339,6 @@ class Tracer(TorchFunctionMode):
                     return tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, (args, kwargs))
                 return None
             if kind is not None:
-                x = args[0] if args else next(iter(kwargs.values()), None)
                 self._inputs.append(x)  # alive until the end, so id(x) names one tensor (shared inputs)
                 frame = (name, self._layer_role(name, kind, x), x)
                 self.suspended += 1  # the layer's own ops are not traced
