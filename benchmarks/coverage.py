@@ -560,7 +560,9 @@ def write_table() -> None:
         "outputs mean something.",
         "",
         f"The causal-LM table is the sweep of {CAUSAL_MEASURED}, not rerun since; the other families were "
-        "measured on the branch that added them (see each record in benchmarks/results/).",
+        "measured on 2026-11-24 while they were being added (the seq2seq-LM sweep on earlier code than the "
+        "others; records in benchmarks/results/coverage-<family>.jsonl). Families or architectures not "
+        "measured yet are named below; run the sweep to fill them in.",
         "",
         "| family | architectures | measured | buildable | pass on 2 devices | pass on 3 devices | pass on both |",
         "|---|---|---|---|---|---|---|",
@@ -577,6 +579,9 @@ def write_table() -> None:
                      f"{ok[2]} | {ok[3]} | {len(both)} ({pct:.1f}%) |")
         sections += _family_section(name, records)
         print(f"{name}: {len(both)}/{len(built)} buildable architectures pass on 2 and 3 devices ({pct:.1f}%)")
+    for name in FAMILIES:
+        if name not in dict(measured):
+            lines.append(f"| {FAMILIES[name].title} | {len(_mapping(name))} | 0 (not measured yet) | - | - | - | - |")
     lines += [
         "",
         "Memory is the largest device's parameter bytes over the unsplit model's. Split: the "
