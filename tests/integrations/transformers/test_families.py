@@ -125,3 +125,21 @@ def test_encoders_and_convnets_split(arch, family):
     _split_is_real(model, ref)
     with torch.no_grad():
         assert rel_err(model(**inputs).logits, ref(**inputs).logits) < 1e-5
+
+
+def test_writing_through_a_submodule_view_reaches_every_device():
+    """Reading `split.model.<attr>` reads the first device's copy; a write goes to every device's copy
+    (generation code resets per-call state this way), never only to the view."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tensorshard as tp
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    split = tp.tensor_parallel(LlamaForCausalLM(config).eval(), ["cpu", "cpu"])
+    split.model.some_state = torch.ones(3)
+    assert all(torch.equal(shard.model.some_state, torch.ones(3)) for shard in split.module_shards)
+    split.model.some_state = None
+    assert all(shard.model.some_state is None for shard in split.module_shards)
+    assert split.model.some_state is None

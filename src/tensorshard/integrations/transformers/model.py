@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -268,6 +269,24 @@ class _SubmoduleView(TensorParallel):
             if inspect.ismethod(local) and local.__self__ is first:
                 return functools.partial(_on_every_shard(name, getattr(type(first), name)), self)
             return local
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Reads come from the first device's copy, so a write goes to every device's copy (generation code
+        # resets state such as Qwen2-VL's `model.rope_deltas` this way); kept on the view, it would reach no
+        # shard and their state would go stale silently.
+        if name.startswith("_") or name == "training" or name in self.__dict__ or isinstance(value, nn.Module):
+            super().__setattr__(name, value)
+            return
+        for shard in self.module_shards:
+            setattr(shard, name, _to_device_of(shard, value))
+
+
+def _to_device_of(module: nn.Module, value: Any) -> Any:
+    """`value`, a tensor moved to `module`'s device (that of its first parameter or buffer); else as is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    held = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return value if held is None else value.to(held.device)
 
 
 def _method_view(model: TensorParallel, method: str) -> TensorParallel:
