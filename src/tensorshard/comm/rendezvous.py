@@ -4,6 +4,11 @@ Each shard deposits its tensor at a slot (one slot per collective, in call order
 computes the collective for all of them (comm/threads.py supplies that computation) and every shard
 picks up its own result.
 
+A *call* is one forward call of the model, or one backward pass through it: when every shard owns its
+autograd graph (comm/per_shard.py), the shards' backward passes meet here too, each in a call of its own
+that the engine starts (engines/shard_backward.py), with the collectives in the order autograd runs them
+(the same on every shard: their graphs were built by the same code, each in one thread).
+
 No wait is unbounded. Everything one call of the model shares (rendezvous slots, the first error, cached
 inputs) lives in a `_Call` that is dropped when the call ends, so a shard left over from an abandoned call
 cannot disturb the next one. A shard waiting at a collective stops, with an error naming the device and
@@ -57,9 +62,10 @@ class _Slot:
 class _Call:
     """The state one call of the model shares between its shards; dropped when the call ends."""
 
-    def __init__(self, group: "ThreadGroup") -> None:
+    def __init__(self, group: "ThreadGroup", kind: str = "forward") -> None:
         n = group.world_size
         self.group = group
+        self.kind = kind  # "forward" or "backward"
         self.slots: dict[int, _Slot] = {}
         self.seq = [0] * n  # collectives each rank has entered
         self.finished: list[bool] = [False] * n  # ranks whose shard returned
@@ -75,6 +81,9 @@ class ThreadGroup:
                  labels: Sequence[str] | None = None) -> None:
         self.devices = list(devices)
         self.world_size = len(self.devices)
+        # Each shard runs its own backward pass (comm/per_shard.py) unless two shards share an accelerator: its
+        # one autograd thread would then run both shards' backward nodes and block in the first collective.
+        self.own_graphs = len({d for d in self.devices if d.type != "cpu"}) == sum(d.type != "cpu" for d in self.devices)
         self.labels = list(labels) if labels is not None else [str(d) for d in self.devices]
         self.timeout = timeout
         # serial (debug mode): one shard runs at a time; the baton passes at every rendezvous.
@@ -87,10 +96,10 @@ class ThreadGroup:
 
     # -- calls ---------------------------------------------------------------------------------------------
 
-    def begin(self) -> _Call:
-        """Start a call. The engine runs one call at a time per group."""
+    def begin(self, kind: str = "forward") -> _Call:
+        """Start a call (a forward call, or a backward pass). The engine runs one call at a time per group."""
         with self._cond:
-            self.current = _Call(self)
+            self.current = _Call(self, kind)
             return self.current
 
     def end(self, call: _Call) -> None:
@@ -147,20 +156,28 @@ class ThreadGroup:
 
     # -- rendezvous ----------------------------------------------------------------------------------------
 
-    def _call_of_this_thread(self, op: str, where: str) -> _Call:
+    def _call_of_this_thread(self, rank: int, op: str, where: str) -> _Call:
         call = next((c for c in reversed(_running()) if c.group is self), None)
+        if call is None:
+            # Not a shard's own thread: an autograd thread of a GPU (or one autograd lends past its nesting limit)
+            # running this rank's backward nodes. The backward pass running on this rank is the call.
+            current = self.current
+            if current is not None and current.kind == "backward" and not current.finished[rank]:
+                call = current
         if call is None or call is not self.current or call.ended:
+            checkpointing = "" if self.own_graphs else (
+                ", or a forward recomputed in backward by activation checkpointing, which needs one shard per "
+                "GPU (or CPU slots)"
+            )
             raise CollectiveAborted(
                 f"{op} at {where or '?'} ran outside the current call of its tensor-parallel model (a shard "
-                "left over from a call that failed or timed out, a shard module called directly, or a "
-                "forward recomputed in backward by activation checkpointing, which the in-process engine "
-                "does not support)"
+                f"left over from a call that failed or timed out, a shard module called directly{checkpointing})"
             )
         return call
 
     def parallel_inputs(self, rank: int, op: str, where: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """This call's cache of tensors already passed through copy_to_parallel on `rank`."""
-        return self._call_of_this_thread(op, where).parallel_inputs[rank]
+        return self._call_of_this_thread(rank, op, where).parallel_inputs[rank]
 
     def _raise_aborted(self, call: _Call, rank: int, op: str, where: str) -> None:
         raise CollectiveAborted(
@@ -189,7 +206,7 @@ class ThreadGroup:
         """
         baton = self.baton
         with self._cond:
-            call = self._call_of_this_thread(op, where)
+            call = self._call_of_this_thread(rank, op, where)
             if call.error is not None:
                 self._raise_aborted(call, rank, op, where)
             seq = call.seq[rank]

@@ -1,80 +1,40 @@
 """Collectives between the worker threads of the in-process engine.
 
-Each shard runs its forward in its own thread. When shards reach a collective, each one deposits its
-tensor at a rendezvous; the last to arrive runs the collective for all of them as **one autograd node
-with one input and one output per device**. The backward pass therefore needs no rendezvous at all: the
-autograd engine calls that node once with every device's gradient, and it reduces them on the spot. That
-is what makes `backward()` exact and unable to deadlock, on CPU (where autograd runs in one thread) as on
-GPUs (one autograd thread per device).
+Each shard runs its forward in its own thread and meets the others at each collective through a
+`ThreadGroup` (comm/rendezvous.py), which bounds every wait and stops all shards of a call when one fails.
+The autograd side comes in two forms, chosen by the placement:
 
-Reductions: CUDA tensors on distinct GPUs go through NCCL (`torch.cuda.nccl`) when it is available and
-TENSOR_PARALLEL_USE_NATIVE is not set, else through peer copies to the first device; CPU tensors are
-summed in memory. Every device receives its own copy of a result, so a shard may modify it in place.
-Sums run in rank order, so every shard gets a bit-identical result and replicated activations never
-drift apart.
+- **each shard owns its graph** (CPU slots, or one shard per GPU: the usual case): collectives are
+  per-shard autograd nodes (comm/per_shard.py) that meet in the backward pass too, and every shard runs
+  its own backward pass, concurrently with the others (engines/shard_backward.py);
+- **one graph spanning the devices** (two shards share a GPU, whose single autograd thread would run both
+  shards' backward nodes and block in the first collective): the last shard to arrive runs the collective
+  as **one autograd node with one input and one output per device** (below). The backward pass then needs
+  no rendezvous: autograd calls that node once with every device's gradient, and it reduces them on the
+  spot. Activation checkpointing cannot work there (a forward recomputed in backward runs one shard only).
 
-Shards meet at each collective through a `ThreadGroup` (comm/rendezvous.py), which bounds every wait
-and stops all shards of a call when one fails.
+The reductions themselves are in comm/reduce.py.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.cuda.nccl as nccl
 from torch.autograd import Function
 
 from ..partition import Partition
+from . import per_shard
 from .base import Comm
 from .counter import record
 from .partial_grads import PartialGrads
+from .reduce import copies, native_collectives, nbytes as _nbytes, signature as _signature, sum_to_all
 from .rendezvous import CollectiveAborted, ThreadGroup
 
-__all__ = ["CollectiveAborted", "ThreadComm", "ThreadGroup", "copies", "sum_to_all"]
+__all__ = ["CollectiveAborted", "ThreadComm", "ThreadGroup", "copies", "native_collectives", "sum_to_all"]
 
 
-# --- reductions ----------------------------------------------------------------------------------------
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _distinct_gpus(tensors: Sequence[torch.Tensor]) -> bool:
-    devs = [t.device for t in tensors]
-    return all(d.type == "cuda" for d in devs) and len(set(devs)) == len(devs)
-
-
-def native_collectives() -> bool:
-    """TENSOR_PARALLEL_USE_NATIVE=1 (the tensor_parallel package's switch): plain PyTorch copies and sums
-    instead of NCCL, to tell an NCCL problem from a model problem. "0", "false" or unset: off."""
-    return os.environ.get("TENSOR_PARALLEL_USE_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def sum_to_all(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> list[torch.Tensor]:
-    """Sum over devices; every device gets its own copy of the (bit-identical) result."""
-    if _distinct_gpus(tensors) and not native_collectives():
-        try:
-            if nccl.is_available(list(tensors)):
-                outs = [torch.empty_like(t) for t in tensors]
-                nccl.all_reduce([t.contiguous() for t in tensors], outputs=outs)
-                return outs
-        except (ImportError, RuntimeError):
-            pass
-    total = tensors[0].to(devices[0]) + tensors[1].to(devices[0])
-    for t in tensors[2:]:
-        total += t.to(devices[0])
-    return [total] + [total.to(d, copy=True) for d in devices[1:]]
-
-
-def copies(t: torch.Tensor, devices: Sequence[torch.device]) -> list[torch.Tensor]:
-    """The first device keeps `t`; the others get their own copies."""
-    return [t] + [t.to(d, copy=True) for d in devices[1:]]
-
-
-# --- multi-device autograd nodes: one input and one output per device ------------------------------------
+# --- one graph spanning the devices: one autograd node, one input and one output per device -------------
 
 
 class _AllReduce(Function):
@@ -148,12 +108,6 @@ def _needs_grad(xs: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 
-def _signature(x: torch.Tensor, skip_dim: int | None = None) -> tuple:
-    """What must agree between ranks at a collective: the shape (but `skip_dim`) and the dtype."""
-    shape = tuple("*" if d == skip_dim else n for d, n in enumerate(x.shape))
-    return shape, str(x.dtype).removeprefix("torch.")
-
-
 def _not_compiled(fn):
     """torch.compile leaves a collective out of its graphs (one graph break each) instead of tracing a
     rendezvous of threads: traced, each call site's constant `where` string became a guard, so dynamo
@@ -182,6 +136,8 @@ class ThreadComm(Comm):
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        if self.group.own_graphs:
+            return per_shard.AllReduce.apply(self, where, x)
         devices = self.group.devices
 
         def compute(xs):
@@ -202,7 +158,7 @@ class ThreadComm(Comm):
         if hit is not None and hit[0] is x:
             return hit[1]  # q, k and v (gate and up) share one node, so backward reduces once
         devices = self.group.devices
-        y = self._exchange(
+        y = per_shard.CopyToParallel.apply(self, where, x) if self.group.own_graphs else self._exchange(
             "copy_to_parallel", where, x, lambda xs: list(_CopyToParallel.apply(devices, where, *xs)), _signature(x)
         )
         cache[id(x)] = (x, y)
@@ -214,6 +170,8 @@ class ThreadComm(Comm):
             return x
         dim %= x.dim()
         self._check_size("all_gather", where, x, dim, partition.local_size(self.rank), f"this device's slice of {partition.size}")
+        if self.group.own_graphs:
+            return per_shard.AllGather.apply(self, where, partition, dim, x)
         devices = self.group.devices
 
         def compute(xs):
@@ -233,6 +191,8 @@ class ThreadComm(Comm):
         self._check_size("split", where, x, dim, partition.size, "the whole dimension")
         if not (torch.is_grad_enabled() and x.requires_grad):
             return partition.take(x, dim, self.rank)  # no communication without a backward pass
+        if self.group.own_graphs:
+            return per_shard.Split.apply(self, where, partition, dim, x)
         devices = self.group.devices
         return self._exchange(
             "split", where, x, lambda xs: list(_Split.apply(devices, where, partition, dim, *xs)), _signature(x)
@@ -242,6 +202,8 @@ class ThreadComm(Comm):
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
+        if self.group.own_graphs:
+            return per_shard.Tie.apply(self, where, groups, x)
         devices = self.group.devices
         return self._exchange("tie", where, x, lambda xs: list(_Tie.apply(devices, where, groups, *xs)), _signature(x))
 

@@ -2,8 +2,9 @@
 
 engine.py builds and runs `TensorParallel`; workers.py runs the shards' threads, boundary.py moves inputs
 and outputs across devices (and gives each shard its own KV cache and other per-device objects),
-rollback.py undoes a half-built split, zero.py adds ZeRO-3 for the parameters the plan leaves whole,
-late_adapters.py adopts PEFT adapters added to a model after it was split.
+shard_backward.py runs every shard's own backward pass, rollback.py undoes a half-built split, zero.py adds
+ZeRO-3 for the parameters the plan leaves whole, late_adapters.py adopts PEFT adapters added to a model
+after it was split.
 """
 
 from .engine import TensorParallel, current_rank

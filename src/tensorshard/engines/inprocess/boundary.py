@@ -1,9 +1,11 @@
 """The in-process engine's boundary: the caller's inputs copied to every device, one output returned.
 
-Inputs that need a gradient are copied through `_ReplicateInput`, whose backward returns shard 0's
-gradient (every shard holds the same full gradient of a replicated tensor). Outputs are taken from one
-shard through `_GatherOutput`, whose backward hands the gradient to every shard. An output whose shape
-differs between shards is an error: the plan left it split.
+When the shards' graphs span the devices (comm/threads.py), inputs that need a gradient are copied
+through `_ReplicateInput`, whose backward returns shard 0's gradient (every shard holds the same full
+gradient of a replicated tensor), and outputs are taken from one shard through `_GatherOutput`, whose
+backward hands the gradient to every shard. When every shard owns its graph, engines/shard_backward.py
+makes the copies leaves of the shards' graphs and joins the outputs instead. Either way, an output whose
+shape differs between shards is an error: the plan left it split.
 
 Objects that a call may modify (a KV cache) must not be shared by the shards: each kind registered with
 `register_per_device` is turned into one object per device on the way in (each shard reaches its own) and
@@ -80,11 +82,12 @@ def to_device(tree: Any, device: torch.device) -> Any:
     return tree_unflatten([x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
 
-def replicate_inputs(tree: Any, devices: list[torch.device]):
+def replicate_inputs(tree: Any, devices: list[torch.device], grad_copies: Callable[[torch.Tensor], list] | None = None):
     """A function rank -> that rank's copy of the inputs (tensors moved to its device).
 
     Inputs may live on any device: each shard gets its own copy on its device (they are not checked
-    against the model's devices, as they would have to be under torchrun)."""
+    against the model's devices, as they would have to be under torchrun). `grad_copies(x)` makes the
+    copies of an input that needs a gradient, one per device (default: through `_ReplicateInput`)."""
     leaves, spec = tree_flatten(tree)
     meta = next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_meta), None)
     if meta is not None:
@@ -104,8 +107,9 @@ def replicate_inputs(tree: Any, devices: list[torch.device]):
                 "Pass a list (or tensor) instead."
             )
     grad = torch.is_grad_enabled()
+    grad_copies = grad_copies or (lambda x: _ReplicateInput.apply(devices, x))
     copies = {
-        i: _ReplicateInput.apply(devices, x)
+        i: grad_copies(x)
         for i, x in enumerate(leaves)
         if isinstance(x, torch.Tensor) and grad and x.requires_grad
     }
@@ -133,24 +137,34 @@ def gather_outputs(outputs: list, src: int, device: torch.device, devices, label
     for i, leaf in enumerate(leaves):
         per_rank = [flat[0][i] for flat in flats]
         if not isinstance(leaf, torch.Tensor):
-            kind = _per_device(leaf)
-            result.append(kind.join(per_rank) if kind is not None else leaf)
+            result.append(join_object(leaf, per_rank))
             continue
-        for rank, t in enumerate(per_rank):
-            if not isinstance(t, torch.Tensor) or t.shape != leaf.shape:
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise RuntimeError(
-                    f"output leaf {i} has shape {tuple(leaf.shape)} on {labels[src]} but {shape} on {labels[rank]}: "
-                    "the plan leaves an output split across devices. Gather it: gather_output=True on the last "
-                    "column-parallel layer, or RowwiseParallel after it."
-                )
-            if check_equal and not torch.equal(t.to(leaf.device), leaf):
-                raise RuntimeError(
-                    f"[debug] output leaf {i} differs between {labels[src]} and {labels[rank]}: a replicated "
-                    "value diverged, so the plan splits something the model mixes (a plan bug)"
-                )
+        check_replicated(i, leaf, per_rank, src, labels, check_equal=check_equal)
         if torch.is_grad_enabled() and any(t.requires_grad for t in per_rank):
             result.append(_GatherOutput.apply(src, device, devices, *per_rank))
         else:
             result.append(leaf if leaf.device == device else leaf.to(device))
     return tree_unflatten(result, spec)
+
+
+def join_object(leaf: Any, per_rank: list) -> Any:
+    """A non-tensor output: the shards' per-device objects joined into one, or shard `src`'s `leaf`."""
+    kind = _per_device(leaf)
+    return kind.join(per_rank) if kind is not None else leaf
+
+
+def check_replicated(i: int, leaf: torch.Tensor, per_rank: list, src: int, labels, *, check_equal: bool) -> None:
+    """Output leaf `i` must have one shape on every shard (and, in debug mode, one value)."""
+    for rank, t in enumerate(per_rank):
+        if not isinstance(t, torch.Tensor) or t.shape != leaf.shape:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise RuntimeError(
+                f"output leaf {i} has shape {tuple(leaf.shape)} on {labels[src]} but {shape} on {labels[rank]}: "
+                "the plan leaves an output split across devices. Gather it: gather_output=True on the last "
+                "column-parallel layer, or RowwiseParallel after it."
+            )
+        if check_equal and not torch.equal(t.to(leaf.device), leaf):
+            raise RuntimeError(
+                f"[debug] output leaf {i} differs between {labels[src]} and {labels[rank]}: a replicated "
+                "value diverged, so the plan splits something the model mixes (a plan bug)"
+            )

@@ -6,9 +6,11 @@
 Wrapping builds one shard per device: a copy of the module tree whose split layers hold only their
 slices (as the plan says) and whose other parameters are whole copies. Each call copies the inputs to
 every device, runs the shards concurrently (shard 0 in the caller's thread), and returns shard 0's
-outputs on `output_device`. The whole call is one autograd graph: collectives are autograd nodes that
-span the devices, so `backward()` and an optimizer over `model.parameters()` train the shards exactly like
-the unsplit model (a replicated parameter gets its full gradient on every device).
+outputs on `output_device`. Each shard builds its own autograd graph and `backward()` runs the shards'
+backward passes concurrently too (engines/shard_backward.py; with two shards on one GPU the graph spans
+the devices instead, comm/threads.py), so `backward()` and an optimizer over `model.parameters()` train
+the shards exactly like the unsplit model (a replicated parameter gets its full gradient on every
+device), activation checkpointing included.
 
 Failures: a shard that raises, returns early or gets stuck stops the whole call within the timeout,
 with an error naming the device and the operation, and the model stays usable (docs/errors.md). Calls
@@ -26,7 +28,8 @@ import os
 import re
 import threading
 import weakref
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -46,6 +49,7 @@ from .boundary import gather_outputs, replicate_inputs, to_device
 from .copies import deep_copy, refuse_pickle
 from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .rollback import Released, restore
+from .shard_backward import ShardGraphs, join_outputs
 from .unsplit_state import is_unsplit, load_unsplit
 from .workers import ThreadState, WorkerPool
 from .zero import choose_params, shard_replicated
@@ -61,6 +65,16 @@ def current_rank() -> int | None:
     Objects passed to every shard (a KV cache, say) use it to keep per-device state.
     """
     return getattr(_shard, "rank", None)
+
+
+@contextmanager
+def _as_rank(rank: int) -> Iterator[None]:
+    """`current_rank()` is `rank` inside."""
+    previous, _shard.rank = current_rank(), rank
+    try:
+        yield
+    finally:
+        _shard.rank = previous
 
 
 class TensorParallel(nn.Module):
@@ -191,13 +205,9 @@ class TensorParallel(nn.Module):
         adopt_late_modules(self)  # LoRA added after splitting follows the split (late_adapters.py)
         shards, devices, group = self.module_shards, self._placement, self._group
         if len(shards) == 1:
-            first = shards[0]
             args, kwargs = to_device((args, kwargs), devices[0])
-            previous, _shard.rank = current_rank(), 0
-            try:
-                return to_device(first(*args, **kwargs), self.output_device)
-            finally:
-                _shard.rank = previous
+            with _as_rank(0):
+                return to_device(shards[0](*args, **kwargs), self.output_device)
 
         if group.running_here():
             raise RuntimeError(
@@ -206,17 +216,15 @@ class TensorParallel(nn.Module):
                 "call returns."
             )
         state = ThreadState.capture()
-        per_rank_inputs = replicate_inputs((args, kwargs), devices)
+        src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
+        graphs = ShardGraphs(self, src, _as_rank) if group.own_graphs else None
+        per_rank_inputs = replicate_inputs((args, kwargs), devices, graphs.leaf_copies if graphs else None)
 
         def shard_call(call, rank: int):
             def run():
-                previous, _shard.rank = current_rank(), rank
-                try:
-                    with state.applied(devices[rank]):
-                        a, kw = per_rank_inputs(rank)
-                        return shards[rank](*a, **kw)
-                finally:
-                    _shard.rank = previous
+                with _as_rank(rank), state.applied(devices[rank]):
+                    a, kw = per_rank_inputs(rank)
+                    return shards[rank](*a, **kw)
 
             return lambda: group.run_shard(call, rank, run)
 
@@ -233,7 +241,8 @@ class TensorParallel(nn.Module):
                 )
             finally:
                 group.end(call)  # drop the call's cached tensors; a straggler fails at its next collective
-        src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
+        if graphs is not None:
+            return join_outputs(graphs, outputs, src, self.output_device, self.labels, check_equal=self.debug)
         return gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
 
     def state_dict(self, *args, **kwargs):

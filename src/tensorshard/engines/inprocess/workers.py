@@ -1,6 +1,7 @@
 """Worker threads of the in-process engine: one per device, the caller's thread state carried over.
 
-The caller's thread runs shard 0 itself; shards 1..N-1 run in persistent worker threads (PyTorch
+The caller's thread runs one shard itself (shard 0, unless told otherwise); the others run in persistent
+worker threads, worker i for shard i (PyTorch
 releases the GIL inside its kernels, so the shards' matrix products overlap). Grad mode, inference mode
 and autocast are thread-local in PyTorch; `ThreadState` copies them from the caller into every worker.
 
@@ -69,7 +70,7 @@ class _Task:
 
 
 class WorkerPool:
-    """Persistent worker threads; `run(fns)` runs fns[0] in the caller and fns[i] in worker i."""
+    """Persistent worker threads; `run(fns)` runs fns[inline] (fns[0]) in the caller and fns[i] in worker i."""
 
     def __init__(self, name: str = "tensorshard") -> None:
         self.name = name
@@ -108,17 +109,19 @@ class WorkerPool:
         timeout: float,
         first_error: Callable[[], BaseException | None] = lambda: None,
         grace: float = ABORT_GRACE,
+        inline: int = 0,
     ) -> list[Any]:
         """Run the shards; return their values, or raise the error that came first (`first_error()` if
         it is one of theirs, else the first that is not a `CollectiveAborted`).
 
-        Waits at most `timeout` seconds for the workers after shard 0 returns, and at most `grace` once a
-        shard has failed (`INTERRUPT_GRACE` after a KeyboardInterrupt).
+        Waits at most `timeout` seconds for the workers after the caller's shard returns, and at most `grace`
+        once a shard has failed (`INTERRUPT_GRACE` after a KeyboardInterrupt).
         """
         tasks = [_Task(fn) for fn in fns]
-        for index, task in enumerate(tasks[1:], start=1):
+        others = [(index, task) for index, task in enumerate(tasks) if index != inline]
+        for index, task in others:
             self._worker(index).put(task)
-        _execute(tasks[0])
+        _execute(tasks[inline])
         errors: dict[int, BaseException] = {}
         deadline = time.monotonic() + timeout
         interrupted: BaseException | None = None
@@ -130,16 +133,16 @@ class WorkerPool:
             wait = grace if isinstance(error, Exception) else min(grace, INTERRUPT_GRACE)
             deadline = min(deadline, time.monotonic() + wait)
 
-        if tasks[0].error is not None:
-            failed(tasks[0].error, 0)
-        for index, task in enumerate(tasks[1:], start=1):
+        if tasks[inline].error is not None:
+            failed(tasks[inline].error, inline)
+        for index, task in others:
             while True:
                 try:
                     if task.done.wait(max(0.0, min(deadline - time.monotonic(), _POLL))):
                         break
                 except BaseException as e:  # KeyboardInterrupt while waiting
                     interrupted = interrupted or e
-                    failed(e, 0)
+                    failed(e, inline)
                     continue
                 if first_error() is not None:
                     deadline = min(deadline, time.monotonic() + grace)  # a worker failed: stop soon

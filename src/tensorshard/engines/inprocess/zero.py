@@ -9,7 +9,9 @@ parameter itself, so `model.parameters()`, the gradients and the optimizer's sta
 
 At the start of every forward call each shard gathers all of its partitioned parameters in ONE all-gather
 (counted by `tp.count_collectives` as ``all_gather`` at "zero-3") and the modules see full tensors until the
-call returns. Backward needs no communication: under the SPMD convention (comm/base.py) every shard
+call returns (engines whose shards own their graphs gather through a per-shard autograd node,
+`_GatherOwnParams`; with one graph across devices, through one node for all, `_GatherParams`). Backward
+needs no communication: under the SPMD convention (comm/base.py) every shard
 computes the full, identical gradient of a replicated parameter, so the gather's backward keeps each
 shard's own rows. The optimizer updates rows elementwise, exactly as it would update the full copies, so
 training matches the unsplit run bit for bit where the unsharded engine does.
@@ -178,7 +180,10 @@ class _ZeroState:
             owners = self.slots[rank]
             slices = [mod._parameters[attr] for (mod, attr), *_ in owners]
             self.saved[rank] = slices
-            fulls = self.group.exchange(rank, "all_gather", WHERE, slices, self._gather)
+            if self.group.own_graphs:
+                fulls = _GatherOwnParams.apply(self, rank, *slices)
+            else:
+                fulls = self.group.exchange(rank, "all_gather", WHERE, slices, self._gather)
             for param_owners, full in zip(owners, fulls):
                 for mod, attr in param_owners:
                     mod._parameters[attr] = full  # a non-leaf tensor for this call; backward reaches the slice
@@ -204,7 +209,7 @@ class _ZeroState:
         world, count = len(payloads), len(self.partitions)
         flat = [t for per_rank in payloads for t in per_rank]
         record("all_gather", sum(p.size * _row_bytes(t) for p, t in zip(self.partitions, payloads[0])), "forward", WHERE)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+        if not self.group.own_graphs and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
             outs = _GatherParams.apply(devices, self.partitions, *flat)
         else:
             outs = _assemble(devices, self.partitions, flat)
@@ -244,3 +249,18 @@ class _GatherParams(Function):
             rank, i = divmod(index, count)
             out.append(None if g is None else ctx.partitions[i].take(g, 0, rank).contiguous())
         return (None, None, *out)
+
+
+class _GatherOwnParams(Function):
+    """The same all-gather for one shard that owns its graph: its forward meets the other shards (one
+    output per parameter, on this shard's device); its backward keeps this shard's rows, no communication."""
+
+    @staticmethod
+    def forward(ctx, state, rank, *slices):
+        ctx.partitions, ctx.rank = state.partitions, rank
+        return tuple(state.group.exchange(rank, "all_gather", WHERE, list(slices), state._gather))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        rows = (None if g is None else part.take(g, 0, ctx.rank).contiguous() for part, g in zip(ctx.partitions, grads))
+        return (None, None, *rows)

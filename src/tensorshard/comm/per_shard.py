@@ -1,0 +1,121 @@
+"""Collectives as per-shard autograd nodes: every shard owns its graph, and shards meet in both directions.
+
+This is how the torchrun engine's ranks work, in threads. Each collective is an autograd function of ONE
+shard: its forward deposits the shard's tensor at the rendezvous (comm/rendezvous.py) and takes back the
+shard's result; its backward does the same with the gradient, at the rendezvous of the backward pass. So
+every shard's forward builds a graph of its own, the engine runs the shards' backward passes concurrently
+(engines/shard_backward.py), and anything that re-runs a forward inside backward (activation
+checkpointing) simply meets the other shards again.
+
+    collective          forward                       backward
+    all_reduce          meet: sum                     identity
+    copy_to_parallel    identity                      meet: sum
+    all_gather          meet: concatenate             take own slice
+    split               take own slice                meet: concatenate
+    tie                 identity                      meet: sum over the holders of a parameter
+
+The reductions are those of comm/threads.py (`sum_to_all`, `copies`): run once, by the last shard to
+arrive, in rank order, so every shard gets a bit-identical result; each collective is counted once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.autograd import Function
+
+from .counter import record
+from .reduce import copies, nbytes as _nbytes, signature as _signature, sum_to_all
+
+if TYPE_CHECKING:
+    from .threads import ThreadComm
+
+
+def _summed(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, phase: str) -> torch.Tensor:
+    devices = comm.group.devices
+
+    def compute(xs):
+        record("all_reduce", _nbytes(xs[0]), phase, where)
+        return sum_to_all(xs, devices)
+
+    return comm._exchange(op, where, x, compute, _signature(x))
+
+
+def _gathered(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, dim: int, part, phase: str) -> torch.Tensor:
+    devices = comm.group.devices
+
+    def compute(xs):
+        full = part.assemble([t.to(devices[0]) for t in xs], dim)
+        record("all_gather", _nbytes(full), phase, where)
+        return copies(full, devices)
+
+    return comm._exchange(op, where, x, compute, _signature(x, dim))
+
+
+class AllReduce(Function):
+    @staticmethod
+    def forward(ctx, comm, where, x):
+        return _summed(comm, "all_reduce", where, x, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, grad  # dL/dy is replicated: each partial input gets it unchanged
+
+
+class CopyToParallel(Function):
+    @staticmethod
+    def forward(ctx, comm, where, x):
+        ctx.comm, ctx.where = comm, where
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, _summed(ctx.comm, "copy_to_parallel", ctx.where, grad, "backward")
+
+
+class AllGather(Function):
+    @staticmethod
+    def forward(ctx, comm, where, part, dim, x):
+        ctx.part, ctx.dim, ctx.rank = part, dim, comm.rank
+        return _gathered(comm, "all_gather", where, x, dim, part, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None, ctx.part.take(grad, ctx.dim, ctx.rank).contiguous()
+
+
+class Split(Function):
+    @staticmethod
+    def forward(ctx, comm, where, part, dim, x):
+        ctx.comm, ctx.where, ctx.part, ctx.dim = comm, where, part, dim
+        return part.take(x, dim, comm.rank).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = _gathered(ctx.comm, "split", ctx.where, grad.contiguous(), ctx.dim, ctx.part, "backward")
+        return None, None, None, None, full
+
+
+class Tie(Function):
+    @staticmethod
+    def forward(ctx, comm, where, groups, x):
+        ctx.comm, ctx.where, ctx.groups = comm, where, groups
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, groups = ctx.comm, ctx.groups
+        devices = comm.group.devices
+
+        def compute(grads):
+            grads = list(grads)
+            for ranks in groups:
+                summed = sum_to_all([grads[r] for r in ranks], [devices[r] for r in ranks])
+                for r, g in zip(ranks, summed):
+                    grads[r] = g
+            if groups:
+                record("all_reduce", _nbytes(grads[0]), "backward", ctx.where)
+            return grads
+
+        return None, None, None, comm._exchange("tie", ctx.where, grad, compute, _signature(grad))

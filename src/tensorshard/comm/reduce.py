@@ -1,0 +1,58 @@
+"""The reductions of the in-process engine's collectives, and what shards must agree on to run one.
+
+CUDA tensors on distinct GPUs go through NCCL (`torch.cuda.nccl`) when it is available and
+TENSOR_PARALLEL_USE_NATIVE is not set, else through peer copies to the first device; CPU tensors are
+summed in memory. Sums run in rank order, so every shard gets a bit-identical result and replicated
+activations never drift apart; every device receives its own copy of a result, so a shard may modify it
+in place.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import torch.cuda.nccl as nccl
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _distinct_gpus(tensors: Sequence[torch.Tensor]) -> bool:
+    devs = [t.device for t in tensors]
+    return all(d.type == "cuda" for d in devs) and len(set(devs)) == len(devs)
+
+
+def native_collectives() -> bool:
+    """TENSOR_PARALLEL_USE_NATIVE=1 (the tensor_parallel package's switch): plain PyTorch copies and sums
+    instead of NCCL, to tell an NCCL problem from a model problem. "0", "false" or unset: off."""
+    return os.environ.get("TENSOR_PARALLEL_USE_NATIVE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def sum_to_all(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device]) -> list[torch.Tensor]:
+    """Sum over devices; every device gets its own copy of the (bit-identical) result."""
+    if _distinct_gpus(tensors) and not native_collectives():
+        try:
+            if nccl.is_available(list(tensors)):
+                outs = [torch.empty_like(t) for t in tensors]
+                nccl.all_reduce([t.contiguous() for t in tensors], outputs=outs)
+                return outs
+        except (ImportError, RuntimeError):
+            pass
+    total = tensors[0].to(devices[0]) + tensors[1].to(devices[0])
+    for t in tensors[2:]:
+        total += t.to(devices[0])
+    return [total] + [total.to(d, copy=True) for d in devices[1:]]
+
+
+def copies(t: torch.Tensor, devices: Sequence[torch.device]) -> list[torch.Tensor]:
+    """The first device keeps `t`; the others get their own copies."""
+    return [t] + [t.to(d, copy=True) for d in devices[1:]]
+
+
+def signature(x: torch.Tensor, skip_dim: int | None = None) -> tuple:
+    """What must agree between ranks at a collective: the shape (but `skip_dim`) and the dtype."""
+    shape = tuple("*" if d == skip_dim else n for d, n in enumerate(x.shape))
+    return shape, str(x.dtype).removeprefix("torch.")

@@ -1,0 +1,178 @@
+"""The in-process engine's backward pass when every shard owns its autograd graph: one backward per shard.
+
+Forward: each shard gets its own leaf copy of every input that needs a gradient, runs its forward in its
+thread and builds a graph of its own (collectives are per-shard nodes, comm/per_shard.py). The caller gets
+the outputs through ONE autograd node, `_Boundary`, whose inputs are the caller's tensors that need a
+gradient. Backward: the caller's `backward()` reaches that node; it hands every shard its share of the
+output gradient and runs the shards' backward passes at the same time, one per shard thread (as the
+forward runs, in the engine's worker threads, under the same call lock, timeout and failure handling),
+their collectives meeting at the rendezvous; then it returns the input gradients of one shard (under the
+SPMD convention every shard holds the same, full gradient of a replicated input).
+
+Who runs a shard's backward nodes is PyTorch's autograd engine: on CPU the thread that starts that
+shard's backward, so the shards' passes run in parallel; on a GPU that device's autograd thread. The
+boundary node itself runs in the caller's autograd thread (on a GPU: the output device's), so the shard on
+the output device is the one it runs itself; the others' devices have threads of their own.
+
+What the caller asked for is honoured shard by shard: `backward()` accumulates into every shard's
+parameters (their hooks fire there, once per parameter and pass); `torch.autograd.grad(out, x)` and
+`backward(inputs=[x])` compute input gradients only and leave the parameters alone; `retain_graph=True`
+keeps the shards' graphs. Naming the split model's own parameters in `inputs=` / `autograd.grad` is not
+supported: they belong to the shards' graphs, not the caller's (compute `.grad` with `backward()`).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.autograd import Function
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .boundary import check_replicated, join_object
+from .workers import ThreadState
+
+if TYPE_CHECKING:
+    from .inprocess import TensorParallel
+
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+_BACKWARD_STATE = ThreadState(grad=False, inference=False, autocast=())  # as in autograd's own threads
+
+
+class ShardGraphs:
+    """What one forward call leaves for its backward pass: each shard's input leaves and output roots."""
+
+    def __init__(self, model: "TensorParallel", inline: int, as_rank: Callable[[int], AbstractContextManager]) -> None:
+        self.model = model
+        self.inline = inline  # the shard whose backward the boundary node runs itself (on the output device)
+        self.as_rank = as_rank
+        self.inputs: list[torch.Tensor] = []  # the caller's tensors that need a gradient
+        self.leaves: list[list[torch.Tensor]] | None = [[] for _ in model._placement]  # rank -> its copies
+        self.roots: list[list[torch.Tensor | None]] | None = None  # rank -> output (None: needs no gradient)
+
+    def leaf_copies(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every shard's own leaf copy of input `x` (sharing its storage where on the same device)."""
+        self.inputs.append(x)
+        copies = []
+        for rank, device in enumerate(self.model._placement):
+            leaf = (x.detach() if x.device == device else x.detach().to(device)).requires_grad_()
+            self.leaves[rank].append(leaf)
+            copies.append(leaf)
+        return copies
+
+    # -- backward ------------------------------------------------------------------------------------------
+
+    def backward(self, grads: tuple[torch.Tensor | None, ...], accumulate: bool, keep: bool) -> list[torch.Tensor | None]:
+        """Run every shard's backward pass from `grads` (one per root, None where unused); the inputs' gradients."""
+        model = self.model
+        group = model._group
+        if self.roots is None:
+            raise RuntimeError(
+                "Trying to backward through the graph of a tensor-parallel call a second time: its shards' graphs "
+                "were freed by the first backward. Specify retain_graph=True in the first backward() call."
+            )
+        if group.running_here():
+            raise RuntimeError(
+                "a backward pass through this TensorParallel model started inside one of its own shards (a hook "
+                "running during its forward or backward); run it after the outer call returns"
+            )
+        none = [None] * len(self.inputs)
+        used = [i for i, g in enumerate(grads) if g is not None]
+        if not used or not (accumulate or self.inputs):
+            return none  # nothing to compute (identically on every shard)
+        roots, leaves = self.roots, self.leaves
+
+        def shard_backward(call, rank: int):
+            device = model._placement[rank]
+
+            def run():
+                with self.as_rank(rank), _BACKWARD_STATE.applied(device):
+                    pairs = [(roots[rank][i], grads[i]) for i in used if roots[rank][i] is not None]
+                    outs = [o for o, _ in pairs]
+                    outs_grads = [g if g.device == device else g.to(device) for _, g in pairs]
+                    mine = leaves[rank]
+                    if not outs:
+                        return none
+                    if not accumulate:
+                        return list(torch.autograd.grad(outs, mine, outs_grads, retain_graph=keep, allow_unused=True))
+                    torch.autograd.backward(outs, outs_grads, retain_graph=keep)
+                    got = [leaf.grad for leaf in mine]
+                    for leaf in mine:
+                        leaf.grad = None
+                    return got
+
+            return lambda: group.run_shard(call, rank, run)
+
+        with model._call_lock:
+            call = group.begin("backward")
+            try:
+                results = model._pool.run(
+                    [shard_backward(call, r) for r in range(len(roots))],
+                    labels=model.labels,
+                    on_error=lambda e, rank: group.abort(call, e),
+                    timeout=model.timeout + 5.0,
+                    first_error=lambda: call.error,
+                    grace=min(5.0, model.timeout),
+                    inline=self.inline,
+                )
+            finally:
+                group.end(call)
+        if not keep:
+            self.release()
+        return [None if g is None else g.to(x.device) for g, x in zip(results[self.inline], self.inputs)]
+
+    def release(self) -> None:
+        """Drop the shards' graphs (what a backward without retain_graph leaves of them)."""
+        self.roots = self.leaves = None
+
+
+class _Boundary(Function):
+    """The caller's view of one call: inputs that need a gradient in, the shards' outputs out.
+
+    `probe` (a view of a throwaway leaf) tells backward() from autograd.grad(): only a backward without
+    `inputs=` runs every node of the graph, the probe's included."""
+
+    @staticmethod
+    def forward(ctx, graphs: ShardGraphs, values: list[torch.Tensor], probe: torch.Tensor, *inputs: torch.Tensor):
+        ctx.graphs, ctx.probe = graphs, probe.grad_fn
+        ctx.set_materialize_grads(False)
+        return tuple(values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "backward(create_graph=True) through an in-process split model: its shards' backward passes do not "
+                "build a graph of their own. Higher-order gradients need the unsplit model."
+            )
+        accumulate = torch._C._will_engine_execute_node(ctx.probe)
+        keep = _keep_graph() if _keep_graph is not None else True  # unknown: keep the graphs (costs memory only)
+        input_grads = ctx.graphs.backward(grads, accumulate, keep)
+        return (None, None, None, *input_grads)
+
+
+def join_outputs(graphs: ShardGraphs, outputs: list, src: int, device: torch.device, labels, *, check_equal: bool) -> Any:
+    """Shard `src`'s outputs on `device`; those that carry a gradient come out of one `_Boundary` node."""
+    flats = [tree_flatten(o) for o in outputs]
+    leaves, spec = flats[src]
+    result, differentiable = [], []
+    grad = torch.is_grad_enabled()
+    for i, leaf in enumerate(leaves):
+        per_rank = [flat[0][i] for flat in flats]
+        if not isinstance(leaf, torch.Tensor):
+            result.append(join_object(leaf, per_rank))
+            continue
+        check_replicated(i, leaf, per_rank, src, labels, check_equal=check_equal)
+        if grad and any(t.requires_grad for t in per_rank):
+            differentiable.append(i)
+            leaf = leaf.detach()  # shares the version counter: an in-place change the shard's graph needs is caught
+        result.append(leaf if leaf.device == device else leaf.to(device))
+    if not differentiable:
+        return tree_unflatten(result, spec)
+    graphs.roots = [[flat[0][i] if flat[0][i].requires_grad else None for i in differentiable] for flat in flats]
+    anchor = torch.empty(0, requires_grad=True)
+    outs = _Boundary.apply(graphs, [result[i] for i in differentiable], anchor.view_as(anchor), *graphs.inputs)
+    for i, out in zip(differentiable, outs):
+        result[i] = out
+    return tree_unflatten(result, spec)
