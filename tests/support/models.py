@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class FeedForward(nn.Module):
@@ -107,13 +108,17 @@ class ResidualMLP(nn.Module):
 
 
 class ResidualStack(nn.Module):
-    def __init__(self, dim: int, hidden: int, layers: int) -> None:
+    """Residual MLP blocks; `reentrant` True or False runs each through torch.utils.checkpoint (recomputed in
+    backward) with that use_reentrant."""
+
+    def __init__(self, dim: int, hidden: int, layers: int, reentrant: bool | None = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(ResidualMLP(dim, hidden) for _ in range(layers))
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.reentrant is None else checkpoint(block, x, use_reentrant=self.reentrant)
         return x
 
 

@@ -117,9 +117,6 @@ class TensorParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"tensor_parallel() splits an nn.Module; got {type(module).__name__}")
         refuse_split_twice(module)  # a split model, or the original an earlier split emptied
-        checkpointed = next((n for n, m in module.named_modules() if getattr(m, "gradient_checkpointing", False) is True), None)
-        if checkpointed is not None:
-            raise activation_checkpointing_refused(f"{type(module).__name__} has it on ({checkpointed or '<root>'})")
         quant.check_quantized_model(module, "inprocess")  # bitsandbytes installed, a method we split
         devices = resolve_devices(device_ids)
         self.debug = _env_flag("TENSORSHARD_DEBUG") if debug is None else bool(debug)
@@ -253,11 +250,6 @@ class TensorParallel(nn.Module):
         if kwargs.get("prefix", args[1] if len(args) > 1 else ""):
             refuse_parent_state_dict(self)
         return super().state_dict(*args, **kwargs)
-
-    def gradient_checkpointing_enable(self, *args, **kwargs):
-        raise activation_checkpointing_refused()
-
-    activation_checkpointing_enable = gradient_checkpointing_enable  # transformers' newer name (Trainer calls it)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads the shards' state (keys ``module_shards.N...``, as `state_dict()` writes it) or the unsplit
@@ -425,14 +417,6 @@ def _warn_shared_dropout(module: nn.Module, placement: list[torch.device]) -> No
             "between shards. Train with dropout off (p=0) when simulating devices on one device; eval() is fine.",
             type(module).__name__, drops[0], f" and {len(drops) - 1} more" if len(drops) > 1 else "", len(placement),
         )
-
-
-def activation_checkpointing_refused(detail: str = "") -> NotImplementedError:
-    return NotImplementedError(
-        f"activation (gradient) checkpointing{f': {detail}' if detail else ''}: the in-process engine does not support "
-        "it yet (recomputing a block in backward would run its collectives outside the forward call). Turn it off: "
-        "TrainingArguments(gradient_checkpointing=False), or model.gradient_checkpointing_disable() before splitting"
-    )
 
 
 def install_partial_grads(model: TensorParallel) -> None:

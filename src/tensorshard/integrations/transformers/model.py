@@ -25,8 +25,9 @@ shards. What differs from the unsplit model:
 - ``state_dict()`` is the shards' (use ``tp.save_tensor_parallel`` for the unsplit one); submodules such
   as ``model.model`` live in ``model.module_shards[r]``; ``split.model.encoder`` is a view that runs that
   submodule on every device, and reads its other attributes from the first device's copy;
-- unsupported, with an error saying so: output_attentions, static caches, resizing embeddings, activation
-  (gradient) checkpointing (the engine refuses it: its recomputation would re-run collectives outside the call);
+- gradient (activation) checkpointing, enabled before or after splitting, recomputes each block in its
+  shard's own backward pass (engines/shard_backward.py); not with two shards on one GPU;
+- unsupported, with an error saying so: output_attentions, static caches, resizing embeddings;
 - training with dropout > 0 is not exact (each device draws its own masks): a warning says so.
 """
 
@@ -238,6 +239,17 @@ class TransformersTensorParallel(TensorParallel):
         raise NotImplementedError(
             "resize_token_embeddings on a split model: resize the unsplit model before tensor_parallel()"
         )
+
+    def _set_gradient_checkpointing(self, enable: bool = True, *args, **kwargs):
+        # transformers' gradient_checkpointing_enable() / activation_checkpointing_enable() end here; they flag
+        # the layers of every shard (self.modules() reaches them), which then recompute in their own backward.
+        if enable and not self._group.own_graphs:
+            raise NotImplementedError(
+                f"activation checkpointing on a model split over {self.labels}: two shards share a GPU, so their "
+                "backward passes run as one graph, where a block recomputed in backward cannot meet the other "
+                "shards. Use one shard per GPU (or CPU slots), or train without checkpointing."
+            )
+        return super()._set_gradient_checkpointing(enable, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:
