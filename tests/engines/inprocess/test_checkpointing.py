@@ -3,7 +3,6 @@ meeting the other shards at the recomputed collectives. Gradients are those of t
 checkpointing, to the bit, and match the unsplit model with the same checkpointing; each device keeps far
 fewer activations for backward."""
 
-import copy
 from contextlib import contextmanager
 
 import pytest
@@ -95,3 +94,14 @@ def test_checkpointing_keeps_fewer_activations_on_every_device(reentrant, gen):
     block_input = x.numel() * 4
     assert all(w <= LAYERS * block_input for w in with_checkpointing)
     assert all(w * 4 < wo for w, wo in zip(with_checkpointing, without)), (with_checkpointing, without)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpoint_around_the_whole_split_model(reentrant, gen):
+    ref = ResidualStack(DIM, HIDDEN, 2)
+    model = split_copy(ref, 2, plan=PLAN)
+    x = torch.randn(3, DIM, generator=gen, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(model, x, use_reentrant=reentrant).square().sum().backward()
+    ref(x).square().sum().backward()
+    grads = gathered_grads(model)
+    assert all(rel_err(grads[k], p.grad) < 1e-5 for k, p in ref.named_parameters())

@@ -4,6 +4,9 @@ The caller's thread runs one shard itself (shard 0, unless told otherwise); the 
 worker threads, worker i for shard i (PyTorch
 releases the GIL inside its kernels, so the shards' matrix products overlap). Grad mode, inference mode
 and autocast are thread-local in PyTorch; `ThreadState` copies them from the caller into every worker.
+Saved-tensor hooks are thread-local too, but no shard gets the caller's: a non-reentrant checkpoint around
+the whole split model would otherwise recompute the whole call from inside one shard's backward pass (a
+shard's own checkpointed blocks push their hooks inside the shard, as usual).
 
 A shard that raises aborts the others' collectives (see comm/threads.py); `run` then waits for every
 shard to stop, so none is left running the failed call, and re-raises the error that came first, with a
@@ -49,12 +52,24 @@ class ThreadState:
         with ExitStack() as stack:
             if device.type == "cuda":
                 stack.enter_context(torch.cuda.device(device))
+            if _saved_tensor_hooks() is not None:  # the caller's, in the shard that runs in its thread
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
             if self.inference:
                 stack.enter_context(torch.inference_mode())
             stack.enter_context(torch.set_grad_enabled(self.grad))
             for device_type, enabled, dtype, cache in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
             yield
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _saved_tensor_hooks():
+    """The innermost saved-tensor hooks of this thread (or a guess that there are some, if PyTorch cannot say)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else (_same, _same)
 
 
 ABORT_GRACE = 5.0  # seconds (at most) the other shards get to stop once one has failed
