@@ -7,11 +7,12 @@ import warnings
 
 import pytest
 import torch
+import transformers as T
 
 import tensorshard as tp
 from support.helpers import rel_err
-from support.hf_parity import gathered_grads
 from support.hf_configs import VOCAB, tiny_model
+from support.hf_parity import gathered_grads, unsplit_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,3 +61,28 @@ def test_gradient_checkpointing_matches_the_unsplit_model(when, n, gen):
     assert plain_counted.backward == counted.backward
     recomputed = counted.forward["all_reduce"] - plain_counted.forward["all_reduce"]
     assert 0 < recomputed <= 2 * ref.config.num_hidden_layers
+
+
+def train(model, ids, folder) -> list[float]:
+    """Three AdamW steps of transformers' Trainer with gradient_checkpointing=True; the logged losses."""
+    args = T.TrainingArguments(
+        str(folder), gradient_checkpointing=True, use_cpu=True, max_steps=3, per_device_train_batch_size=4,
+        learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", seed=0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        trainer = T.Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids])
+        trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_with_gradient_checkpointing_matches_the_unsplit_model(gen, tmp_path):
+    ref = tiny_model("llama").train()
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, sharded=False)
+    ids = torch.randint(1, VOCAB, (12, 10), generator=gen)
+    losses = train(model, ids, tmp_path / "split")
+    assert all(layer.gradient_checkpointing for shard in model.module_shards for layer in shard.model.layers)
+    ref_losses = train(ref, ids, tmp_path / "unsplit")
+    assert len(losses) == 3 and all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    weights = unsplit_state(model)
+    assert max(rel_err(weights[k], p) for k, p in ref.named_parameters()) < 1e-4
