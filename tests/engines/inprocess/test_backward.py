@@ -5,8 +5,10 @@ backward() calls, retain_graph keeps the graph, autograd.grad leaves the paramet
 per parameter; a shard that fails or stalls in backward ends the call promptly, naming the device."""
 
 import copy
+import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +219,11 @@ def test_debug_mode_on_one_gpu_trains_without_deadlock(gen):
     model(x.cuda()).sum().backward()
     ref(x).sum().backward()
     assert rel_err(gathered_grads(model)["w1.weight"], ref.w1.weight.grad) < 1e-5
+
+
+def test_docs_examples_run_with_the_results_they_state(capsys):
+    docs = Path(__file__).parents[2] / "docs" / "inprocess.md"
+    for block in re.findall(r"```python\n(.*?)```", docs.read_text(), re.S):
+        exec(compile(block, str(docs), "exec"), {})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["[(0, 'MainThread'), (1, 'tensorshard-1')]", "1 1", "4 3"]
