@@ -81,8 +81,8 @@ class ThreadGroup:
                  labels: Sequence[str] | None = None) -> None:
         self.devices = list(devices)
         self.world_size = len(self.devices)
-        # Each shard runs its own backward pass (comm/per_shard.py) unless two shards share an accelerator: its
-        # one autograd thread would then run both shards' backward nodes and block in the first collective.
+        # Each shard runs its own backward pass (comm/per_shard.py) unless two shards share an accelerator (debug
+        # mode on a GPU): its one autograd thread would run both shards' backward nodes and block in a collective.
         self.own_graphs = len({d for d in self.devices if d.type != "cpu"}) == sum(d.type != "cpu" for d in self.devices)
         self.labels = list(labels) if labels is not None else [str(d) for d in self.devices]
         self.timeout = timeout

@@ -4,12 +4,12 @@ Each shard runs its forward in its own thread and meets the others at each colle
 `ThreadGroup` (comm/rendezvous.py), which bounds every wait and stops all shards of a call when one fails.
 The autograd side comes in two forms, chosen by the placement:
 
-- **each shard owns its graph** (CPU slots, or one shard per GPU: the usual case): collectives are
-  per-shard autograd nodes (comm/per_shard.py) that meet in the backward pass too, and every shard runs
-  its own backward pass, concurrently with the others (engines/shard_backward.py);
-- **one graph spanning the devices** (two shards share a GPU, whose single autograd thread would run both
-  shards' backward nodes and block in the first collective): the last shard to arrive runs the collective
-  as **one autograd node with one input and one output per device** (below). The backward pass then needs
+- **each shard owns its graph** (CPU slots, or one shard per GPU: always, but in debug mode on a GPU):
+  collectives are per-shard autograd nodes (comm/per_shard.py) that meet in the backward pass too, and
+  every shard runs its own backward pass, concurrently with the others (engines/shard_backward.py);
+- **one graph spanning the devices** (debug mode on a GPU puts every shard there, and that GPU's single
+  autograd thread would run all shards' backward nodes and block in the first collective): the last shard
+  to arrive runs the collective as **one autograd node with one input and one output per device** (below). The backward pass then needs
   no rendezvous: autograd calls that node once with every device's gradient, and it reduces them on the
   spot. Activation checkpointing cannot work there (a forward recomputed in backward runs one shard only).
 

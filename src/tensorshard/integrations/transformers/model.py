@@ -26,7 +26,7 @@ shards. What differs from the unsplit model:
   as ``model.model`` live in ``model.module_shards[r]``; ``split.model.encoder`` is a view that runs that
   submodule on every device, and reads its other attributes from the first device's copy;
 - gradient (activation) checkpointing, enabled before or after splitting, recomputes each block in its
-  shard's own backward pass (engines/shard_backward.py); not with two shards on one GPU;
+  shard's own backward pass (engines/shard_backward.py); not in debug mode on a GPU;
 - unsupported, with an error saying so: output_attentions, static caches, resizing embeddings;
 - training with dropout > 0 is not exact (each device draws its own masks): a warning says so.
 """
@@ -245,9 +245,9 @@ class TransformersTensorParallel(TensorParallel):
         # the layers of every shard (self.modules() reaches them), which then recompute in their own backward.
         if enable and not self._group.own_graphs:
             raise NotImplementedError(
-                f"activation checkpointing on a model split over {self.labels}: two shards share a GPU, so their "
-                "backward passes run as one graph, where a block recomputed in backward cannot meet the other "
-                "shards. Use one shard per GPU (or CPU slots), or train without checkpointing."
+                f"activation checkpointing on a model split over {self.labels} in debug mode: every shard is on "
+                "one GPU, so their backward passes run as one graph, where a block recomputed in backward cannot "
+                "meet the other shards. Turn debug mode off (TENSORSHARD_DEBUG), or train without checkpointing."
             )
         return super()._set_gradient_checkpointing(enable, *args, **kwargs)
 
