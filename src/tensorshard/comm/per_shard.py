@@ -4,7 +4,7 @@ This is how the torchrun engine's ranks work, in threads. Each collective is an 
 shard: its forward deposits the shard's tensor at the rendezvous (comm/rendezvous.py) and takes back the
 shard's result; its backward does the same with the gradient, at the rendezvous of the backward pass. So
 every shard's forward builds a graph of its own, the engine runs the shards' backward passes concurrently
-(engines/shard_backward.py), and anything that re-runs a forward inside backward (activation
+(engines/inprocess/shard_backward.py), and anything that re-runs a forward inside backward (activation
 checkpointing) simply meets the other shards again.
 
     collective          forward                       backward

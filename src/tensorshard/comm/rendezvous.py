@@ -6,7 +6,7 @@ picks up its own result.
 
 A *call* is one forward call of the model, or one backward pass through it: when every shard owns its
 autograd graph (comm/per_shard.py), the shards' backward passes meet here too, each in a call of its own
-that the engine starts (engines/shard_backward.py), with the collectives in the order autograd runs them
+that the engine starts (engines/inprocess/shard_backward.py), with the collectives in the order autograd runs them
 (the same on every shard: their graphs were built by the same code, each in one thread).
 
 No wait is unbounded. Everything one call of the model shares (rendezvous slots, the first error, cached
@@ -83,7 +83,8 @@ class ThreadGroup:
         self.world_size = len(self.devices)
         # Each shard runs its own backward pass (comm/per_shard.py) unless two shards share an accelerator (debug
         # mode on a GPU): its one autograd thread would run both shards' backward nodes and block in a collective.
-        self.own_graphs = len({d for d in self.devices if d.type != "cpu"}) == sum(d.type != "cpu" for d in self.devices)
+        accelerators = [d for d in self.devices if d.type != "cpu"]
+        self.own_graphs = len(set(accelerators)) == len(accelerators)
         self.labels = list(labels) if labels is not None else [str(d) for d in self.devices]
         self.timeout = timeout
         # serial (debug mode): one shard runs at a time; the baton passes at every rendezvous.

@@ -6,12 +6,13 @@ The autograd side comes in two forms, chosen by the placement:
 
 - **each shard owns its graph** (CPU slots, or one shard per GPU: always, but in debug mode on a GPU):
   collectives are per-shard autograd nodes (comm/per_shard.py) that meet in the backward pass too, and
-  every shard runs its own backward pass, concurrently with the others (engines/shard_backward.py);
+  every shard runs its own backward pass, concurrently with the others (engines/inprocess/shard_backward.py);
 - **one graph spanning the devices** (debug mode on a GPU puts every shard there, and that GPU's single
   autograd thread would run all shards' backward nodes and block in the first collective): the last shard
-  to arrive runs the collective as **one autograd node with one input and one output per device** (below). The backward pass then needs
-  no rendezvous: autograd calls that node once with every device's gradient, and it reduces them on the
-  spot. Activation checkpointing cannot work there (a forward recomputed in backward runs one shard only).
+  to arrive runs the collective as **one autograd node with one input and one output per device** (below).
+  The backward pass then needs no rendezvous: autograd calls that node once with every device's gradient,
+  and it reduces them on the spot. Activation checkpointing cannot work there (a forward recomputed in
+  backward runs one shard only).
 
 The reductions themselves are in comm/reduce.py.
 """

@@ -8,14 +8,13 @@ import copy
 import re
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import tensorshard as tp
-from support import plans
+from support import ROOT, plans
 from support.helpers import rel_err, split_copy
 from support.hf_parity import gathered_grads
 from support.models import FeedForward
@@ -222,7 +221,7 @@ def test_debug_mode_on_one_gpu_trains_without_deadlock(gen):
 
 
 def test_docs_examples_run_with_the_results_they_state(capsys):
-    docs = Path(__file__).parents[2] / "docs" / "inprocess.md"
+    docs = ROOT / "docs" / "inprocess.md"
     for block in re.findall(r"```python\n(.*?)```", docs.read_text(), re.S):
         exec(compile(block, str(docs), "exec"), {})
     lines = capsys.readouterr().out.splitlines()

@@ -3,8 +3,8 @@
 When the shards' graphs span the devices (comm/threads.py), inputs that need a gradient are copied
 through `_ReplicateInput`, whose backward returns shard 0's gradient (every shard holds the same full
 gradient of a replicated tensor), and outputs are taken from one shard through `_GatherOutput`, whose
-backward hands the gradient to every shard. When every shard owns its graph, engines/shard_backward.py
-makes the copies leaves of the shards' graphs and joins the outputs instead. Either way, an output whose
+backward hands the gradient to every shard. When every shard owns its graph, shard_backward.py makes
+the copies leaves of the shards' graphs and joins the outputs instead. Either way, an output whose
 shape differs between shards is an error: the plan left it split.
 
 Objects that a call may modify (a KV cache) must not be shared by the shards: each kind registered with

@@ -7,8 +7,8 @@ Wrapping builds one shard per device: a copy of the module tree whose split laye
 slices (as the plan says) and whose other parameters are whole copies. Each call copies the inputs to
 every device, runs the shards concurrently (shard 0 in the caller's thread), and returns shard 0's
 outputs on `output_device`. Each shard builds its own autograd graph and `backward()` runs the shards'
-backward passes concurrently too (engines/shard_backward.py; in debug mode on a GPU, where every shard
-is on that GPU, one graph spans the shards instead, comm/threads.py), so `backward()` and an optimizer over `model.parameters()` train
+backward passes concurrently too (shard_backward.py; in debug mode on a GPU, where every shard is on that
+GPU, one graph spans the shards instead, comm/threads.py), so `backward()` and an optimizer over `model.parameters()` train
 the shards exactly like the unsplit model (a replicated parameter gets its full gradient on every
 device), activation checkpointing included.
 

@@ -26,7 +26,7 @@ shards. What differs from the unsplit model:
   as ``model.model`` live in ``model.module_shards[r]``; ``split.model.encoder`` is a view that runs that
   submodule on every device, and reads its other attributes from the first device's copy;
 - gradient (activation) checkpointing, enabled before or after splitting, recomputes each block in its
-  shard's own backward pass (engines/shard_backward.py); not in debug mode on a GPU;
+  shard's own backward pass (engines/inprocess/shard_backward.py); not in debug mode on a GPU;
 - unsupported, with an error saying so: output_attentions, static caches, resizing embeddings;
 - training with dropout > 0 is not exact (each device draws its own masks): a warning says so.
 """
