@@ -30,6 +30,14 @@ ANALYSIS: dict[str, str] = {
         "dimension to the front and back (two strided copies of the 32 MiB logits per step); it now gathers "
         "each rank's piece as one block. " + _SHARED_CORES
     ),
+    "inprocess-train": (
+        "Where the time goes: the forward and the backward passes of the shards run concurrently, one thread each "
+        "(each shard owns its autograd graph); what stays serial is each collective's rendezvous and sum (in the "
+        "last thread to arrive), ZeRO-3's gather of the norm weights, the loss on the full logits in shard 0, "
+        "and the AdamW step over every shard's parameters, which runs in the caller's thread. What would close "
+        "the rest: the parallel sums and fewer rendezvous of the forward target, a vocabulary-parallel loss, and "
+        "one optimizer per shard stepping in that shard's thread. " + _SHARED_CORES
+    ),
     "inprocess-forward": (
         "Where the time goes: the shards' matrix products run concurrently (their threads release the GIL "
         "inside the kernels), and the extra CPU work of the split forward is small (the CPU work column). What "

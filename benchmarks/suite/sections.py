@@ -293,11 +293,10 @@ def speed_section(speed: dict | None, plots: dict) -> list[str]:
                                 ("infer", "generate", "Greedy generation")):
         lines += _speed_table(speed, task, metric, title)
     lines += [
-        "The in-process engines' training step is not expected to scale on CPU: the whole call is one autograd "
-        "graph with multi-device collective nodes, and PyTorch runs the backward of CPU tensors in one thread, so "
-        "the shards' backward passes run one after the other (on GPUs autograd has one thread per device and "
-        "they overlap). Their forward runs concurrently, hence the in-process targets are forward and "
-        "generation; the training-step target is the torchrun engine's.", ""]
+        "Our in-process engine runs every shard's backward pass in that shard's thread (each shard owns its "
+        "autograd graph; docs/inprocess.md), so its training step scales like its forward. tensor_parallel 2.0's "
+        "call is one autograd graph, whose CPU backward PyTorch runs in one thread: its shards' backward passes "
+        "run one after the other.", ""]
     tokens = _token_check(speed)
     if tokens:
         lines += [tokens, ""]
