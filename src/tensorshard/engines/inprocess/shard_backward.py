@@ -34,7 +34,7 @@ from .boundary import check_replicated, join_object
 from .workers import ThreadState
 
 if TYPE_CHECKING:
-    from .inprocess import TensorParallel
+    from .engine import TensorParallel
 
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 _BACKWARD_STATE = ThreadState(grad=False, inference=False, autocast=())  # as in autograd's own threads
