@@ -188,12 +188,13 @@ def test_a_shard_stalling_in_backward_times_out_naming_the_collective(gen):
         model(torch.randn(4, 8, generator=gen)).sum().backward()
     assert time.monotonic() - start < 3
     handle.remove()
-    time.sleep(3)  # the stalled shard comes back, runs into its ended call and stops
+    time.sleep(3)  # the stalled shard comes back, accumulates b2's gradients, runs into its ended call and stops
     model.zero_grad()
     x = torch.randn(4, 8, generator=gen)
     model(x).sum().backward()
     ref(x).sum().backward()
-    assert rel_err(model.module_shards[1].norm.weight.grad, ref.norm.weight.grad) < 1e-5
+    grads = gathered_grads(model)
+    assert all(rel_err(grads[k], p.grad) < 1e-5 for k, p in ref.named_parameters())
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
