@@ -29,7 +29,7 @@ import re
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -214,33 +214,46 @@ class TensorParallel(nn.Module):
             )
         state = ThreadState.capture()
         src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
-        graphs = ShardGraphs(self, src, _as_rank) if group.own_graphs else None
+        graphs = ShardGraphs(self, src) if group.own_graphs else None
         per_rank_inputs = replicate_inputs((args, kwargs), devices, graphs.leaf_copies if graphs else None)
 
-        def shard_call(call, rank: int):
+        def run(rank: int):
+            with state.applied(devices[rank]):
+                a, kw = per_rank_inputs(rank)
+                return shards[rank](*a, **kw)
+
+        outputs = self._run_shards("forward", run)
+        if graphs is not None:
+            return join_outputs(graphs, outputs, src, self.output_device, self.labels, check_equal=self.debug)
+        return gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
+
+    def _run_shards(self, kind: str, body: Callable[[int], Any], *, inline: int = 0) -> list[Any]:
+        """`body(rank)` for every shard at once, one thread each (shard `inline` in this one), as one call of the
+        shards' rendezvous ("forward", or "backward": shard_backward.py): a failure or a stall in any shard stops
+        them all within the time limit (workers.py, comm/rendezvous.py). Calls take turns."""
+        group = self._group
+
+        def shard(call, rank: int):
             def run():
-                with _as_rank(rank), state.applied(devices[rank]):
-                    a, kw = per_rank_inputs(rank)
-                    return shards[rank](*a, **kw)
+                with _as_rank(rank):
+                    return body(rank)
 
             return lambda: group.run_shard(call, rank, run)
 
         with self._call_lock:
-            call = group.begin()
+            call = group.begin(kind)
             try:
-                outputs = self._pool.run(
-                    [shard_call(call, r) for r in range(len(shards))],
+                return self._pool.run(
+                    [shard(call, r) for r in range(len(self._placement))],
                     labels=self.labels,
                     on_error=lambda e, rank: group.abort(call, e),
                     timeout=self.timeout + 5.0,
                     first_error=lambda: call.error,
                     grace=min(5.0, self.timeout),
+                    inline=inline,
                 )
             finally:
                 group.end(call)  # drop the call's cached tensors; a straggler fails at its next collective
-        if graphs is not None:
-            return join_outputs(graphs, outputs, src, self.output_device, self.labels, check_equal=self.debug)
-        return gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
 
     def state_dict(self, *args, **kwargs):
         """The shards' state (keys ``module_shards.N...``; ``tp.save_tensor_parallel(model)`` gives the unsplit

@@ -23,8 +23,7 @@ supported: they belong to the shards' graphs, not the caller's (compute `.grad` 
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd import Function
@@ -43,10 +42,9 @@ _BACKWARD_STATE = ThreadState(grad=False, inference=False, autocast=())  # as in
 class ShardGraphs:
     """What one forward call leaves for its backward pass: each shard's input leaves and output roots."""
 
-    def __init__(self, model: "TensorParallel", inline: int, as_rank: Callable[[int], AbstractContextManager]) -> None:
+    def __init__(self, model: "TensorParallel", inline: int) -> None:
         self.model = model
         self.inline = inline  # the shard whose backward the boundary node runs itself (on the output device)
-        self.as_rank = as_rank
         self.inputs: list[torch.Tensor] = []  # the caller's tensors that need a gradient
         self.leaves: list[list[torch.Tensor]] | None = [[] for _ in model._placement]  # rank -> its copies
         self.roots: list[list[torch.Tensor | None]] | None = None  # rank -> output (None: needs no gradient)
@@ -66,13 +64,12 @@ class ShardGraphs:
     def backward(self, grads: tuple[torch.Tensor | None, ...], accumulate: bool, keep: bool) -> list[torch.Tensor | None]:
         """Run every shard's backward pass from `grads` (one per root, None where unused); the inputs' gradients."""
         model = self.model
-        group = model._group
         if self.roots is None:
             raise RuntimeError(
                 "Trying to backward through the graph of a tensor-parallel call a second time: its shards' graphs "
                 "were freed by the first backward. Specify retain_graph=True in the first backward() call."
             )
-        if group.running_here():
+        if model._group.running_here():
             raise RuntimeError(
                 "a backward pass through this TensorParallel model started inside one of its own shards (a hook "
                 "running during its forward or backward); run it after the outer call returns"
@@ -83,41 +80,24 @@ class ShardGraphs:
             return none  # nothing to compute (identically on every shard)
         roots, leaves = self.roots, self.leaves
 
-        def shard_backward(call, rank: int):
+        def run(rank: int):
             device = model._placement[rank]
+            with _BACKWARD_STATE.applied(device):
+                pairs = [(roots[rank][i], grads[i]) for i in used if roots[rank][i] is not None]
+                outs = [o for o, _ in pairs]
+                outs_grads = [g if g.device == device else g.to(device) for _, g in pairs]
+                mine = leaves[rank]
+                if not outs:
+                    return none
+                if not accumulate:
+                    return list(torch.autograd.grad(outs, mine, outs_grads, retain_graph=keep, allow_unused=True))
+                torch.autograd.backward(outs, outs_grads, retain_graph=keep)
+                got = [leaf.grad for leaf in mine]
+                for leaf in mine:
+                    leaf.grad = None
+                return got
 
-            def run():
-                with self.as_rank(rank), _BACKWARD_STATE.applied(device):
-                    pairs = [(roots[rank][i], grads[i]) for i in used if roots[rank][i] is not None]
-                    outs = [o for o, _ in pairs]
-                    outs_grads = [g if g.device == device else g.to(device) for _, g in pairs]
-                    mine = leaves[rank]
-                    if not outs:
-                        return none
-                    if not accumulate:
-                        return list(torch.autograd.grad(outs, mine, outs_grads, retain_graph=keep, allow_unused=True))
-                    torch.autograd.backward(outs, outs_grads, retain_graph=keep)
-                    got = [leaf.grad for leaf in mine]
-                    for leaf in mine:
-                        leaf.grad = None
-                    return got
-
-            return lambda: group.run_shard(call, rank, run)
-
-        with model._call_lock:
-            call = group.begin("backward")
-            try:
-                results = model._pool.run(
-                    [shard_backward(call, r) for r in range(len(roots))],
-                    labels=model.labels,
-                    on_error=lambda e, rank: group.abort(call, e),
-                    timeout=model.timeout + 5.0,
-                    first_error=lambda: call.error,
-                    grace=min(5.0, model.timeout),
-                    inline=self.inline,
-                )
-            finally:
-                group.end(call)
+        results = model._run_shards("backward", run, inline=self.inline)
         if not keep:
             self.release()
         return [None if g is None else g.to(x.device) for g, x in zip(results[self.inline], self.inputs)]
