@@ -8,10 +8,13 @@ from tensorshard.checkpoint.gather import gathered_state_dict
 
 
 def gathered_grads(model) -> dict[str, torch.Tensor]:
-    """The split model's gradients, assembled to the unsplit model's shapes, by the unsplit model's names."""
+    """The split model's gradients, assembled to the unsplit model's shapes, by the unsplit model's names
+    (ZeRO-3 partitioned parameters included)."""
     shards = list(model.module_shards)
     grads = {}
+    zero = getattr(model, "zero_splits", None) or {}
     for name, split in model.splits.items():
+        split = zero.get(name, split)
         pieces = [shard.get_parameter(name).grad for shard in shards] if _is_param(shards[0], name) else None
         if pieces is None or pieces[0] is None:
             continue

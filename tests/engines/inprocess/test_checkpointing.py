@@ -30,12 +30,13 @@ def step(model, x):
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-@pytest.mark.parametrize("n", [2, 3])
-def test_checkpointed_blocks_match_the_unsplit_model(reentrant, n, gen):
+@pytest.mark.parametrize("n, sharded", [(2, False), (3, False), (2, True)])
+def test_checkpointed_blocks_match_the_unsplit_model(reentrant, n, sharded, gen):
+    # sharded: ZeRO-3 partitions the norms (the default when training); a recomputed block gathers its own.
     ref = ResidualStack(DIM, HIDDEN, LAYERS, reentrant=reentrant)
-    plain = split_copy(ref, n, plan=PLAN)
+    plain = split_copy(ref, n, plan=PLAN, sharded=sharded)
     plain.module_shards.apply(lambda m: setattr(m, "reentrant", None) if isinstance(m, ResidualStack) else None)
-    model = split_copy(ref, n, plan=PLAN)
+    model = split_copy(ref, n, plan=PLAN, sharded=sharded)
     x = torch.randn(3, 5, DIM, generator=gen)
     with tp.count_collectives() as counted:
         out, x_grad, grads = step(model, x)
@@ -50,7 +51,9 @@ def test_checkpointed_blocks_match_the_unsplit_model(reentrant, n, gen):
     # One all-reduce per block each way; a reentrant checkpoint recomputes the whole block, its all-reduce
     # included (the non-reentrant one stops after the last tensor backward needs, before it).
     assert dict(counted.backward) == {"all_reduce": LAYERS}
-    assert dict(counted.forward) == {"all_reduce": 2 * LAYERS if reentrant else LAYERS}
+    assert counted.forward["all_reduce"] == (2 * LAYERS if reentrant else LAYERS)
+    # ZeRO-3: one gather of everything per call, and one per recomputed norm
+    assert counted.forward["all_gather"] == (1 + LAYERS if sharded else 0)
 
 
 @contextmanager

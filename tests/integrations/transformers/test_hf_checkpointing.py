@@ -34,12 +34,12 @@ def counted_step(model, ids):
 @pytest.mark.parametrize("n", [2, 3])
 def test_gradient_checkpointing_matches_the_unsplit_model(when, n, gen):
     ref = tiny_model("llama").train()
-    plain = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * n, sharded=False)
+    plain = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * n)  # in train mode: ZeRO-3 partitions the norms
     unsplit = copy.deepcopy(ref)
     reentrant = when.endswith("reentrant")  # transformers 4's default
     if when.startswith("before"):  # the usual order: from_pretrained, gradient_checkpointing_enable(), split
         enable(ref, reentrant)
-    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * n, sharded=False)
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * n)
     if when == "after":
         enable(model)
     enable(unsplit, reentrant)
@@ -54,13 +54,15 @@ def test_gradient_checkpointing_matches_the_unsplit_model(when, n, gen):
     worst = max(rel_err(grads[k], p.grad) for k, p in unsplit.named_parameters())
     assert worst < 1e-5, worst
     # Without checkpointing the split model computes the same gradients, to the bit, with the same backward
-    # collectives (2 per layer and the head's); checkpointing adds the recomputed layers' forward all-reduces.
+    # collectives (2 per layer and the head's); checkpointing adds the recomputed layers' forward all-reduces
+    # and the gathers of their ZeRO-3 partitioned norm weights.
     plain_loss, plain_counted = counted_step(plain, ids)
     assert torch.equal(loss, plain_loss)
     assert all(torch.equal(g, grads[k]) for k, g in gathered_grads(plain).items())
     assert plain_counted.backward == counted.backward
-    recomputed = counted.forward["all_reduce"] - plain_counted.forward["all_reduce"]
-    assert 0 < recomputed <= 2 * ref.config.num_hidden_layers
+    layers = ref.config.num_hidden_layers
+    assert 0 < counted.forward["all_reduce"] - plain_counted.forward["all_reduce"] <= 2 * layers
+    assert 0 < counted.forward["all_gather"] - plain_counted.forward["all_gather"] <= 2 * layers
 
 
 def train(model, ids, folder) -> list[float]:
@@ -78,7 +80,7 @@ def train(model, ids, folder) -> list[float]:
 
 def test_trainer_with_gradient_checkpointing_matches_the_unsplit_model(gen, tmp_path):
     ref = tiny_model("llama").train()
-    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, sharded=False)
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2)
     ids = torch.randint(1, VOCAB, (12, 10), generator=gen)
     losses = train(model, ids, tmp_path / "split")
     assert all(layer.gradient_checkpointing for shard in model.module_shards for layer in shard.model.layers)

@@ -52,7 +52,7 @@ from .rollback import Released, restore
 from .shard_backward import ShardGraphs, join_outputs
 from .unsplit_state import is_unsplit, load_unsplit
 from .workers import ThreadState, WorkerPool
-from .zero import choose_params, shard_replicated
+from .zero import WHERE as zero_where, choose_params, shard_replicated
 
 logger = logging.getLogger(__name__)
 
@@ -300,8 +300,7 @@ class TensorParallel(nn.Module):
         zero = getattr(self, "_zero", None)
         for rank, part in enumerate(parts):  # the view's calls gather ZeRO-3 slices too (once when nested)
             if zero is not None and part not in list(self.module_shards):
-                part.register_forward_pre_hook(zero.gather_hook(rank))
-                part.register_forward_hook(zero.release_hook(rank), always_call=True)
+                zero.hook(part, rank, list(range(len(zero.partitions))), zero_where)
         view.module_shards = nn.ModuleList(parts)
         install_partial_grads(view)
         view._module_names = {n for n, _ in parts[0].named_modules()}

@@ -17,7 +17,8 @@ shard's own rows. The optimizer updates rows elementwise, exactly as it would up
 training matches the unsplit run bit for bit where the unsharded engine does.
 
 Costs: one all-gather per forward call, and the gathered tensors stay alive while autograd needs them
-(until backward), like the replicated copies they stand for. Parameters with fewer rows than devices,
+(until backward), like the replicated copies they stand for. A block recomputed in backward (activation
+checkpointing) runs outside the call: each module holding partitioned parameters gathers its own then. Parameters with fewer rows than devices,
 buffers, and frozen parameters (by default) stay replicated.
 
 Under torchrun the same job belongs to FSDP2 (`fully_shard`) on a data-parallel mesh axis: see
@@ -144,9 +145,16 @@ def shard_replicated(model, chosen: Sequence[str]) -> list[str]:
             slots[rank].append(owners)
 
     state = _ZeroState(model, slots, partitions)
+    everything = list(range(len(partitions)))
     for rank, shard in enumerate(shards):
-        shard.register_forward_pre_hook(state.gather_hook(rank))
-        shard.register_forward_hook(state.release_hook(rank), always_call=True)
+        state.hook(shard, rank, everything, WHERE)
+        if model._group.own_graphs:
+            # A block recomputed in backward (activation checkpointing) runs its modules outside the call of the
+            # whole shard: each module holding partitioned parameters then gathers its own.
+            for name, module in shard.named_modules():
+                mine = [i for i, owners in enumerate(slots[rank]) if any(m is module for m, _ in owners)]
+                if mine:
+                    state.hook(module, rank, mine, f"{WHERE} {name} (recomputed)")
     model.zero_splits = zero_splits
     model._zero = state
     saved = sum(p.numel() for names_ in tied for p in [first[names_[0]]]) * (world - 1) // world
@@ -163,56 +171,58 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 class _ZeroState:
-    """The hooks of every shard: gather partitioned parameters before a call, put the slices back after."""
+    """The hooks of every shard: gather partitioned parameters before a call, put the slices back after.
+
+    A scope is a module and the partitioned parameters it gathers: the whole shard (all of them, once per
+    forward call) or, for recomputation in backward, a module holding some (only when they are not gathered
+    already)."""
 
     def __init__(self, model, slots, partitions: list[Partition]) -> None:
         self.group = model._group
         self.slots = slots
         self.partitions = partitions
-        self.saved: list[list[nn.Parameter] | None] = [None] * len(slots)
-        self.depth = [0] * len(slots)  # nested hooked calls (a view's module inside the root's call) gather once
+        self.gathered: list[set[int]] = [set() for _ in slots]  # rank -> indices of the parameters gathered now
+        self.saved: list[dict[int, list[nn.Parameter]]] = [{} for _ in slots]  # rank -> id(scope) -> its slices
 
-    def gather_hook(self, rank: int):
-        def hook(module, args):
-            self.depth[rank] += 1
-            if self.depth[rank] > 1:
-                return
-            owners = self.slots[rank]
-            slices = [mod._parameters[attr] for (mod, attr), *_ in owners]
-            self.saved[rank] = slices
-            if self.group.own_graphs:
-                fulls = _GatherOwnParams.apply(self, rank, *slices)
-            else:
-                fulls = self.group.exchange(rank, "all_gather", WHERE, slices, self._gather)
-            for param_owners, full in zip(owners, fulls):
-                for mod, attr in param_owners:
-                    mod._parameters[attr] = full  # a non-leaf tensor for this call; backward reaches the slice
+    def hook(self, module: nn.Module, rank: int, indices: list[int], where: str) -> None:
+        module.register_forward_pre_hook(lambda mod, args: self._gather_scope(mod, rank, indices, where))
+        module.register_forward_hook(lambda mod, args, out: self._release_scope(mod, rank, indices), always_call=True)
 
-        return hook
-
-    def release_hook(self, rank: int):
-        def hook(module, args, output):
-            self.depth[rank] = max(self.depth[rank] - 1, 0)
-            slices = self.saved[rank]
-            if slices is None or self.depth[rank] > 0:
-                return
-            for param_owners, p in zip(self.slots[rank], slices):
-                for mod, attr in param_owners:
-                    mod._parameters[attr] = p
-            self.saved[rank] = None
-
-        return hook
-
-    def _gather(self, payloads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """Runs once per call, in the last shard to arrive: every shard's slices -> full tensors per device."""
-        devices = self.group.devices
-        world, count = len(payloads), len(self.partitions)
-        flat = [t for per_rank in payloads for t in per_rank]
-        record("all_gather", sum(p.size * _row_bytes(t) for p, t in zip(self.partitions, payloads[0])), "forward", WHERE)
-        if not self.group.own_graphs and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-            outs = _GatherParams.apply(devices, self.partitions, *flat)
+    def _gather_scope(self, module: nn.Module, rank: int, indices: list[int], where: str) -> None:
+        if self.gathered[rank].intersection(indices):
+            return  # gathered by an enclosing scope
+        owners = [self.slots[rank][i] for i in indices]
+        slices = [mod._parameters[attr] for (mod, attr), *_ in owners]
+        if self.group.own_graphs:
+            fulls = _GatherOwnParams.apply(self, rank, indices, where, *slices)
         else:
-            outs = _assemble(devices, self.partitions, flat)
+            fulls = self.group.exchange(rank, "all_gather", where, slices, lambda payloads: self._gather(payloads, indices, where))
+        for param_owners, full in zip(owners, fulls):
+            for mod, attr in param_owners:
+                mod._parameters[attr] = full  # a non-leaf tensor for this call; backward reaches the slice
+        self.saved[rank][id(module)] = slices
+        self.gathered[rank].update(indices)
+
+    def _release_scope(self, module: nn.Module, rank: int, indices: list[int]) -> None:
+        slices = self.saved[rank].pop(id(module), None)
+        if slices is None:
+            return
+        for i, p in zip(indices, slices):
+            for mod, attr in self.slots[rank][i]:
+                mod._parameters[attr] = p
+        self.gathered[rank].difference_update(indices)
+
+    def _gather(self, payloads: list[list[torch.Tensor]], indices: list[int], where: str) -> list[list[torch.Tensor]]:
+        """Runs once per gather, in the last shard to arrive: every shard's slices -> full tensors per device."""
+        devices = self.group.devices
+        partitions = [self.partitions[i] for i in indices]
+        world, count = len(payloads), len(partitions)
+        flat = [t for per_rank in payloads for t in per_rank]
+        record("all_gather", sum(p.size * _row_bytes(t) for p, t in zip(partitions, payloads[0])), "forward", where)
+        if not self.group.own_graphs and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
+            outs = _GatherParams.apply(devices, partitions, *flat)
+        else:
+            outs = _assemble(devices, partitions, flat)
         return [list(outs[r * count:(r + 1) * count]) for r in range(world)]
 
 
@@ -256,11 +266,12 @@ class _GatherOwnParams(Function):
     output per parameter, on this shard's device); its backward keeps this shard's rows, no communication."""
 
     @staticmethod
-    def forward(ctx, state, rank, *slices):
-        ctx.partitions, ctx.rank = state.partitions, rank
-        return tuple(state.group.exchange(rank, "all_gather", WHERE, list(slices), state._gather))
+    def forward(ctx, state, rank, indices, where, *slices):
+        ctx.partitions, ctx.rank = [state.partitions[i] for i in indices], rank
+        return tuple(state.group.exchange(rank, "all_gather", where, list(slices),
+                                          lambda payloads: state._gather(payloads, indices, where)))
 
     @staticmethod
     def backward(ctx, *grads):
         rows = (None if g is None else part.take(g, 0, ctx.rank).contiguous() for part, g in zip(ctx.partitions, grads))
-        return (None, None, *rows)
+        return (None, None, None, None, *rows)
