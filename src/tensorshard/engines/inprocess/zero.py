@@ -9,17 +9,16 @@ parameter itself, so `model.parameters()`, the gradients and the optimizer's sta
 
 At the start of every forward call each shard gathers all of its partitioned parameters in ONE all-gather
 (counted by `tp.count_collectives` as ``all_gather`` at "zero-3") and the modules see full tensors until the
-call returns (engines whose shards own their graphs gather through a per-shard autograd node,
-`_GatherOwnParams`; with one graph across devices, through one node for all, `_GatherParams`). Backward
-needs no communication: under the SPMD convention (comm/base.py) every shard
-computes the full, identical gradient of a replicated parameter, so the gather's backward keeps each
-shard's own rows. The optimizer updates rows elementwise, exactly as it would update the full copies, so
+call returns (when the shards own their graphs, through a per-shard autograd node, `_GatherOwnParams`;
+with one graph across devices, through one node for all, `_GatherParams`). Backward needs no
+communication: under the SPMD convention (comm/base.py) every shard computes the full, identical gradient
+of a replicated parameter, so the gather's backward keeps each shard's own rows. The optimizer updates rows elementwise, exactly as it would update the full copies, so
 training matches the unsplit run bit for bit where the unsharded engine does.
 
 Costs: one all-gather per forward call, and the gathered tensors stay alive while autograd needs them
 (until backward), like the replicated copies they stand for. A block recomputed in backward (activation
-checkpointing) runs outside the call: each module holding partitioned parameters gathers its own then. Parameters with fewer rows than devices,
-buffers, and frozen parameters (by default) stay replicated.
+checkpointing) runs outside the call: each module holding partitioned parameters gathers its own then.
+Parameters with fewer rows than devices, buffers, and frozen parameters (by default) stay replicated.
 
 Under torchrun the same job belongs to FSDP2 (`fully_shard`) on a data-parallel mesh axis: see
 docs/checkpoints.md.
@@ -196,7 +195,7 @@ class _ZeroState:
         if self.group.own_graphs:
             fulls = _GatherOwnParams.apply(self, rank, indices, where, *slices)
         else:
-            fulls = self.group.exchange(rank, "all_gather", where, slices, lambda payloads: self._gather(payloads, indices, where))
+            fulls = self._exchange(rank, indices, where, slices)
         for param_owners, full in zip(owners, fulls):
             for mod, attr in param_owners:
                 mod._parameters[attr] = full  # a non-leaf tensor for this call; backward reaches the slice
@@ -211,6 +210,9 @@ class _ZeroState:
             for mod, attr in self.slots[rank][i]:
                 mod._parameters[attr] = p
         self.gathered[rank].difference_update(indices)
+
+    def _exchange(self, rank: int, indices: list[int], where: str, slices: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.group.exchange(rank, "all_gather", where, slices, lambda payloads: self._gather(payloads, indices, where))
 
     def _gather(self, payloads: list[list[torch.Tensor]], indices: list[int], where: str) -> list[list[torch.Tensor]]:
         """Runs once per gather, in the last shard to arrive: every shard's slices -> full tensors per device."""
@@ -268,8 +270,7 @@ class _GatherOwnParams(Function):
     @staticmethod
     def forward(ctx, state, rank, indices, where, *slices):
         ctx.partitions, ctx.rank = [state.partitions[i] for i in indices], rank
-        return tuple(state.group.exchange(rank, "all_gather", where, list(slices),
-                                          lambda payloads: state._gather(payloads, indices, where)))
+        return tuple(state._exchange(rank, indices, where, list(slices)))
 
     @staticmethod
     def backward(ctx, *grads):
