@@ -6,8 +6,8 @@ picks up its own result.
 
 A *call* is one forward call of the model, or one backward pass through it: when every shard owns its
 autograd graph (comm/per_shard.py), the shards' backward passes meet here too, each in a call of its own
-that the engine starts (engines/inprocess/shard_backward.py), with the collectives in the order autograd runs them
-(the same on every shard: their graphs were built by the same code, each in one thread).
+that the engine starts (engines/inprocess/shard_backward.py), with the collectives in the order autograd
+runs them (the same on every shard: their graphs were built by the same code, each in one thread).
 
 No wait is unbounded. Everything one call of the model shares (rendezvous slots, the first error, cached
 inputs) lives in a `_Call` that is dropped when the call ends, so a shard left over from an abandoned call
@@ -167,8 +167,8 @@ class ThreadGroup:
                 call = current
         if call is None or call is not self.current or call.ended:
             checkpointing = "" if self.own_graphs else (
-                ", or a forward recomputed in backward by activation checkpointing, which needs one shard per "
-                "GPU (or CPU slots)"
+                ", or a forward recomputed in backward by activation checkpointing, which debug mode on a GPU "
+                "cannot run"
             )
             raise CollectiveAborted(
                 f"{op} at {where or '?'} ran outside the current call of its tensor-parallel model (a shard "

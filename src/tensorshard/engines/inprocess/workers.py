@@ -1,8 +1,8 @@
 """Worker threads of the in-process engine: one per device, the caller's thread state carried over.
 
 The caller's thread runs one shard itself (shard 0, unless told otherwise); the others run in persistent
-worker threads, worker i for shard i (PyTorch
-releases the GIL inside its kernels, so the shards' matrix products overlap). Grad mode, inference mode
+worker threads, worker i for shard i (PyTorch releases the GIL inside its kernels, so the shards' matrix
+products overlap). Grad mode, inference mode
 and autocast are thread-local in PyTorch; `ThreadState` copies them from the caller into every worker.
 Saved-tensor hooks are thread-local too, but no shard gets the caller's: a non-reentrant checkpoint around
 the whole split model would otherwise recompute the whole call from inside one shard's backward pass (a
