@@ -6,11 +6,20 @@ row-parallel one (each device's A reads only its input slice). Each copy's gradi
 the true gradient is their sum over the devices.
 
 Rather than one all-reduce per parameter as it is used, every shard passes all such parameters, at the
-start of each forward call, through ONE multi-device autograd node (identity forward). Autograd calls its
-backward once every use has contributed, with every device's gradients at once: it sums them (counted as
-one ``all_reduce`` at "partial gradients") and hands each device the sum. The copies stay identical and
-match the unsplit model; gradient accumulation and ZeRO-3 compose (the node reads the gathered tensors,
-whose backward then keeps each device's rows). The torchrun engine does the same job with its
+start of each forward call, through one identity node, and autograd calls its backward once every use
+has contributed. When every shard owns its graph (the default, comm/per_shard.py), that node is the
+shard's own `_SumGradsOfShard`: its backward meets the other shards' at the rendezvous of the backward
+pass, where the last to arrive sums each parameter's gradients in rank order (counted as one
+``all_reduce`` at "partial gradients") and every shard takes the bit-identical sum. When one graph spans
+the shards (debug mode on a GPU), the node is ONE multi-device `_SumGrads` across them, with the same sums.
+The copies stay identical and match the unsplit model; gradient accumulation and ZeRO-3 compose (the
+node reads the gathered tensors, whose backward then keeps each device's rows).
+
+A module recomputed in backward (activation checkpointing) runs outside the whole shard's forward: with
+its parameters, not the node's views. A module holding such parameters therefore routes its own through a
+node of its own when it runs in a backward pass (one more all-reduce per recomputed module, at
+"partial gradients <name> (recomputed)"); a non-reentrant checkpoint, whose recomputation only refills
+saved tensors, never runs that node's backward. The torchrun engine does the same job with its
 `PartialGradBucket` (comm/dist.py).
 """
 
@@ -27,37 +36,65 @@ from .counter import record
 WHERE = "partial gradients"
 
 
+def _summed_over_ranks(group, payloads: list[list[torch.Tensor | None]], where: str) -> list[list[torch.Tensor | None]]:
+    """Each parameter's gradients summed in rank order; every device its own copy (None where no rank has one)."""
+    devices, world = group.devices, len(payloads)
+    out: list[list[torch.Tensor | None]] = [[None] * len(payloads[0]) for _ in range(world)]
+    total = 0
+    for i in range(len(payloads[0])):
+        summed = None
+        for per_rank in payloads:
+            g = per_rank[i]
+            if g is not None:
+                summed = g.to(devices[0]).clone() if summed is None else summed + g.to(devices[0])
+        if summed is None:
+            continue
+        total += summed.numel() * summed.element_size()
+        for r in range(world):
+            out[r][i] = summed if r == 0 else summed.to(devices[r], copy=True)
+    if total:
+        record("all_reduce", total, "backward", where)
+    return out
+
+
 class _SumGrads(Function):
     """Identity on (rank-major) every device's parameters; backward: each parameter's gradients summed over devices."""
 
     @staticmethod
-    def forward(ctx, devices, count, *flat):
-        ctx.devices, ctx.count = devices, count
+    def forward(ctx, group, count, *flat):
+        ctx.group, ctx.count = group, count
+        ctx.set_materialize_grads(False)
         return tuple(p.view_as(p) for p in flat)
 
     @staticmethod
     def backward(ctx, *grads):
-        world, count, devices = len(ctx.devices), ctx.count, ctx.devices
-        out: list[torch.Tensor | None] = [None] * len(grads)
-        total = 0
-        for i in range(count):
-            per_rank = [grads[r * count + i] for r in range(world)]
-            if all(g is None for g in per_rank):
-                continue
-            summed = None
-            for g in per_rank:  # rank order: every device gets the bit-identical sum
-                if g is not None:
-                    summed = g.to(devices[0]).clone() if summed is None else summed + g.to(devices[0])
-            total += summed.numel() * summed.element_size()
-            for r in range(world):
-                out[r * count + i] = summed if r == 0 else summed.to(devices[r], copy=True)
-        if total:
-            record("all_reduce", total, "backward", WHERE)
-        return (None, None, *out)
+        world, count = ctx.group.world_size, ctx.count
+        per_rank = [list(grads[r * count:(r + 1) * count]) for r in range(world)]
+        summed = _summed_over_ranks(ctx.group, per_rank, WHERE)
+        return (None, None, *[g for mine in summed for g in mine])
+
+
+class _SumGradsOfShard(Function):
+    """One shard's parameters, identity; backward: meets the other shards and returns the summed gradients."""
+
+    @staticmethod
+    def forward(ctx, group, rank, where, *params):
+        ctx.group, ctx.rank, ctx.where = group, rank, where
+        ctx.set_materialize_grads(False)
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group, where = ctx.group, ctx.where
+        summed = group.exchange(
+            ctx.rank, "partial_grads", where, list(grads), lambda payloads: _summed_over_ranks(group, payloads, where),
+            len(grads),
+        )
+        return (None, None, None, *summed)
 
 
 class PartialGrads:
-    """The parameters with partial gradients of every shard, and the hooks that route them through `_SumGrads`."""
+    """The parameters with partial gradients of every shard, and the hooks that route them through one node."""
 
     def __init__(self, group) -> None:
         self.group = group
@@ -65,7 +102,8 @@ class PartialGrads:
         self.names: set[str] = set()  # their names in the shards (ZeRO-3 and checkpoints know them by name)
         self._saved: list[list[torch.Tensor] | None] = [None] * group.world_size
         self._depth = [0] * group.world_size  # nested hooked calls (a view's module inside the root's call) route once
-        self._installed: set[int] = set()
+        self._installed: set[int] = set()  # ids of the shards, views and modules hooked
+        self._recomputing: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(group.world_size)]
 
     def register(self, module: nn.Module, names: Sequence[str], rank: int, where: str) -> None:
         self.owners[rank].extend((module, n) for n in names)
@@ -73,12 +111,44 @@ class PartialGrads:
 
     def install(self, shards: Sequence[nn.Module]) -> None:
         """Hook every shard's forward (or a view's modules: TensorParallel.view), after ZeRO-3's hooks so the
-        node reads gathered tensors; idempotent."""
+        node reads gathered tensors, and (each shard owning its graph) every module holding such parameters,
+        for its recomputation in backward; idempotent."""
         for rank, shard in enumerate(shards):
             if id(shard) not in self._installed:
                 shard.register_forward_pre_hook(self._before(rank))
                 shard.register_forward_hook(self._after(rank), prepend=True, always_call=True)  # before ZeRO-3 releases
                 self._installed.add(id(shard))
+            if not self.group.own_graphs:
+                continue  # one graph across the shards: nothing can be recomputed in backward (rendezvous.py)
+            names = {id(m): n for n, m in shard.named_modules()}
+            for module, _ in self.owners[rank]:
+                if id(module) not in self._installed and id(module) in names:
+                    module.register_forward_pre_hook(self._recomputed(rank, module, names[id(module)]))
+                    module.register_forward_hook(self._after_recomputed(rank, module), prepend=True, always_call=True)
+                    self._installed.add(id(module))
+
+    def _recomputed(self, rank: int, module: nn.Module, name: str):
+        where = f"{WHERE} {name} (recomputed)"
+
+        def hook(mod, args):
+            if self._depth[rank] > 0 or not torch.is_grad_enabled() or not self.group.in_backward(rank):
+                return  # inside the whole shard's call (routed there), or not recomputing for a backward pass
+            mine = [n for m, n in self.owners[rank] if m is module]
+            current = [module._parameters[n] for n in mine]
+            self._recomputing[rank][id(module)] = current
+            for n, v in zip(mine, _SumGradsOfShard.apply(self.group, rank, where, *current)):
+                module._parameters[n] = v
+
+        return hook
+
+    def _after_recomputed(self, rank: int, module: nn.Module):
+        def hook(mod, args, output):
+            saved = self._recomputing[rank].pop(id(module), None)
+            if saved is not None:
+                for n, p in zip([n for m, n in self.owners[rank] if m is module], saved):
+                    module._parameters[n] = p
+
+        return hook
 
     def _before(self, rank: int):
         def hook(module, args):
@@ -88,7 +158,10 @@ class PartialGrads:
                 return
             current = [m._parameters[n] for m, n in owners]
             self._saved[rank] = current
-            views = self.group.exchange(rank, "partial_grads", WHERE, current, self._route)
+            if self.group.own_graphs:
+                views = _SumGradsOfShard.apply(self.group, rank, WHERE, *current)
+            else:
+                views = self.group.exchange(rank, "partial_grads", WHERE, current, self._route)
             for (m, n), v in zip(owners, views):
                 m._parameters[n] = v
 
@@ -109,5 +182,5 @@ class PartialGrads:
     def _route(self, payloads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Runs once per call, in the last shard to arrive."""
         count = len(payloads[0])
-        outs = _SumGrads.apply(self.group.devices, count, *[p for per_rank in payloads for p in per_rank])
+        outs = _SumGrads.apply(self.group, count, *[p for per_rank in payloads for p in per_rank])
         return [list(outs[r * count:(r + 1) * count]) for r in range(len(payloads))]

@@ -125,6 +125,11 @@ class ThreadGroup:
         """True when the calling thread is running a shard of this group (a re-entrant call)."""
         return any(c.group is self and not c.ended for c in _running())
 
+    def in_backward(self, rank: int) -> bool:
+        """True when this thread runs rank `rank`'s part of a backward pass (a forward recomputed in it)."""
+        call = next((c for c in reversed(_running()) if c.group is self), None) or self.current
+        return call is not None and call.kind == "backward" and not call.ended and not call.finished[rank]
+
     def run_shard(self, call: _Call, rank: int, fn: Callable[[], Any]) -> Any:
         """Run shard `rank` of `call` in this thread: a failure aborts the call, a return is reported."""
         stack = _running()

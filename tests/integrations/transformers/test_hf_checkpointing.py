@@ -88,3 +88,49 @@ def test_trainer_with_gradient_checkpointing_matches_the_unsplit_model(gen, tmp_
     assert len(losses) == 3 and all(abs(a - b) < 1e-4 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
     weights = unsplit_state(model)
     assert max(rel_err(weights[k], p) for k, p in ref.named_parameters()) < 1e-4
+
+
+@pytest.mark.parametrize("order", ["lora then split", "split then lora"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_lora_with_gradient_checkpointing_matches_the_unsplit_model(order, reentrant, gen, tmp_path):
+    """LoRA factors with partial gradients (A beside column-parallel layers, B beside row-parallel ones) keep
+    their sums when their blocks are recomputed in backward: three AdamW steps track the unsplit run."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from tensorshard.integrations.transformers import save_adapter
+
+    def lora(model):
+        torch.manual_seed(1)  # init_lora_weights=False: B is random too, so the adapter matters from the first step
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+
+    base = tiny_model("llama").train()
+    enable(base, reentrant)
+    base.enable_input_require_grads()  # as PEFT does for reentrant checkpointing: the embeddings stay frozen
+    if order == "lora then split":
+        ref = lora(copy.deepcopy(base))
+        model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2)
+    else:  # the adapters follow the split; the unsplit run loads the same adapter
+        model = lora(tp.tensor_parallel(copy.deepcopy(base), ["cpu"] * 2))
+        save_adapter(model, tmp_path / "adapter")
+        ref = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "adapter", is_trainable=True)
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, ref)]
+    for step in range(3):
+        ids = torch.randint(1, VOCAB, (2, 10), generator=gen)
+        with tp.count_collectives() as counted:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        assert rel_err(loss, ref_loss) < 1e-4, (step, loss, ref_loss)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    # Non-reentrant recomputation only refills saved tensors: the factors' gradients are summed once per pass, as
+    # without checkpointing. Reentrant recomputation builds the blocks' graphs anew: each module holding factors
+    # sums its own, once per recomputed block.
+    sums = [w for phase, kind, _, w in counted.log if w.startswith("partial gradients")]
+    if reentrant:
+        assert len(sums) >= base.config.num_hidden_layers and all(w.endswith("(recomputed)") for w in sums), sums
+    else:
+        assert sums == ["partial gradients"]

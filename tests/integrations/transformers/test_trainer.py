@@ -3,7 +3,7 @@
 The split run must log the unsplit run's training and evaluation losses (1e-4 relative; gradient clipping is on
 by default, so the gradient norm must be exact too), write checkpoints and a final model that unsplit models
 load with the same outputs, and resume from a checkpoint with the same losses. Also: outputs modifiable in
-place, save_pretrained's options, and activation checkpointing refused clearly.
+place and save_pretrained's options. Activation checkpointing under the Trainer: test_hf_checkpointing.py.
 """
 
 from __future__ import annotations
@@ -108,15 +108,3 @@ def test_save_pretrained_accepts_transformers_options(tmp_path):
     x = dataset(1)[0]["input_ids"][None]
     with torch.no_grad():
         assert rel_err(AutoModelForCausalLM.from_pretrained(tmp_path)(x).logits, original(x).logits) < 1e-5
-
-
-def test_activation_checkpointing_is_refused_clearly(tmp_path):
-    model = tp.tensor_parallel(tiny(), ["cpu"] * 2)
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=1, gradient_checkpointing=True, report_to=[])
-    with pytest.raises(NotImplementedError, match="gradient_checkpointing=False"):
-        Trainer(model=model, args=args, train_dataset=dataset()).train()
-    unsplit = tiny()
-    unsplit.gradient_checkpointing_enable()
-    with pytest.raises(NotImplementedError, match="gradient_checkpointing_disable"):
-        tp.tensor_parallel(unsplit, ["cpu"] * 2)
-    assert not any(p.is_meta for p in unsplit.parameters())  # refused before anything changed
