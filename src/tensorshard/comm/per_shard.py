@@ -13,6 +13,7 @@ checkpointing) simply meets the other shards again.
     all_gather          meet: concatenate             take own slice
     split               take own slice                meet: concatenate
     tie                 identity                      meet: sum over the holders of a parameter
+    partial_grads       identity                      meet: sum every parameter (comm/partial_grads.py)
 
 The reductions are those of comm/threads.py (`sum_to_all`, `copies`): run once, by the last shard to
 arrive, in rank order, so every shard gets a bit-identical result; each collective is counted once.

@@ -66,6 +66,7 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@torch.compiler.disable  # a builtin dynamo cannot trace: one clean graph break, not a warning
 def _saved_tensor_hooks():
     """The innermost saved-tensor hooks of this thread (or a guess that there are some, if PyTorch cannot say)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
