@@ -148,7 +148,7 @@ def gather_outputs(outputs: list, src: int, device: torch.device, devices, label
 
 
 def join_object(leaf: Any, per_rank: list) -> Any:
-    """A non-tensor output: the shards' per-device objects joined into one, or shard `src`'s `leaf`."""
+    """A non-tensor output: the shards' per-device objects joined into one, or `leaf` (the output shard's) as it is."""
     kind = _per_device(leaf)
     return kind.join(per_rank) if kind is not None else leaf
 
