@@ -44,6 +44,9 @@ def test_conv_net(n, gen):
     ],
 )
 def test_uneven_and_grouped_heads(n_heads, n_kv_heads, dim, n, gen):
+    # Seeded like its twin below: with an unseeded init, AdamW's first step (which divides by tiny
+    # gradient magnitudes) occasionally amplified float rounding past the tolerance (seen 1 run in ~10).
+    torch.manual_seed(0)
     ref = Transformer(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, hidden=176)
     model = split_copy(ref, n, plan=plans.transformer(n_heads, n_kv_heads))
     check_training_parity(ref, model, lambda: torch.randint(0, 96, (2, 9), generator=gen))
