@@ -1,10 +1,11 @@
 """The examples of docs/quantization.md run as written (```python blocks, in order, one namespace), and the
 command it shows prints the memory it quotes."""
 
-import re
 from pathlib import Path
 
 import pytest
+
+from support.docs import python_blocks, run_python_blocks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -13,11 +14,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "quantization.md"
 
 def test_quantization_doc_examples_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the doc saves "tiny-llama" in the working directory
-    blocks = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
+    blocks = python_blocks(DOC)
     assert len(blocks) == 4
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, str(DOC), "exec"), namespace)
+    namespace = run_python_blocks(DOC, blocks)
     printed = capsys.readouterr().out
     assert "Params4bit torch.Size([128, 192])" in printed
     assert namespace["model"].world_size == 2  # the last block: QLoRA over 2 devices

@@ -1,10 +1,9 @@
 """The examples of docs/finetuning.md run as written (```python blocks, in order, one namespace)."""
 
-import re
-
 import pytest
 
 from support import ROOT
+from support.docs import python_blocks, run_python_blocks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -12,11 +11,9 @@ DOC = ROOT / "docs" / "finetuning.md"
 
 
 def test_finetuning_doc_examples_run(capsys):
-    blocks = re.findall(r"^```python\n(.*?)^```", DOC.read_text(), flags=re.S | re.M)
+    blocks = python_blocks(DOC)
     assert len(blocks) >= 6
-    namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, str(DOC), "exec"), namespace)
+    run_python_blocks(DOC, blocks)
     printed = capsys.readouterr().out.splitlines()
     losses = [line.split()[-1] for line in printed if line.startswith(("TensorParallelPeftModel", "PeftModel "))]
     assert len(losses) == 2 and abs(float(losses[0]) - float(losses[1])) <= 1e-4 * float(losses[1])
