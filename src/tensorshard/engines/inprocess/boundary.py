@@ -130,17 +130,29 @@ def replicate_inputs(tree: Any, devices: list[torch.device], grad_copies: Callab
     return for_rank
 
 
-def gather_outputs(outputs: list, src: int, device: torch.device, devices, labels, *, check_equal: bool) -> Any:
+def output_leaves(outputs: list, src: int, labels, *, check_equal: bool) -> tuple[list, Any]:
+    """Shard `src`'s output leaves, each as ``(leaf, per_rank)``: a tensor with its copy from every shard (checked
+    to be replicated), or a non-tensor already joined (``per_rank`` None); and the tree spec to rebuild them."""
     flats = [tree_flatten(o) for o in outputs]
     leaves, spec = flats[src]
-    result = []
+    items = []
     for i, leaf in enumerate(leaves):
         per_rank = [flat[0][i] for flat in flats]
         if not isinstance(leaf, torch.Tensor):
-            result.append(join_object(leaf, per_rank))
+            items.append((join_object(leaf, per_rank), None))
             continue
         check_replicated(i, leaf, per_rank, src, labels, check_equal=check_equal)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in per_rank):
+        items.append((leaf, per_rank))
+    return items, spec
+
+
+def gather_outputs(outputs: list, src: int, device: torch.device, devices, labels, *, check_equal: bool) -> Any:
+    items, spec = output_leaves(outputs, src, labels, check_equal=check_equal)
+    result = []
+    for leaf, per_rank in items:
+        if per_rank is None:
+            result.append(leaf)
+        elif torch.is_grad_enabled() and any(t.requires_grad for t in per_rank):
             result.append(_GatherOutput.apply(src, device, devices, *per_rank))
         else:
             result.append(leaf if leaf.device == device else leaf.to(device))

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd import Function
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 
-from .boundary import check_replicated, join_object
+from .boundary import output_leaves
 from .workers import ThreadState
 
 if TYPE_CHECKING:
@@ -134,23 +134,23 @@ class _Boundary(Function):
 
 def join_outputs(graphs: ShardGraphs, outputs: list, src: int, device: torch.device, labels, *, check_equal: bool) -> Any:
     """Shard `src`'s outputs on `device`; those that carry a gradient come out of one `_Boundary` node."""
-    flats = [tree_flatten(o) for o in outputs]
-    leaves, spec = flats[src]
+    items, spec = output_leaves(outputs, src, labels, check_equal=check_equal)
     result, differentiable = [], []
     grad = torch.is_grad_enabled()
-    for i, leaf in enumerate(leaves):
-        per_rank = [flat[0][i] for flat in flats]
-        if not isinstance(leaf, torch.Tensor):
-            result.append(join_object(leaf, per_rank))
+    for i, (leaf, per_rank) in enumerate(items):
+        if per_rank is None:
+            result.append(leaf)
             continue
-        check_replicated(i, leaf, per_rank, src, labels, check_equal=check_equal)
         if grad and any(t.requires_grad for t in per_rank):
             differentiable.append(i)
             leaf = leaf.detach()  # shares the version counter: an in-place change the shard's graph needs is caught
         result.append(leaf if leaf.device == device else leaf.to(device))
     if not differentiable:
         return tree_unflatten(result, spec)
-    graphs.roots = [[flat[0][i] if flat[0][i].requires_grad else None for i in differentiable] for flat in flats]
+    graphs.roots = [
+        [items[i][1][rank] if items[i][1][rank].requires_grad else None for i in differentiable]
+        for rank in range(len(outputs))
+    ]
     anchor = torch.empty(0, requires_grad=True)
     outs = _Boundary.apply(graphs, [result[i] for i in differentiable], anchor.view_as(anchor), *graphs.inputs)
     for i, out in zip(differentiable, outs):
