@@ -71,3 +71,16 @@ def test_split_then_qlora_trains_like_unsplit(llama_dir, gen, tmp_path):
     ref = peft.PeftModel.from_pretrained(nf4(llama_dir), tmp_path / "adapter", is_trainable=True)
     for got, want in train_both(model, ref, gen):
         assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_qlora_disables_its_adapter_but_refuses_to_merge_into_quantized_slices(llama_dir, gen):
+    ref = qlora(nf4(llama_dir)).eval()
+    model = tp.tensor_parallel(qlora(nf4(llama_dir)), ["cpu"] * 2).eval()
+    ids = torch.randint(0, 128, (2, 9), generator=gen)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        with model.disable_adapter(), ref.disable_adapter():  # the 4-bit base model, on every device
+            assert rel_err(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
+        with pytest.raises(NotImplementedError, match="quantized"):
+            model.merge_adapter()  # it would requantize each device's slice
+        assert torch.equal(model(input_ids=ids).logits, before)

@@ -133,9 +133,11 @@ class PartialGrads:
         def hook(mod, args):
             if self._depth[rank] > 0 or not torch.is_grad_enabled() or not self.group.in_backward(rank):
                 return  # inside the whole shard's call (routed there), or not recomputing for a backward pass
-            mine = [n for m, n in self.owners[rank] if m is module]
+            mine = [n for m, n in self.owners[rank] if m is module and module._parameters[n].requires_grad]
+            if not mine:
+                return
             current = [module._parameters[n] for n in mine]
-            self._recomputing[rank][id(module)] = current
+            self._recomputing[rank][id(module)] = list(zip(mine, current))
             for n, v in zip(mine, _SumGradsOfShard.apply(self.group, rank, where, *current)):
                 module._parameters[n] = v
 
@@ -143,21 +145,22 @@ class PartialGrads:
 
     def _after_recomputed(self, rank: int, module: nn.Module):
         def hook(mod, args, output):
-            saved = self._recomputing[rank].pop(id(module), None)
-            if saved is not None:
-                for n, p in zip([n for m, n in self.owners[rank] if m is module], saved):
-                    module._parameters[n] = p
+            for n, p in self._recomputing[rank].pop(id(module), None) or ():
+                module._parameters[n] = p
 
         return hook
 
     def _before(self, rank: int):
         def hook(module, args):
-            owners = self.owners[rank]
             self._depth[rank] += 1
-            if self._depth[rank] > 1 or not owners or not torch.is_grad_enabled():
+            if self._depth[rank] > 1 or not torch.is_grad_enabled():
+                return
+            # only the trainable ones, as they are now (PEFT's set_adapter switches them on every device alike)
+            owners = [(m, n) for m, n in self.owners[rank] if m._parameters[n].requires_grad]
+            if not owners:
                 return
             current = [m._parameters[n] for m, n in owners]
-            self._saved[rank] = current
+            self._saved[rank] = list(zip(owners, current))
             if self.group.own_graphs:
                 views = _SumGradsOfShard.apply(self.group, rank, WHERE, *current)
             else:
@@ -173,9 +176,8 @@ class PartialGrads:
             if self._depth[rank] > 0:
                 return
             saved, self._saved[rank] = self._saved[rank], None
-            if saved is not None:
-                for (m, n), p in zip(self.owners[rank], saved):
-                    m._parameters[n] = p
+            for (m, n), p in saved or ():
+                m._parameters[n] = p
 
         return hook
 

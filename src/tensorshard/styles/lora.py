@@ -88,6 +88,8 @@ class LoraParallel(Style):
         def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if kwargs.pop("adapter_names", None) is not None:
                 raise NotImplementedError(f"{name}: adapter_names= (mixed adapter batches) on a split model")
+            if module.disable_adapters and module.merged:
+                module.unmerge()  # as PEFT's forward: disabled adapters are never left merged in
             if module.disable_adapters or module.merged:
                 return module.base_layer(x, *args, **kwargs)
             partial = None  # this device's share of s * B A x, summed in the base layer's all-reduce
@@ -168,9 +170,9 @@ class LoraFactor(Style):
 
             wrap_forward(module, forward)
             return
-        trainable = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
-        if trainable:
-            comm.partial_grads(module, trainable, where=name)
+        # every factor, trainable now or not: set_adapter() may switch an adapter on later (the engines route only
+        # the parameters that require gradients at each call)
+        comm.partial_grads(module, [n for n, _ in module.named_parameters(recurse=False)], where=name)
         if self.split == "whole_input":
             inner = module.forward
 

@@ -164,3 +164,90 @@ def test_unsupported_adapters_are_refused_before_anything_changes(config, named)
         tp.tensor_parallel(model, ["cpu"] * 2)
     assert not any(p.is_meta for p in model.parameters())  # untouched: still usable
     model(input_ids=ids())
+
+
+# --- switching and merging adapters: each device does PEFT's own operation on its slices; the split model then
+# gives the unsplit PeftModel's logits after the same operation (1e-5), and after set_adapter trains like it.
+# Operations that rebuild the module tree are refused before anything changes.
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids()).logits
+
+
+def two_adapters():
+    model = lora(tiny())
+    torch.manual_seed(3)
+    model.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules=LLAMA_TARGETS, init_lora_weights=False))
+    return model
+
+
+@pytest.mark.parametrize("n, sharded", [(2, True), (3, True), (3, False)])
+def test_merge_adapter_merges_every_device_slice(n, sharded):
+    ref = lora(tiny()).eval()
+    model = split_copy(ref, n, sharded=sharded).eval()
+    with_adapter = logits(ref)
+    for step in ("merge_adapter", "unmerge_adapter", "merge_adapter", "disable_adapter_layers", "enable_adapter_layers"):
+        for m in (model, ref):
+            getattr(m, step)()
+        assert rel_err(logits(model), logits(ref)) < 1e-5, step
+    assert rel_err(logits(model), with_adapter) < 1e-5
+
+
+@pytest.mark.parametrize("family, targets", [("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+                                             ("gpt2", ["c_attn", "c_proj", "c_fc"])])
+def test_merge_adapter_on_fused_projections(family, targets):
+    ref = lora(tiny(family), targets, fan_in_fan_out=family == "gpt2").eval()
+    model = split_copy(ref, 3, sharded=True).eval()
+    model.merge_adapter()
+    ref.merge_adapter()
+    assert rel_err(logits(model), logits(ref)) < 1e-5
+
+
+def test_disable_adapter_runs_the_base_model():
+    base = tiny().eval()
+    ref = lora(copy.deepcopy(base)).eval()
+    model = split_copy(ref, 2, sharded=True).eval()
+    with model.disable_adapter():
+        assert rel_err(logits(model), logits(base)) < 1e-5
+    assert rel_err(logits(model), logits(ref)) < 1e-5  # on again after the block
+
+
+@pytest.mark.parametrize("n, sharded", [(2, False), (3, True)])
+def test_set_adapter_trains_the_newly_active_adapter(n, sharded):
+    ref = two_adapters()
+    model = split_copy(ref, n, sharded=sharded)
+    for m in (model, ref):
+        m.set_adapter("b")
+    assert model.active_adapter == "b"
+    assert rel_err(logits(model), logits(ref)) < 1e-5
+    # the factors of "b" were frozen when the model was split; their partial gradients must still be summed
+    for m in (model, ref):
+        m(input_ids=ids(), labels=ids()).loss.backward()
+    name = "base_model.model.model.layers.1.self_attn.q_proj.lora_A.b.weight"  # whole: partial gradients per device
+    want = dict(ref.named_parameters())[name].grad
+    held = [dict(shard.named_parameters())[name].grad for shard in model.module_shards]
+    # frozen when split, so ZeRO-3 left them replicated: every device holds the whole, summed gradient
+    assert all(g.shape == want.shape and torch.equal(g, held[0]) for g in held)
+    assert rel_err(held[0], want) < 1e-5
+    model.zero_grad()
+    ref.zero_grad()
+    for got, want in train_both(model, ref):
+        assert abs(got - want) <= 1e-4 * abs(want)
+
+
+@pytest.mark.parametrize("method", ["merge_and_unload", "unload", "delete_adapter", "add_weighted_adapter"])
+def test_restructuring_methods_are_refused_before_anything_changes(method):
+    ref = lora(tiny()).eval()
+    model = split_copy(ref, 2).eval()
+    before = logits(model)
+    with pytest.raises(NotImplementedError, match="merge_adapter"):
+        getattr(model, method)("default") if method == "delete_adapter" else getattr(model, method)()
+    assert torch.equal(logits(model), before)
+
+
+def test_set_adapter_names_a_missing_adapter():
+    model = split_copy(lora(tiny()), 2)
+    with pytest.raises(ValueError, match="default"):
+        model.set_adapter("missing")

@@ -16,6 +16,7 @@ inner transformers model's (split, sharing the shards: wrapped.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -76,12 +77,130 @@ class PeftTensorParallel(WrapperTensorParallel):
     def active_adapters(self):
         return self._peft.active_adapters
 
+    @active_adapter.setter
+    def active_adapter(self, name) -> None:  # PeftModel.set_adapter assigns it
+        self._peft.active_adapter = name
+
     @property
     def base_model(self):
         raise AttributeError(
             f"{type(self).__name__} is split over {self.labels}: its LoRA model lives in model.module_shards[r]"
             ".base_model; the split transformers model inside is model.get_base_model()"
         )
+
+    # Switching and merging adapters: every device does it on its own slices, through PEFT's own methods on its
+    # shard (styles/lora.py: B_d A and B A_d are exactly this device's slice of the merged weight). PEFT merges or
+    # unmerges inside several of them (disabling or switching a merged adapter unmerges it first).
+    def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
+        """Adds the adapters (default: the active ones) into the split weights in place, as PEFT's
+        ``merge_adapter`` does; ``unmerge_adapter()`` takes them out again."""
+        with self._whole_factors():
+            for shard in self.module_shards:
+                problem = unmergeable(shard)
+                if problem:
+                    raise NotImplementedError(f"merge_adapter() on a model split over {self.labels}: {problem}. Merge in "
+                                              "the unsplit model instead (save the adapter, load it there, merge_and_unload)")
+        self._on_every_shard(lambda shard: shard.base_model.merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge))
+
+    def unmerge_adapter(self) -> None:
+        self._on_every_shard(lambda shard: shard.base_model.unmerge_adapter())
+
+    def enable_adapter_layers(self) -> None:
+        self._on_every_shard(lambda shard: shard.base_model.enable_adapter_layers())
+
+    def disable_adapter_layers(self) -> None:
+        # PEFT's forward unmerges a disabled merged layer when it next runs; here, with whole factors, at once
+        self._on_every_shard(lambda shard: (shard.base_model.unmerge_adapter(), shard.base_model.disable_adapter_layers()))
+
+    def set_adapter(self, adapter_name: str, inference_mode: bool = False) -> None:
+        """Makes `adapter_name` the active adapter on every device (trainable unless `inference_mode`)."""
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"set_adapter({adapter_name!r}): this model holds the adapter(s) {sorted(self.peft_config)}")
+        self._on_every_shard(lambda shard: shard.set_adapter(adapter_name, inference_mode=inference_mode))
+        self._peft.active_adapter = adapter_name
+
+    @contextlib.contextmanager
+    def disable_adapter(self):
+        """Runs the base model without the adapters inside the block (PEFT's ``disable_adapter``), on every device."""
+        stack = contextlib.ExitStack()
+        self._on_every_shard(lambda shard: stack.enter_context(shard.disable_adapter()))
+        try:
+            yield
+        finally:
+            with self._whole_factors():
+                stack.close()
+
+    def _on_every_shard(self, action) -> None:
+        with self._whole_factors():
+            for shard in self.module_shards:
+                action(shard)
+
+    @contextlib.contextmanager
+    def _whole_factors(self):
+        """Every device sees whole copies of the adapter factors ZeRO-3 keeps in row pieces (``sharded``, the
+        default for trainable whole tensors): PEFT's merge multiplies whole factors."""
+        names = [n for n in getattr(self, "zero_splits", {}) if is_adapter_tensor(n)]
+        whole = dict(gathered_state_dict(self, only=names.__contains__)) if names else {}
+        held = []
+        try:
+            for shard in self.module_shards:
+                for name, tensor in whole.items():
+                    owner, attr = name.rsplit(".", 1)
+                    module = shard.get_submodule(owner)
+                    piece = module._parameters[attr]
+                    held.append((module, attr, piece))
+                    module._parameters[attr] = nn.Parameter(tensor.to(piece.device), requires_grad=False)
+            yield
+        finally:
+            for module, attr, piece in held:
+                module._parameters[attr] = piece
+
+    def enable_adapter_layers(self) -> None:
+        for shard in self.module_shards:
+            shard.base_model.enable_adapter_layers()
+
+    def disable_adapter_layers(self) -> None:
+        for shard in self.module_shards:
+            shard.base_model.disable_adapter_layers()
+
+    @contextlib.contextmanager
+    def disable_adapter(self):
+        """Runs the base model without the adapters inside the block (PEFT's ``disable_adapter``), on every device."""
+        with contextlib.ExitStack() as stack:
+            for shard in self.module_shards:
+                stack.enter_context(shard.disable_adapter())
+            yield
+
+    def set_adapter(self, adapter_name: str, inference_mode: bool = False) -> None:
+        """Makes `adapter_name` the active adapter on every device (trainable unless `inference_mode`)."""
+        if adapter_name not in self.peft_config:
+            raise ValueError(f"set_adapter({adapter_name!r}): this model holds the adapter(s) {sorted(self.peft_config)}")
+        for shard in self.module_shards:
+            shard.set_adapter(adapter_name, inference_mode=inference_mode)
+        self._peft.active_adapter = adapter_name
+
+    def _refuse_restructuring(self, method: str):
+        raise NotImplementedError(
+            f"{method}() on a model split over {self.labels}: it rebuilds the module tree, which the split's layout "
+            "describes. Save the adapter (model.save_pretrained(folder)), load it into the unsplit model "
+            "(PeftModel.from_pretrained(base, folder)) and call it there, then split the result; or call "
+            "merge_adapter(), which merges in place on every device"
+        )
+
+    def merge_and_unload(self, *args: Any, **kwargs: Any):
+        self._refuse_restructuring("merge_and_unload")
+
+    def unload(self, *args: Any, **kwargs: Any):
+        self._refuse_restructuring("unload")
+
+    def delete_adapter(self, *args: Any, **kwargs: Any):
+        self._refuse_restructuring("delete_adapter")
+
+    def add_adapter(self, *args: Any, **kwargs: Any):
+        self._refuse_restructuring("add_adapter")
+
+    def add_weighted_adapter(self, *args: Any, **kwargs: Any):
+        self._refuse_restructuring("add_weighted_adapter")
 
     def get_base_model(self) -> nn.Module:
         return self.inner_model
@@ -125,6 +244,23 @@ class PeftTensorParallel(WrapperTensorParallel):
         peft_save = functools.partial(type(self._peft).save_pretrained, self._peft, state_dict=state, **kwargs)
         write_into_folder(target, peft_save, replaces=ADAPTER_FILES)
         logger.info("saved the adapter of the split %s to %s (%d tensors)", type(self._peft).__name__, target, len(state))
+
+
+def unmergeable(shard: nn.Module) -> str | None:
+    """Why PEFT's merge would be wrong on this shard's slices, or None: a base weight that is quantized (the
+    merge would requantize a slice) or held in ZeRO-3 pieces (its local tensor is not the adapter's slice)."""
+    for name, module in shard.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "get_base_layer")):
+            continue
+        weight = getattr(module.get_base_layer(), "weight", None)
+        if weight is None or not weight.is_floating_point():
+            return f"{name} wraps a quantized layer (merging would requantize a slice)"
+        for adapter, A in module.lora_A.items():
+            rows, cols = module.lora_B[adapter].weight.shape[0], A.weight.shape[1]
+            expected = (cols, rows) if getattr(module, "fan_in_fan_out", False) else (rows, cols)
+            if tuple(weight.shape) != expected:
+                return f"{name}'s weight is held in ZeRO-3 pieces (sharded_param_names), not as the adapter's slice"
+    return None
 
 
 def save_adapter(peft_model: nn.Module, save_directory: str | os.PathLike, *, adapter_name: str = "default") -> None:
