@@ -49,19 +49,3 @@ def test_gemma_with_a_vocab_split_tied_embedding_matches(gen):
     ids = torch.randint(0, 96, (2, 7), generator=gen)
     with torch.no_grad():
         assert rel_err(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
-
-
-def test_dropout_on_shared_cpu_slots_is_warned_about():
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("tensorshard.engines.inprocess.engine")
-    logger.addHandler(handler)
-    try:
-        plan = {"0": tp.ColwiseParallel(), "2": tp.RowwiseParallel()}
-        tp.tensor_parallel(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 8)), ["cpu"] * 2, plan=plan)
-        tp.tensor_parallel(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.0), nn.Linear(16, 8)), ["cpu"] * 2, plan=plan)
-    finally:
-        logger.removeHandler(handler)
-    messages = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    assert len(messages) == 1 and "has dropout (1) and 2 shards share one device's random generator" in messages[0]

@@ -169,18 +169,6 @@ def test_adamw_steps_match_the_unsplit_model(llama, gen):
         assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
 
 
-def test_training_with_dropout_warns_once(caplog, gen):
-    config = tiny_config("gpt2")
-    config.resid_pdrop = 0.1
-    model = tp.tensor_parallel(tiny_model("gpt2", config), ["cpu"] * 2)
-    model.train()
-    ids = torch.randint(1, VOCAB, (1, 4), generator=gen)
-    with caplog.at_level("WARNING", logger="tensorshard"):
-        model(input_ids=ids)
-        model(input_ids=ids)
-    assert caplog.text.count("training TensorParallelGPT2LMHeadModel with dropout") == 1
-
-
 def test_beam_search_and_several_samples(llama, gen):
     """Beam search reorders the cache on every device; num_return_sequences expands it."""
     ref, model = llama

@@ -28,7 +28,7 @@ import os
 import re
 import threading
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -47,6 +47,7 @@ from ..resplit import mark_consumed, mark_split, refuse_split_twice
 from ..split_report import report_split
 from .boundary import gather_outputs, replicate_inputs, to_device
 from .copies import deep_copy, refuse_pickle
+from .dropout import ShardDropout, may_drop
 from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .rollback import Released, restore
 from .shard_backward import ShardGraphs, join_outputs
@@ -140,8 +141,8 @@ class TensorParallel(nn.Module):
             )
 
         placement = [devices[0]] * world if self.debug else devices
-        _warn_shared_dropout(module, placement)
         self._group = ThreadGroup(placement, self.timeout, serial=self.debug, labels=self.labels)
+        self._dropout = ShardDropout(self._group) if world > 1 and may_drop(module) else None  # dropout.py
         self._pool = WorkerPool()
         self._call_lock = threading.Lock()  # concurrent callers take turns: the shards share one rendezvous
         # How each tensor of the original is split, by its original state-dict name (for gathered saves).
@@ -163,6 +164,8 @@ class TensorParallel(nn.Module):
         mark_split(self, self.labels)
         shard_replicated(self, zero_names)
         install_partial_grads(self)  # after ZeRO-3's hooks
+        if self._dropout is not None:
+            self._dropout.install(self.module_shards)
         meta = sum(1 for t in list(self.module_shards[0].parameters()) + list(self.module_shards[0].buffers()) if t.is_meta)
         if meta:
             logger.info("%d tensor(s) are on the meta device: load the weights into the split model before calling it", meta)
@@ -216,9 +219,14 @@ class TensorParallel(nn.Module):
         src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
         graphs = ShardGraphs(self, src) if group.own_graphs else None
         per_rank_inputs = replicate_inputs((args, kwargs), devices, graphs.leaf_copies if graphs else None)
+        dropout = self._dropout if self.training else None
+        if dropout is not None:
+            record = dropout.begin_forward()
+            if graphs is not None:
+                graphs.dropout = record  # its backward recomputes (activation checkpointing) with the same masks
 
         def run(rank: int):
-            with state.applied(devices[rank]):
+            with state.applied(devices[rank]), dropout.mode(rank) if dropout is not None else nullcontext():
                 a, kw = per_rank_inputs(rank)
                 return shards[rank](*a, **kw)
 
@@ -414,21 +422,6 @@ def _consume(module: nn.Module, world: int) -> int:
         )
 
     return module.register_forward_pre_hook(refuse).id
-
-
-def _warn_shared_dropout(module: nn.Module, placement: list[torch.device]) -> None:
-    """Shards on one device type without per-device generators (CPU slots) draw different dropout masks
-    from the one generator they share: replicated activations, and the gradients of replicated
-    parameters, then differ between shards."""
-    shared = len(set(placement)) < len(placement)
-    drops = [n for n, m in module.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
-    if shared and drops:
-        logger.warning(
-            "%s has dropout (%s%s) and %d shards share one device's random generator: in training mode each "
-            "shard draws its own masks, so replicated activations and replicated parameters' gradients differ "
-            "between shards. Train with dropout off (p=0) when simulating devices on one device; eval() is fine.",
-            type(module).__name__, drops[0], f" and {len(drops) - 1} more" if len(drops) > 1 else "", len(placement),
-        )
 
 
 def install_partial_grads(model: TensorParallel) -> None:

@@ -48,6 +48,7 @@ class ShardGraphs:
         self.inputs: list[torch.Tensor] = []  # the caller's tensors that need a gradient
         self.leaves: list[list[torch.Tensor]] | None = [[] for _ in model._placement]  # rank -> its copies
         self.roots: list[list[torch.Tensor | None]] | None = None  # rank -> output (None: needs no gradient)
+        self.dropout = None  # the call's dropout keys (dropout.py), for blocks recomputed in backward
 
     def leaf_copies(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every shard's own leaf copy of input `x` (sharing its storage where on the same device)."""
@@ -79,6 +80,8 @@ class ShardGraphs:
         if not used or not (accumulate or self.inputs):
             return none  # nothing to compute (identically on every shard)
         roots, leaves = self.roots, self.leaves
+        if self.dropout is not None:
+            model._dropout.begin_backward(self.dropout)  # blocks recomputed in it draw the forward's masks
 
         def run(rank: int):
             device = model._placement[rank]

@@ -28,7 +28,7 @@ shards. What differs from the unsplit model:
 - gradient (activation) checkpointing, enabled before or after splitting, recomputes each block in its
   shard's own backward pass (engines/inprocess/shard_backward.py); not in debug mode on a GPU;
 - unsupported, with an error saying so: output_attentions, static caches, resizing embeddings;
-- training with dropout > 0 is not exact (each device draws its own masks): a warning says so.
+- training with dropout: replicated activations get one mask on every device (engines/inprocess/dropout.py).
 """
 
 from __future__ import annotations
@@ -124,7 +124,6 @@ def _adopt(model: "TransformersTensorParallel", original: nn.Module) -> None:
             object.__setattr__(model, key, value)
     object.__setattr__(model, "_original", original)  # consumed (on meta); not a submodule
     object.__setattr__(model, "_views", {})
-    object.__setattr__(model, "_warned_dropout", False)
     object.__setattr__(model, "_forward_parameters", dict(inspect.signature(type(original).forward).parameters))
 
 
@@ -155,13 +154,6 @@ class TransformersTensorParallel(TensorParallel):
             if isinstance(value, Cache) or (key == "past_key_values" and value is not None):
                 # (past_key_values: refuses legacy tuples; one filled by the unsplit model is divided by heads)
                 kwargs[key] = shard_cache(value, self.world_size, functools.partial(split_filled_cache, model=self))
-        if self.training and not self._warned_dropout and _uses_dropout(self.config):
-            object.__setattr__(self, "_warned_dropout", True)
-            logger.warning(
-                "training %s with dropout: each device draws its own masks, so activations every device should "
-                "hold alike (after an all-reduce) differ, and the copies of replicated weights (norms) drift apart. "
-                "Set the config's dropout probabilities to 0 before splitting to train exactly.", type(self).__name__
-            )
         return super().forward(**kwargs)  # caches the shards build are joined into one (cache.py)
 
     def _keywords(self, args: tuple, kwargs: dict) -> dict:
@@ -344,13 +336,6 @@ def _view_below(view: TensorParallel, name: str) -> TensorParallel:
     below.splits = {k[len(prefix):]: v for k, v in view.splits.items() if k.startswith(prefix)}
     below.training = below.module_shards[0].training
     return below
-
-
-def _uses_dropout(config) -> bool:
-    """Any dropout probability above 0 in the config (attention_dropout, hidden_dropout_prob, resid_pdrop...)."""
-    return any(
-        isinstance(v, float) and v > 0 and ("dropout" in k or "pdrop" in k) for k, v in config.to_dict().items()
-    )
 
 
 def _align_experts(model: TensorParallel) -> None:

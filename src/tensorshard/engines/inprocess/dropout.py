@@ -1,0 +1,239 @@
+"""Dropout in training that keeps the shards consistent, in the in-process engine.
+
+A split model holds two kinds of activations. Replicated ones (the residual stream, a row-parallel layer's
+reduced output) are bit-identical on every device, and the engine relies on it: each device computes the
+full gradient of a replicated parameter (a norm's weight) and keeps its own copy. Split ones (attention
+heads, an MLP's hidden slice) differ per device. Left to PyTorch, each shard draws its dropout masks from
+its device's generator (CPU slots even share one, across threads, in no fixed order): replicated
+activations then differ between devices, and so do the replicated parameters after an optimizer step.
+
+Here every dropout of a training call draws from a generator of its own, seeded by a key:
+
+    key = mix(call seed, n, rank if the input is split else -1)
+
+The call seed is drawn once per call in the caller's thread from torch's default generator (so
+`torch.manual_seed` makes a run reproducible); n counts the dropouts of the call, in the same order on
+every shard (they run the same code). Whether an input is split is decided by the shards together, each
+time: they compare a fingerprint of their inputs (shape and two sums) at the rendezvous, equal only for
+a replicated activation. A replicated activation thus gets one mask on every device, the one an unsplit
+model using the same keys would draw; a split one gets an independent mask per device.
+
+Activation checkpointing recomputes a block in the backward pass and must draw the forward's masks
+again: the forward records each dropout's key under the fingerprint of its input, which the
+recomputation sees again bit for bit, and the shard's backward pass replays them from that record.
+PyTorch's autograd engine runs the recomputation without the thread's function modes, so every module of
+a shard carries a forward pre-hook that enters the mode when a module runs inside that shard's backward
+pass (a recomputed layer, as `gradient_checkpointing_enable()` and `checkpoint(module, ...)` recompute).
+A recomputed function that applies dropout outside any module call is not seen: it would draw fresh masks.
+
+What is intercepted (a `TorchFunctionMode` in each shard's thread, only for training calls of a model
+that has some dropout): `F.dropout`, `F.dropout1d/2d/3d` and `torch.dropout` (so every `nn.Dropout`), and
+`scaled_dot_product_attention` with `dropout_p > 0`, computed by its reference math with the mask above.
+Alpha dropout is left to PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+_MASK = (1 << 63) - 1
+_ELEMENTWISE = (F.dropout, torch.dropout)
+_CHANNELWISE = {F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3}
+_SDPA = F.scaled_dot_product_attention
+
+
+def may_drop(module: nn.Module) -> bool:
+    """Whether a model may apply dropout in training: an nn.Dropout with p > 0, or a float attribute named
+    like a dropout probability (transformers' attention and layer modules keep `dropout`, `attention_dropout`,
+    `resid_pdrop`...) above 0. Models without are not intercepted at all."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            if m.p > 0:
+                return True
+            continue
+        for name, value in vars(m).items():
+            if isinstance(value, float) and value > 0 and ("dropout" in name or "pdrop" in name):
+                return True
+    return False
+
+
+def _mix(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64 steps): different keys give unrelated generator streams."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & _MASK
+
+
+def _fingerprint(x: torch.Tensor) -> tuple:
+    flat = x.detach().reshape(-1)
+    sums = torch.stack([flat.sum(dtype=torch.float64), flat[1::3].sum(dtype=torch.float64)]).tolist()
+    return (tuple(x.shape), str(x.dtype), *sums)
+
+
+class DropoutRecord:
+    """The keys one forward call used, per shard, under their inputs' fingerprints (for recomputation)."""
+
+    def __init__(self, seed: int, world: int) -> None:
+        self.seed = seed
+        self.keys: list[dict[tuple, list[int]]] = [defaultdict(list) for _ in range(world)]
+
+
+class ShardDropout:
+    """Consistent dropout for one split model's shards (see the module docstring)."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group  # the shards' rendezvous; None: one model, whose every activation is "replicated"
+        self.world = group.world_size if group is not None else 1
+        self.record: DropoutRecord | None = None  # the call being run (forward) or replayed (backward)
+        self.replaying = False
+        self._count = [0] * self.world  # dropouts so far in this call, per shard
+        self._replayed: list[dict[tuple, int]] = [{} for _ in range(self.world)]
+        self._generators: dict[int, torch.Generator] = {}  # per shard: CPU slots share a device, not a generator
+
+    def begin_forward(self) -> DropoutRecord:
+        """A new training call: its seed, drawn from torch's default generator."""
+        seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
+        self.record, self.replaying = DropoutRecord(seed, self.world), False
+        self._count = [0] * self.world
+        return self.record
+
+    def begin_backward(self, record: DropoutRecord) -> None:
+        """The backward pass of the call that left `record`: recomputed dropouts draw its masks again."""
+        self.record, self.replaying = record, True
+        self._replayed = [{} for _ in range(self.world)]
+
+    def mode(self, rank: int) -> "_DropoutMode":
+        return _DropoutMode(self, rank)
+
+    def install(self, shards) -> None:
+        """Hooks every module of every shard so a recomputation in backward runs under the mode."""
+        self._active: list[tuple[nn.Module, _DropoutMode] | None] = [None] * self.world
+        for rank, shard in enumerate(shards):
+            for module in shard.modules():
+                module.register_forward_pre_hook(self._enter(rank))
+                module.register_forward_hook(self._leave(rank), always_call=True)
+
+    def _enter(self, rank: int):
+        def hook(module, args):
+            if self.replaying and self._active[rank] is None and self.group.in_backward(rank):
+                mode = self.mode(rank)
+                mode.__enter__()
+                self._active[rank] = (module, mode)
+
+        return hook
+
+    def _leave(self, rank: int):
+        def hook(module, args, output):
+            active = self._active[rank]
+            if active is not None and active[0] is module:
+                self._active[rank] = None
+                active[1].__exit__(None, None, None)
+
+        return hook
+
+    # -- one dropout ----------------------------------------------------------------------------------------
+
+    def key(self, rank: int, x: torch.Tensor) -> int:
+        """The key of this dropout of `x` on shard `rank`: a new one in forward, the recorded one in backward."""
+        record, print_ = self.record, _fingerprint(x)
+        if self.replaying:
+            keys = record.keys[rank].get(print_)
+            if not keys:
+                raise RuntimeError(
+                    f"a dropout recomputed in the backward pass of shard {rank} saw an input its forward pass did not "
+                    f"(shape {tuple(x.shape)}): the recomputation is not deterministic, so it cannot draw the forward's "
+                    "masks again. Train with dropout off (p=0) or without activation checkpointing for this model."
+                )
+            i = self._replayed[rank].get(print_, 0)
+            self._replayed[rank][print_] = i + 1
+            return keys[i % len(keys)]
+        n = self._count[rank]
+        self._count[rank] += 1
+        replicated = self.group is None or self.group.exchange(
+            rank, "dropout", f"dropout #{n + 1}", print_, lambda prints: [all(p == prints[0] for p in prints)] * len(prints),
+        )
+        key = _mix(record.seed, n, -1 if replicated else rank)
+        record.keys[rank][print_].append(key)
+        return key
+
+    def keep_mask(self, rank: int, x: torch.Tensor, p: float, shape: tuple[int, ...]) -> torch.Tensor:
+        """1/(1-p) where kept, 0 where dropped: drawn from this dropout's own generator."""
+        g = self._generators.get(rank)
+        if g is None or g.device != x.device:
+            g = self._generators[rank] = torch.Generator(device=x.device)
+        g.manual_seed(self.key(rank, x))
+        mask = torch.empty(shape, dtype=x.dtype, device=x.device)
+        if p >= 1:
+            return mask.zero_()
+        return mask.bernoulli_(1 - p, generator=g).div_(1 - p)
+
+
+class _DropoutMode(TorchFunctionMode):
+    """Routes the dropouts of one shard's training call through `ShardDropout` (see the module docstring)."""
+
+    def __init__(self, owner: ShardDropout, rank: int) -> None:
+        super().__init__()
+        self.owner, self.rank = owner, rank
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ELEMENTWISE or func in _CHANNELWISE:
+            x, p, training, inplace = _dropout_args(func, args, kwargs)
+            if training and p > 0 and isinstance(x, torch.Tensor) and x.is_floating_point():
+                return self._drop(func, x, p, inplace)
+        elif func is _SDPA and _sdpa_dropout(args, kwargs) > 0:
+            return self._attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _drop(self, func, x: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
+        dims = _CHANNELWISE.get(func)
+        if dims is None:
+            shape = tuple(x.shape)
+        else:
+            batched = x.dim() == dims + 2  # (N, C, *spatial); else unbatched (C, *spatial)
+            lead = 2 if batched else 1
+            shape = tuple(x.shape[:lead]) + (1,) * (x.dim() - lead)
+        mask = self.owner.keep_mask(self.rank, x, p, shape)
+        return x.mul_(mask) if inplace else x * mask
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """scaled_dot_product_attention by its reference definition, its dropout drawn as every other here."""
+        length, source = query.size(-2), key.size(-2)
+        scale = 1 / math.sqrt(query.size(-1)) if scale is None else scale
+        if enable_gqa:
+            key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+            value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+        scores = (query @ key.transpose(-2, -1)) * scale
+        if is_causal:
+            causal = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+        weights = torch.softmax(scores, dim=-1)
+        weights = weights * self.owner.keep_mask(self.rank, weights, dropout_p, tuple(weights.shape))
+        return weights @ value
+
+
+def _dropout_args(func, args, kwargs) -> tuple[Any, float, bool, bool]:
+    """(input, p, training, inplace) of a dropout call, whichever way its arguments were passed."""
+    names = ("input", "p", "train", "inplace") if func is torch.dropout else ("input", "p", "training", "inplace")
+    bound = dict(zip(names, args)) | kwargs
+    if func is torch.dropout:
+        return bound["input"], float(bound["p"]), bool(bound["train"]), False
+    x = bound.get("input", bound.get("self"))
+    return x, float(bound.get("p", 0.5)), bool(bound.get("training", True)), bool(bound.get("inplace", False))
+
+
+def _sdpa_dropout(args, kwargs) -> float:
+    if "dropout_p" in kwargs:
+        return float(kwargs["dropout_p"])
+    return float(args[4]) if len(args) > 4 else 0.0
