@@ -47,7 +47,7 @@ from ..partition import Partition
 from .base import Comm
 from .counter import record
 from .dist_guard import collective, guard_for
-from .dtensor import as_dtensor
+from .dtensor import as_dtensor, mesh_device
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -378,6 +378,15 @@ class DistComm(Comm):
         full = gather_partition(x, dim, partition, self.group, what=label("all_gather", where))
         record("all_gather", _nbytes(full), "forward", where)
         return full
+
+    def gather_small(self, x: torch.Tensor, *, where: str = "") -> list[torch.Tensor]:
+        """Every rank's copy of a small 1-D tensor (no autograd), in rank order: for agreeing on metadata."""
+        if self.world_size == 1:
+            return [x]
+        local = x.to(mesh_device(self.mesh))
+        rows = gather_even(local.reshape(1, -1), 0, self.world_size, self.group, what=label("all_gather", where))
+        record("all_gather", _nbytes(rows), "forward", where)
+        return list(rows.cpu())
 
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:

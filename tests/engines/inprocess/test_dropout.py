@@ -1,4 +1,4 @@
-"""Dropout in training keeps the shards consistent (engines/inprocess/dropout.py).
+"""Dropout in training keeps the shards consistent in one process (comm/dropout.py).
 
 Replicated activations get one mask on every device, so the replicated parameters (norms) stay bit-identical
 across devices through training; a model whose dropouts all act on replicated activations trains exactly like
@@ -17,7 +17,7 @@ from torch import nn
 
 import tensorshard as tp
 from support.helpers import rel_err
-from tensorshard.engines.inprocess.dropout import ShardDropout
+from tensorshard.comm.dropout import ShardDropout
 
 pytestmark = pytest.mark.timeout(120)
 

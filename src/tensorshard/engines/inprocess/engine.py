@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ... import quant
+from ...comm.dropout import ShardDropout, ThreadPeers, may_drop
 from ...comm.threads import ThreadComm, ThreadGroup
 from ...comm.timeout import resolve_timeout
 from ...devices import as_device, device_labels, resolve_devices
@@ -47,7 +48,6 @@ from ..resplit import mark_consumed, mark_split, refuse_split_twice
 from ..split_report import report_split
 from .boundary import gather_outputs, replicate_inputs, to_device
 from .copies import deep_copy, refuse_pickle
-from .dropout import ShardDropout, may_drop
 from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .rollback import Released, restore
 from .shard_backward import ShardGraphs, join_outputs
@@ -142,7 +142,7 @@ class TensorParallel(nn.Module):
 
         placement = [devices[0]] * world if self.debug else devices
         self._group = ThreadGroup(placement, self.timeout, serial=self.debug, labels=self.labels)
-        self._dropout = ShardDropout(self._group) if world > 1 and may_drop(module) else None  # dropout.py
+        self._dropout = ShardDropout(ThreadPeers(self._group)) if world > 1 and may_drop(module) else None  # comm/dropout.py
         self._pool = WorkerPool()
         self._call_lock = threading.Lock()  # concurrent callers take turns: the shards share one rendezvous
         # How each tensor of the original is split, by its original state-dict name (for gathered saves).

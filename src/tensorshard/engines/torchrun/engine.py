@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ... import quant
 from ...comm.dist import DistComm, gather_objects
+from ...comm.dropout import DistPeers, ShardDropout, may_drop
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
 from ...comm.timeout import resolve_timeout
@@ -275,9 +276,16 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     device = mesh_device(state.mesh)
     where = f"the forward of {type(root).__name__}"
     known = {"count": sum(1 for _ in root.modules()), "adapters": {n for n, m in root.named_modules() if is_adapter_layer(m)}}
+    # dropout in training: one mask per replicated activation on every rank (comm/dropout.py); the last few
+    # calls' keys are kept for blocks that activation checkpointing recomputes in backward
+    dropout = ShardDropout(DistPeers(comm), keep=8) if comm.world_size > 1 and may_drop(root) else None
+    if dropout is not None:
+        dropout.install([root])
+    outermost = {"depth": 0}
 
     def forward(*args, **kwargs):
         comm.begin_call()
+        outermost["depth"] += 1
         try:
             if sum(1 for _ in root.modules()) != known["count"]:
                 _refuse_late_adapters(root, known["adapters"])
@@ -286,11 +294,16 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
             if state.checks_left > 0 and comm.world_size > 1:
                 state.checks_left -= 1
                 check_same_inputs(_named_inputs(signature, args, kwargs), comm.group, where=type(root).__name__)
+            if dropout is not None and root.training and outermost["depth"] == 1:
+                dropout.begin_forward()
+                with dropout.mode():
+                    return inner(*args, **kwargs)
             return inner(*args, **kwargs)
         except BaseException as e:
             comm.guard.report(e, where)
             raise
         finally:
+            outermost["depth"] -= 1
             comm.end_call()
 
     wrap_forward(root, forward)

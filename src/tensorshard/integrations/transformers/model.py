@@ -28,7 +28,7 @@ shards. What differs from the unsplit model:
 - gradient (activation) checkpointing, enabled before or after splitting, recomputes each block in its
   shard's own backward pass (engines/inprocess/shard_backward.py); not in debug mode on a GPU;
 - unsupported, with an error saying so: output_attentions, static caches, resizing embeddings;
-- training with dropout: replicated activations get one mask on every device (engines/inprocess/dropout.py).
+- training with dropout: replicated activations get one mask on every device (comm/dropout.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Dropout in training that keeps the shards consistent, in the in-process engine.
+"""Dropout in training that keeps the shards consistent, in both engines.
 
 A split model holds two kinds of activations. Replicated ones (the residual stream, a row-parallel layer's
 reduced output) are bit-identical on every device, and the engine relies on it: each device computes the
@@ -11,20 +11,23 @@ Here every dropout of a training call draws from a generator of its own, seeded 
 
     key = mix(call seed, n, rank if the input is split else -1)
 
-The call seed is drawn once per call in the caller's thread from torch's default generator (so
-`torch.manual_seed` makes a run reproducible); n counts the dropouts of the call, in the same order on
-every shard (they run the same code). Whether an input is split is decided by the shards together, each
-time: they compare a fingerprint of their inputs (shape and two sums) at the rendezvous, equal only for
-a replicated activation. A replicated activation thus gets one mask on every device, the one an unsplit
-model using the same keys would draw; a split one gets an independent mask per device.
+The call seed is drawn once per call from torch's default generator (so `torch.manual_seed` makes a run
+reproducible; under torchrun, TP rank 0's is used); n counts the dropouts of the call, in the same order
+on every shard (they run the same code). Whether an input is split is decided by the shards together,
+each time: they compare a fingerprint of their inputs (size and two sums), equal only for a replicated
+activation, at the rendezvous (in one process) or in one small all-gather (under torchrun,
+`DistPeers`). A replicated activation thus gets one mask on every device, the one an unsplit model using
+the same keys would draw; a split one gets an independent mask per device.
 
 Activation checkpointing recomputes a block in the backward pass and must draw the forward's masks
 again: the forward records each dropout's key under the fingerprint of its input, which the
 recomputation sees again bit for bit, and the shard's backward pass replays them from that record.
 PyTorch's autograd engine runs the recomputation without the thread's function modes, so every module of
-a shard carries a forward pre-hook that enters the mode when a module runs inside that shard's backward
-pass (a recomputed layer, as `gradient_checkpointing_enable()` and `checkpoint(module, ...)` recompute).
-A recomputed function that applies dropout outside any module call is not seen: it would draw fresh masks.
+a shard carries a forward pre-hook that enters the mode when a module runs inside a backward pass (a
+recomputed layer, as `gradient_checkpointing_enable()` and `checkpoint(module, ...)` recompute). In one
+process the backward pass of a call replays that call's record; under torchrun, the records of the last
+few calls are searched, newest first. A recomputed function that applies dropout outside any module call
+is not seen: it would draw fresh masks.
 
 What is intercepted (a `TorchFunctionMode` in each shard's thread, only for training calls of a model
 that has some dropout): `F.dropout`, `F.dropout1d/2d/3d` and `torch.dropout` (so every `nn.Dropout`), and
@@ -35,7 +38,7 @@ Alpha dropout is left to PyTorch.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 import torch
@@ -87,90 +90,137 @@ class DropoutRecord:
         self.keys: list[dict[tuple, list[int]]] = [defaultdict(list) for _ in range(world)]
 
 
-class ShardDropout:
-    """Consistent dropout for one split model's shards (see the module docstring)."""
+class ThreadPeers:
+    """The shards of one process (the in-process engine), meeting at their rendezvous."""
 
-    def __init__(self, group=None) -> None:
-        self.group = group  # the shards' rendezvous; None: one model, whose every activation is "replicated"
-        self.world = group.world_size if group is not None else 1
-        self.record: DropoutRecord | None = None  # the call being run (forward) or replayed (backward)
-        self.replaying = False
+    def __init__(self, group) -> None:
+        self.group, self.world = group, group.world_size
+
+    def rank(self, shard: int) -> int:
+        return shard
+
+    def agree(self, shard: int, n: int, fingerprint: tuple, seed: int) -> tuple[bool, int]:
+        """(whether every shard's input has this fingerprint, the call's seed)."""
+        same = self.group.exchange(
+            shard, "dropout", f"dropout #{n + 1}", fingerprint, lambda prints: [all(p == prints[0] for p in prints)] * len(prints)
+        )
+        return same, seed
+
+    def in_backward(self, shard: int) -> bool:
+        return self.group.in_backward(shard)
+
+
+class DistPeers:
+    """This process's shard under torchrun: the fingerprints (and TP rank 0's seed) in one small all-gather."""
+
+    world = 1
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+
+    def rank(self, shard: int) -> int:
+        return self.comm.rank
+
+    def agree(self, shard: int, n: int, fingerprint: tuple, seed: int) -> tuple[bool, int]:
+        mine = torch.tensor([float(seed), float(math.prod(fingerprint[0])), *fingerprint[2:]], dtype=torch.float64)
+        rows = self.comm.gather_small(mine, where=f"dropout #{n + 1}")
+        return all(torch.equal(r[1:], rows[0][1:]) for r in rows), int(rows[0][0])
+
+    def in_backward(self, shard: int) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+
+class ShardDropout:
+    """Consistent dropout for the shards of one split model that `peers` runs (see the module docstring);
+    `peers=None`: one unsplit model drawing the same keyed masks (every activation counts as replicated)."""
+
+    def __init__(self, peers: ThreadPeers | DistPeers | None = None, *, keep: int = 1) -> None:
+        self.peers = peers
+        self.world = peers.world if peers is not None else 1
+        self.record: DropoutRecord | None = None  # the forward call being run
+        self._recent: deque[DropoutRecord] = deque(maxlen=keep)  # what a backward pass may recompute
         self._count = [0] * self.world  # dropouts so far in this call, per shard
         self._replayed: list[dict[tuple, int]] = [{} for _ in range(self.world)]
         self._generators: dict[int, torch.Generator] = {}  # per shard: CPU slots share a device, not a generator
+        self._active: list[tuple[nn.Module, _DropoutMode] | None] = [None] * self.world
 
     def begin_forward(self) -> DropoutRecord:
-        """A new training call: its seed, drawn from torch's default generator."""
-        seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
-        self.record, self.replaying = DropoutRecord(seed, self.world), False
+        """A new training call: its seed, drawn from torch's default generator (< 2**52: exact as a float)."""
+        seed = int(torch.randint(0, 1 << 52, (), dtype=torch.int64))
+        self.record = DropoutRecord(seed, self.world)
+        self._recent.append(self.record)
         self._count = [0] * self.world
+        self._replayed = [{} for _ in range(self.world)]
         return self.record
 
     def begin_backward(self, record: DropoutRecord) -> None:
-        """The backward pass of the call that left `record`: recomputed dropouts draw its masks again."""
-        self.record, self.replaying = record, True
+        """The backward pass of the call that left `record` (in one process): its recomputations replay it."""
+        self._recent.clear()
+        self._recent.append(record)
         self._replayed = [{} for _ in range(self.world)]
 
-    def mode(self, rank: int) -> "_DropoutMode":
-        return _DropoutMode(self, rank)
+    def mode(self, shard: int = 0) -> "_DropoutMode":
+        return _DropoutMode(self, shard)
 
     def install(self, shards) -> None:
         """Hooks every module of every shard so a recomputation in backward runs under the mode."""
-        self._active: list[tuple[nn.Module, _DropoutMode] | None] = [None] * self.world
-        for rank, shard in enumerate(shards):
-            for module in shard.modules():
-                module.register_forward_pre_hook(self._enter(rank))
-                module.register_forward_hook(self._leave(rank), always_call=True)
+        for shard, root in enumerate(shards):
+            for module in root.modules():
+                module.register_forward_pre_hook(self._enter(shard))
+                module.register_forward_hook(self._leave(shard), always_call=True)
 
-    def _enter(self, rank: int):
+    def _enter(self, shard: int):
         def hook(module, args):
-            if self.replaying and self._active[rank] is None and self.group.in_backward(rank):
-                mode = self.mode(rank)
+            if self._active[shard] is None and self._recent and self.peers.in_backward(shard):
+                mode = self.mode(shard)
                 mode.__enter__()
-                self._active[rank] = (module, mode)
+                self._active[shard] = (module, mode)
 
         return hook
 
-    def _leave(self, rank: int):
+    def _leave(self, shard: int):
         def hook(module, args, output):
-            active = self._active[rank]
+            active = self._active[shard]
             if active is not None and active[0] is module:
-                self._active[rank] = None
+                self._active[shard] = None
                 active[1].__exit__(None, None, None)
 
         return hook
 
     # -- one dropout ----------------------------------------------------------------------------------------
 
-    def key(self, rank: int, x: torch.Tensor) -> int:
-        """The key of this dropout of `x` on shard `rank`: a new one in forward, the recorded one in backward."""
-        record, print_ = self.record, _fingerprint(x)
-        if self.replaying:
-            keys = record.keys[rank].get(print_)
-            if not keys:
-                raise RuntimeError(
-                    f"a dropout recomputed in the backward pass of shard {rank} saw an input its forward pass did not "
-                    f"(shape {tuple(x.shape)}): the recomputation is not deterministic, so it cannot draw the forward's "
-                    "masks again. Train with dropout off (p=0) or without activation checkpointing for this model."
-                )
-            i = self._replayed[rank].get(print_, 0)
-            self._replayed[rank][print_] = i + 1
-            return keys[i % len(keys)]
-        n = self._count[rank]
-        self._count[rank] += 1
-        replicated = self.group is None or self.group.exchange(
-            rank, "dropout", f"dropout #{n + 1}", print_, lambda prints: [all(p == prints[0] for p in prints)] * len(prints),
-        )
-        key = _mix(record.seed, n, -1 if replicated else rank)
-        record.keys[rank][print_].append(key)
+    def key(self, shard: int, x: torch.Tensor) -> int:
+        """The key of this dropout of `x`: a new one in forward, the recorded one when recomputed in backward."""
+        fingerprint = _fingerprint(x)
+        if self.peers is not None and self.peers.in_backward(shard):
+            return self._replay(shard, fingerprint, x)
+        record, n = self.record, self._count[shard]
+        self._count[shard] += 1
+        replicated = True
+        if self.peers is not None:
+            replicated, record.seed = self.peers.agree(shard, n, fingerprint, record.seed)
+        key = _mix(record.seed, n, -1 if replicated else self.peers.rank(shard))
+        record.keys[shard][fingerprint].append(key)
         return key
 
-    def keep_mask(self, rank: int, x: torch.Tensor, p: float, shape: tuple[int, ...]) -> torch.Tensor:
+    def _replay(self, shard: int, fingerprint: tuple, x: torch.Tensor) -> int:
+        keys = next((r.keys[shard][fingerprint] for r in reversed(self._recent) if r.keys[shard].get(fingerprint)), None)
+        if not keys:
+            raise RuntimeError(
+                f"a dropout recomputed in a backward pass saw an input its forward pass did not (shape {tuple(x.shape)}):"
+                " the recomputation is not deterministic, or its forward call is no longer recorded, so it cannot draw"
+                " the forward's masks again. Train with dropout off (p=0) or without activation checkpointing here."
+            )
+        i = self._replayed[shard].get(fingerprint, 0)
+        self._replayed[shard][fingerprint] = i + 1
+        return keys[i % len(keys)]
+
+    def keep_mask(self, shard: int, x: torch.Tensor, p: float, shape: tuple[int, ...]) -> torch.Tensor:
         """1/(1-p) where kept, 0 where dropped: drawn from this dropout's own generator."""
-        g = self._generators.get(rank)
+        g = self._generators.get(shard)
         if g is None or g.device != x.device:
-            g = self._generators[rank] = torch.Generator(device=x.device)
-        g.manual_seed(self.key(rank, x))
+            g = self._generators[shard] = torch.Generator(device=x.device)
+        g.manual_seed(self.key(shard, x))
         mask = torch.empty(shape, dtype=x.dtype, device=x.device)
         if p >= 1:
             return mask.zero_()
@@ -180,9 +230,9 @@ class ShardDropout:
 class _DropoutMode(TorchFunctionMode):
     """Routes the dropouts of one shard's training call through `ShardDropout` (see the module docstring)."""
 
-    def __init__(self, owner: ShardDropout, rank: int) -> None:
+    def __init__(self, owner: ShardDropout, shard: int) -> None:
         super().__init__()
-        self.owner, self.rank = owner, rank
+        self.owner, self.shard = owner, shard
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -202,7 +252,7 @@ class _DropoutMode(TorchFunctionMode):
             batched = x.dim() == dims + 2  # (N, C, *spatial); else unbatched (C, *spatial)
             lead = 2 if batched else 1
             shape = tuple(x.shape[:lead]) + (1,) * (x.dim() - lead)
-        mask = self.owner.keep_mask(self.rank, x, p, shape)
+        mask = self.owner.keep_mask(self.shard, x, p, shape)
         return x.mul_(mask) if inplace else x * mask
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -219,7 +269,7 @@ class _DropoutMode(TorchFunctionMode):
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
         weights = torch.softmax(scores, dim=-1)
-        weights = weights * self.owner.keep_mask(self.rank, weights, dropout_p, tuple(weights.shape))
+        weights = weights * self.owner.keep_mask(self.shard, weights, dropout_p, tuple(weights.shape))
         return weights @ value
 
 
