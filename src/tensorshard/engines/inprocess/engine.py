@@ -48,6 +48,7 @@ from ..resplit import mark_consumed, mark_split, refuse_split_twice
 from ..split_report import report_split
 from .boundary import gather_outputs, replicate_inputs, to_device
 from .copies import deep_copy, refuse_pickle
+from .grad_norm import clip_grad_norm_
 from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .rollback import Released, restore
 from .shard_backward import ShardGraphs, join_outputs
@@ -262,6 +263,12 @@ class TensorParallel(nn.Module):
                 )
             finally:
                 group.end(call)  # drop the call's cached tensors; a straggler fails at its next collective
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients by the unsplit model's norm (each element counted once; grad_norm.py), as FSDP's
+        method of that name does; returns the norm before clipping. `torch.nn.utils.clip_grad_norm_` over
+        ``model.parameters()`` counts tensors held on several devices once per device."""
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def state_dict(self, *args, **kwargs):
         """The shards' state (keys ``module_shards.N...``; ``tp.save_tensor_parallel(model)`` gives the unsplit
