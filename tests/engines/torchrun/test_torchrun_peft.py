@@ -105,3 +105,27 @@ def test_save_pretrained_under_torchrun(pool2, tmp_path):
     for result in pool2.run(save_task, str(tmp_path)):
         adapter, model = map(float, result.split())
         assert adapter < 1e-5 and model < 1e-5  # PEFT's format and the unsplit checkpoint, both loaded by plain code
+
+
+def switching_task() -> list[float]:
+    """PEFT's own merge/unmerge/disable on the parallelized PeftModel (DTensor parameters)."""
+    from support import tiny_llama
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    ref = get_peft_model(tiny_llama.build(), LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False)).eval()
+    model = tp.parallelize(copy.deepcopy(ref), world_mesh()).eval()
+    ids = torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    errors = []
+    with torch.no_grad():
+        for step in ("merge_adapter", "unmerge_adapter", "disable_adapter_layers", "enable_adapter_layers", "merge_adapter"):
+            getattr(model, step)()
+            getattr(ref, step)()
+            want = ref(input_ids=ids).logits
+            errors.append(((model(input_ids=ids).logits - want).norm() / want.norm()).item())
+    return errors
+
+
+def test_adapters_merge_and_switch_under_torchrun(pool2):
+    for errors in pool2.run(switching_task):
+        assert max(errors) < 1e-5, errors
