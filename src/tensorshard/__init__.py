@@ -19,7 +19,7 @@ from .checkpoint import (
 )
 from .comm.counter import CollectiveCounter, count_collectives
 from .comm.rendezvous import CollectiveAborted
-from .engines.inprocess import TensorParallel
+from .engines.inprocess import PerDeviceOptimizer, TensorParallel, per_device_optimizer
 from .engines.torchrun import InputMismatchError, TensorParallelSampler, broadcast_batch, check_same_inputs, synchronize_rng
 from .inference import infer_plan
 from .loss_parallel import vocab_parallel_cross_entropy
@@ -57,6 +57,7 @@ __all__ = [
     "Heads",
     "InputMismatchError",
     "Partition",
+    "PerDeviceOptimizer",
     "Plan",
     "Replicate",
     "RowwiseParallel",
@@ -80,6 +81,7 @@ __all__ = [
     "load_sharded",
     "memory_per_device",
     "parallelize",
+    "per_device_optimizer",
     "preset_for",
     "save_gathered",
     "save_sharded",

@@ -3,10 +3,12 @@
 engine.py builds and runs `TensorParallel`; workers.py runs the shards' threads, boundary.py moves inputs
 and outputs across devices (and gives each shard its own KV cache and other per-device objects),
 shard_backward.py runs every shard's own backward pass, rollback.py undoes a half-built split, zero.py adds
-ZeRO-3 for the parameters the plan leaves whole, late_adapters.py adopts PEFT adapters added to a model
+ZeRO-3 for the parameters the plan leaves whole, optimizer.py steps an optimizer per device in the
+shards' threads, late_adapters.py adopts PEFT adapters added to a model
 after it was split.
 """
 
 from .engine import TensorParallel, current_rank
+from .optimizer import PerDeviceOptimizer, per_device_optimizer
 
-__all__ = ["TensorParallel", "current_rank"]
+__all__ = ["PerDeviceOptimizer", "TensorParallel", "current_rank", "per_device_optimizer"]
