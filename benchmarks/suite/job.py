@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from suite import measure  # noqa: E402
 from suite.job_io import job_parser, write_result  # noqa: E402
 from suite.config import Sizes, ff_batch, is_split_weight, llama_batch, llama_prompt  # noqa: E402
-from suite.systems import DISTRIBUTED, build, local_device  # noqa: E402
+from suite.systems import DISTRIBUTED, build, local_device, optimizer_for  # noqa: E402
 
 
 def loss_of(model_name: str, model, batch):
@@ -60,7 +60,7 @@ class Variant:
         self.model = self.built.model
         self.device = local_device(args.device) if self.system in DISTRIBUTED else torch.device(
             "cpu" if args.device == "cpu" else "cuda:0")
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5) if train else None
+        self.opt = optimizer_for(self.system, self.model) if train else None
 
 
 def _barrier():
