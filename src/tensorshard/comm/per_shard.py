@@ -16,18 +16,22 @@ checkpointing) simply meets the other shards again.
     partial_grads       identity                      meet: sum every parameter (comm/partial_grads.py)
 
 The reductions are those of comm/threads.py (`sum_to_all`, `copies`): run once, by the last shard to
-arrive, in rank order, so every shard gets a bit-identical result; each collective is counted once.
+arrive, in rank order, so every shard gets a bit-identical result; each collective is counted once. On
+CPU slots every shard computes its own result instead (the same rank-ordered sum, or concatenation), in its
+own thread, at the same time as the others (comm/rendezvous.py, `each`): nothing is then computed while
+the other shards wait, and no result is copied.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd import Function
 
 from .counter import record
-from .reduce import copies, nbytes as _nbytes, signature as _signature, sum_to_all
+from .reduce import copies, each_computes_its_own, nbytes as _nbytes, signature as _signature, sum_on, sum_to_all
 
 if TYPE_CHECKING:
     from .threads import ThreadComm
@@ -35,6 +39,11 @@ if TYPE_CHECKING:
 
 def _summed(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, phase: str) -> torch.Tensor:
     devices = comm.group.devices
+    if each_computes_its_own(devices):
+        return comm.group.exchange(
+            comm.rank, op, where, x, lambda xs: record("all_reduce", _nbytes(xs[0]), phase, where), _signature(x),
+            each=lambda xs, rank: sum_on(xs, devices[rank]),
+        )
 
     def compute(xs):
         record("all_reduce", _nbytes(xs[0]), phase, where)
@@ -45,6 +54,16 @@ def _summed(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, phase: str
 
 def _gathered(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, dim: int, part, phase: str) -> torch.Tensor:
     devices = comm.group.devices
+    if each_computes_its_own(devices):
+        def count(xs):
+            shape = list(xs[0].shape)
+            shape[dim] = part.size
+            record("all_gather", math.prod(shape) * xs[0].element_size(), phase, where)
+
+        return comm.group.exchange(
+            comm.rank, op, where, x, count, _signature(x, dim),
+            each=lambda xs, rank: part.assemble([t.to(devices[rank]) for t in xs], dim),
+        )
 
     def compute(xs):
         full = part.assemble([t.to(devices[0]) for t in xs], dim)

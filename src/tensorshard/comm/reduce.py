@@ -41,10 +41,24 @@ def sum_to_all(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device])
                 return outs
         except (ImportError, RuntimeError):
             pass
-    total = tensors[0].to(devices[0]) + tensors[1].to(devices[0])
-    for t in tensors[2:]:
-        total += t.to(devices[0])
+    total = sum_on(tensors, devices[0])
     return [total] + [total.to(d, copy=True) for d in devices[1:]]
+
+
+def sum_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The rank-ordered sum on `device`, a new tensor: bit-identical wherever it is computed (on one device
+    type), so on CPU every shard may compute its own (comm/per_shard.py)."""
+    total = tensors[0].to(device) + tensors[1].to(device)
+    for t in tensors[2:]:
+        total += t.to(device)
+    return total
+
+
+def each_computes_its_own(devices: Sequence[torch.device]) -> bool:
+    """CPU slots: each shard sums (or concatenates) for itself, in its thread, at the same time as the others,
+    rather than one shard computing every result and copying it to the others while they wait. GPUs keep one
+    NCCL call (or peer copies) for all."""
+    return all(d.type == "cpu" for d in devices)
 
 
 def copies(t: torch.Tensor, devices: Sequence[torch.device]) -> list[torch.Tensor]:

@@ -2,7 +2,10 @@
 
 Each shard deposits its tensor at a slot (one slot per collective, in call order); the last to arrive
 computes the collective for all of them (comm/threads.py supplies that computation) and every shard
-picks up its own result.
+picks up its own result. Or, where each shard can compute its own result from what all brought (a sum or
+a concatenation on CPU), each does, in its own thread, all at once: no shard then waits while one
+computes for all; each returns once every shard has read what the others brought, so none changes its
+tensor in place while another still reads it.
 
 A *call* is one forward call of the model, or one backward pass through it: when every shard owns its
 autograd graph (comm/per_shard.py), the shards' backward passes meet here too, each in a call of its own
@@ -52,6 +55,7 @@ class _Slot:
     ops: list[tuple[str, str, Any] | None] = field(default_factory=list)  # (op, where, signature) per rank
     arrived: int = 0
     results: list[Any] | None = None
+    read: int = 0  # ranks done reading the payloads (when each computes its own result)
     picked: int = 0
 
     def __post_init__(self) -> None:
@@ -205,12 +209,21 @@ class ThreadGroup:
         payload: Any,
         compute: Callable[[list[Any]], list[Any]],
         signature: Any = None,
+        *,
+        each: Callable[[list[Any], int], Any] | None = None,
     ) -> Any:
         """Deposit `payload`; once all shards have, `compute(payloads)` runs once; return this rank's result.
 
-        `signature` (e.g. shape and dtype) must be equal on every rank, or the call fails.
+        With `each`, `compute(payloads)` runs once for what it records (its result is ignored) and every rank
+        computes its own result, `each(payloads, rank)`, in its own thread (in debug mode, where one shard runs
+        at a time, the last to arrive computes them all). `signature` (e.g. shape and dtype) must be equal on
+        every rank, or the call fails.
         """
         baton = self.baton
+        if each is not None:
+            if baton is not None:
+                return self.exchange(rank, op, where, payload, lambda xs: _each_of(compute, each, xs), signature)
+            return self._exchange_each(rank, op, where, payload, compute, each, signature)
         with self._cond:
             call = self._call_of_this_thread(rank, op, where)
             if call.error is not None:
@@ -249,6 +262,44 @@ class ThreadGroup:
                 call.slots.pop(seq, None)
             return result
 
+    def _exchange_each(self, rank, op, where, payload, compute, each, signature) -> Any:
+        """`exchange` where every rank computes its own result (no baton: shards run at the same time)."""
+        with self._cond:
+            call = self._call_of_this_thread(rank, op, where)
+            if call.error is not None:
+                self._raise_aborted(call, rank, op, where)
+            seq = call.seq[rank]
+            call.seq[rank] += 1
+            slot = call.slots.setdefault(seq, _Slot(self.world_size))
+            slot.payloads[rank] = payload
+            slot.ops[rank] = (op, where, signature)
+            slot.arrived += 1
+            last = slot.arrived == self.world_size
+            if last and len(set(slot.ops)) > 1:
+                raise self._fail(call, self._mismatch(seq, slot))
+        try:
+            if last:
+                compute(slot.payloads)
+                with self._cond:
+                    slot.results = []  # not None: everyone may read the payloads
+                    self._cond.notify_all()
+            else:
+                self._wait(call, seq, slot, rank, op, where)
+            result = each(slot.payloads, rank)
+        except BaseException as e:
+            self.abort(call, e)
+            raise
+        with self._cond:
+            slot.read += 1
+            if slot.read == self.world_size:
+                self._cond.notify_all()
+        self._wait(call, seq, slot, rank, op, where, until=lambda: slot.read == self.world_size)
+        with self._cond:
+            slot.picked += 1
+            if slot.picked == self.world_size:
+                call.slots.pop(seq, None)
+        return result
+
     def _mismatch(self, seq: int, slot: _Slot) -> RuntimeError:
         seen = "; ".join(
             f"{self._who(r)}: {o} at {w or '?'}" + (f" {s}" if s is not None else "")
@@ -260,10 +311,13 @@ class ThreadGroup:
             "uses whole; TENSORSHARD_DEBUG=1 runs the shards one by one to find where they diverge."
         )
 
-    def _wait(self, call: _Call, seq: int, slot: _Slot, rank: int, op: str, where: str) -> None:
+    def _wait(self, call: _Call, seq: int, slot: _Slot, rank: int, op: str, where: str,
+              until: Callable[[], bool] | None = None) -> None:
+        """Wait for the slot's results (or `until()`), failing as the module docstring says."""
         deadline = time.monotonic() + self.timeout
+        done = until or (lambda: slot.results is not None)
         with self._cond:
-            while slot.results is None:
+            while not done():
                 if call.error is not None:
                     self._raise_aborted(call, rank, op, where)
                 if call.ended:
@@ -279,10 +333,16 @@ class ThreadGroup:
                     ))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    who = ", ".join(self._who(r) for r in missing)
+                    who = ", ".join(self._who(r) for r in missing) or "a shard still computing its result"
                     raise self._fail(call, TimeoutError(
                         f"{op} at {where or '?'} (collective #{seq + 1}): {who} did not arrive within "
                         f"{self.timeout:g} s. A shard is stuck or ran different code; raise the limit with "
                         "tensor_parallel(..., timeout=S) or TENSORSHARD_TIMEOUT=S if a step is just slow."
                     ))
                 self._cond.wait(remaining)
+
+
+def _each_of(compute: Callable[[list[Any]], Any], each: Callable[[list[Any], int], Any], payloads: list[Any]) -> list[Any]:
+    """Every rank's result of an `exchange(each=...)`, computed in one thread."""
+    compute(payloads)
+    return [each(payloads, rank) for rank in range(len(payloads))]
