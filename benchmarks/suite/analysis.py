@@ -31,21 +31,26 @@ ANALYSIS: dict[str, str] = {
         "each rank's piece as one block. " + _SHARED_CORES
     ),
     "inprocess-train": (
-        "Where the time goes: the forward and the backward passes of the shards run concurrently, one thread each "
-        "(each shard owns its autograd graph); what stays serial is each collective's rendezvous and sum (in the "
-        "last thread to arrive), ZeRO-3's gather of the norm weights, the loss on the full logits in shard 0, "
-        "and the AdamW step over every shard's parameters, which runs in the caller's thread. What would close "
-        "the rest: the parallel sums and fewer rendezvous of the forward target, a vocabulary-parallel loss, and "
-        "one optimizer per shard stepping in that shard's thread. " + _SHARED_CORES
+        "Where the time goes: the forward and backward passes of the shards run concurrently, one thread each "
+        "(each shard owns its autograd graph), and so does the AdamW step (`tp.per_device_optimizer`: each "
+        "shard's parameters in its thread). At every collective each shard computes its own rank-ordered sum "
+        "(or concatenation) in its thread, so no shard waits while another computes for all. What stays "
+        "replicated: the RMSNorms and residual adds, ZeRO-3's gather of the norm weights, and the loss on the "
+        "full logits (each shard assembles the 32 MiB of gathered logits and computes the loss over them). What "
+        "would close the rest: a vocabulary-parallel loss (the logits stay split). " + _SHARED_CORES
     ),
     "inprocess-forward": (
         "Where the time goes: the shards' matrix products run concurrently (their threads release the GIL "
-        "inside the kernels), and the extra CPU work of the split forward is small (the CPU work column). What "
-        "remains serial: each collective is a rendezvous of the shard threads (a condition variable; the last "
-        "thread to arrive sums the partial results for every device, 2 MiB per all-reduce at this batch), and "
-        "the Python code of every layer runs in every shard, taking turns on the GIL. What would close the "
-        "rest: summing each all-reduce in parallel (each shard adds its half of the tensor) instead of in the "
-        "last thread to arrive, and running the non-matmul Python per layer once. " + _SHARED_CORES
+        "inside the kernels), and at each collective every shard computes its own rank-ordered sum (2 MiB per "
+        "all-reduce at this batch) or concatenation in its own thread, at the same time as the other (before "
+        "issue 13 the last thread to arrive summed for both and copied the result while the other waited: "
+        "about 23 ms per forward of serial work, 18 of them the 32 MiB logits). What remains beyond half the "
+        "1-device time: work every shard repeats (the RMSNorms, residual adds and the all-reduces' sums, about "
+        "10 ms per shard; assembling the full logits, about 8 ms per shard, mostly page faults of the fresh "
+        "32 MiB buffer), the matrix products of two cores sharing one memory bus and cache, and the Python of "
+        "every layer running in both shards, taking turns on the GIL. What would close the rest: keeping the "
+        "logits split to the end of the call (a vocabulary-parallel loss, and the engine assembling the "
+        "output once). " + _SHARED_CORES
     ),
     "generate": (
         "Where the time goes: a decode step multiplies a single token's activations with every weight, so it is "
