@@ -231,6 +231,26 @@ def test_a_shard_that_fails_in_step_names_its_device_and_the_model_stays_usable(
     assert not torch.equal(bad, before)
 
 
+def test_a_step_inside_a_shards_backward_runs_there():
+    """Optimizer in backward: one optimizer per parameter, stepped by its gradient hook in that shard's thread."""
+    plain_model, model = twins(2)
+    per_param = {}
+
+    def step_now(p):
+        per_param[p].step()
+        per_param[p].zero_grad()
+
+    for m, wrap in ((plain_model, False), (model, True)):
+        for p in params_of(m):
+            opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+            per_param[p] = tp.per_device_optimizer(opt, model) if wrap else opt
+            p.register_post_accumulate_grad_hook(step_now)
+    for m in (plain_model, model):
+        for seed in (7, 8):
+            m(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))).square().mean().backward()
+    assert all(torch.equal(a, b) for a, b in zip(params_of(plain_model), params_of(model)))
+
+
 def test_bad_arguments_are_refused_clearly():
     _, model = twins(2)
     with pytest.raises(TypeError, match="LBFGS cannot step per device"):

@@ -18,7 +18,8 @@ scheduler, `clip_grad_norm_` or code holding the original sees every change), `s
 `zero_grad()`, `add_param_group()`, and its hooks (the same dicts: a step hook registered on either fires
 once per step, with this optimizer as its argument). A closure is evaluated once in the caller's thread
 before the per-device step, as AdamW and SGD do. Parameters no shard holds (a head added outside the split
-model) step in the caller's thread.
+model) step in the caller's thread, and so does a step called from inside one of the model's shards (a
+gradient hook stepping one parameter's optimizer during backward).
 
 Not for optimizers whose step couples parameters (LBFGS flattens them all into one vector: refused) or that
 write into their param groups during `step()`.
@@ -151,6 +152,11 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
         for index, per_rank in per_model.items():
             model = self._models[index]
             devices = model._placement
+            if model._group.running_here():
+                # Inside one of the model's own shards (a gradient hook stepping an optimizer per parameter, as in
+                # "optimizer in backward"): that shard's thread is the right one; the others are busy in this call.
+                self._step_groups([group for groups in per_rank for group in groups])
+                continue
 
             def run(rank: int, per_rank=per_rank, devices=devices) -> None:
                 with state.applied(devices[rank]):
