@@ -46,12 +46,10 @@ def params_of(model) -> list[torch.Tensor]:
     return [p for s in model.module_shards for p in s.parameters()]
 
 
-def train(model, opt, gen, steps, *, scheduler=None, clip=None):
+def train(model, opt, gen, steps, *, scheduler=None):
     for _ in range(steps):
         x = torch.randn(4, 8, generator=gen)
         model(x).square().mean().backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         if scheduler is not None:
@@ -113,12 +111,25 @@ def test_each_shard_steps_in_its_own_thread_at_the_same_time():
     assert [seen[r] for r in range(1, n)] == [f"tensorshard-{r}" for r in range(1, n)]
 
 
-def test_gradient_clipping_over_the_split_parameters():
+@pytest.mark.parametrize("clip", ["torch", "split"])
+def test_gradient_clipping_over_the_split_parameters(clip):
     plain_model, model = twins(2, sharded=True)
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
     opt = tp.per_device_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
-    train(plain_model, plain, torch.Generator().manual_seed(2), 3, clip=0.05)
-    train(model, opt, torch.Generator().manual_seed(2), 3, clip=0.05)
+    clipped = []
+
+    def clip_by(m):
+        norm = m.clip_grad_norm_(0.05) if clip == "split" else torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+        clipped.append(norm > 0.05)
+
+    for m, o in ((plain_model, plain), (model, opt)):
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            m(torch.randn(4, 8, generator=gen)).square().mean().backward()
+            clip_by(m)
+            o.step()
+            o.zero_grad()
+    assert all(clipped)  # the clipping mattered
     assert_same((plain_model, plain), (model, opt))
 
 
