@@ -224,19 +224,7 @@ class ThreadGroup:
             if baton is not None:
                 return self.exchange(rank, op, where, payload, lambda xs: _each_of(compute, each, xs), signature)
             return self._exchange_each(rank, op, where, payload, compute, each, signature)
-        with self._cond:
-            call = self._call_of_this_thread(rank, op, where)
-            if call.error is not None:
-                self._raise_aborted(call, rank, op, where)
-            seq = call.seq[rank]
-            call.seq[rank] += 1
-            slot = call.slots.setdefault(seq, _Slot(self.world_size))
-            slot.payloads[rank] = payload
-            slot.ops[rank] = (op, where, signature)
-            slot.arrived += 1
-            last = slot.arrived == self.world_size
-            if last and len(set(slot.ops)) > 1:
-                raise self._fail(call, self._mismatch(seq, slot))
+        call, seq, slot, last = self._deposit(rank, op, where, payload, signature)
         if last:
             try:
                 results = compute(slot.payloads)
@@ -262,8 +250,8 @@ class ThreadGroup:
                 call.slots.pop(seq, None)
             return result
 
-    def _exchange_each(self, rank, op, where, payload, compute, each, signature) -> Any:
-        """`exchange` where every rank computes its own result (no baton: shards run at the same time)."""
+    def _deposit(self, rank: int, op: str, where: str, payload: Any, signature: Any) -> tuple[_Call, int, _Slot, bool]:
+        """Leave `payload` at this rank's next slot: (the call, the slot's number, the slot, whether it came last)."""
         with self._cond:
             call = self._call_of_this_thread(rank, op, where)
             if call.error is not None:
@@ -277,6 +265,11 @@ class ThreadGroup:
             last = slot.arrived == self.world_size
             if last and len(set(slot.ops)) > 1:
                 raise self._fail(call, self._mismatch(seq, slot))
+            return call, seq, slot, last
+
+    def _exchange_each(self, rank, op, where, payload, compute, each, signature) -> Any:
+        """`exchange` where every rank computes its own result (no baton: shards run at the same time)."""
+        call, seq, slot, last = self._deposit(rank, op, where, payload, signature)
         try:
             if last:
                 compute(slot.payloads)
