@@ -17,9 +17,9 @@ checkpointing) simply meets the other shards again.
 
 The reductions are those of comm/threads.py (`sum_to_all`, `copies`): run once, by the last shard to
 arrive, in rank order, so every shard gets a bit-identical result; each collective is counted once. On
-CPU slots every shard computes its own result instead (the same rank-ordered sum, or concatenation), in its
-own thread, at the same time as the others (comm/rendezvous.py, `each`): nothing is then computed while
-the other shards wait, and no result is copied.
+CPU slots every shard computes its own result of a large collective instead (the same rank-ordered sum, or
+concatenation), in its own thread, at the same time as the others (comm/rendezvous.py, `each`): nothing is
+then computed while the other shards wait, and no result is copied (reduce.each_computes_its_own).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 def _summed(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, phase: str) -> torch.Tensor:
     devices = comm.group.devices
-    if each_computes_its_own(devices):
+    if each_computes_its_own(devices, _nbytes(x)):
         return comm.group.exchange(
             comm.rank, op, where, x, lambda xs: record("all_reduce", _nbytes(xs[0]), phase, where), _signature(x),
             each=lambda xs, rank: sum_on(xs, devices[rank]),
@@ -54,14 +54,12 @@ def _summed(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, phase: str
 
 def _gathered(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, dim: int, part, phase: str) -> torch.Tensor:
     devices = comm.group.devices
-    if each_computes_its_own(devices):
-        def count(xs):
-            shape = list(xs[0].shape)
-            shape[dim] = part.size
-            record("all_gather", math.prod(shape) * xs[0].element_size(), phase, where)
-
+    full = list(x.shape)
+    full[dim] = part.size
+    full_bytes = math.prod(full) * x.element_size()  # the same on every shard (its own slice may differ)
+    if each_computes_its_own(devices, full_bytes):
         return comm.group.exchange(
-            comm.rank, op, where, x, count, _signature(x, dim),
+            comm.rank, op, where, x, lambda xs: record("all_gather", full_bytes, phase, where), _signature(x, dim),
             each=lambda xs, rank: part.assemble([t.to(devices[rank]) for t in xs], dim),
         )
 

@@ -54,11 +54,17 @@ def sum_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tenso
     return total
 
 
-def each_computes_its_own(devices: Sequence[torch.device]) -> bool:
-    """CPU slots: each shard sums (or concatenates) for itself, in its thread, at the same time as the others,
-    rather than one shard computing every result and copying it to the others while they wait. GPUs keep one
-    NCCL call (or peer copies) for all."""
-    return all(d.type == "cpu" for d in devices)
+EACH_MIN_BYTES = 256 * 1024  # smaller results: one shard computes them all (see each_computes_its_own)
+
+
+def each_computes_its_own(devices: Sequence[torch.device], nbytes: int) -> bool:
+    """CPU slots and a result of `nbytes` >= EACH_MIN_BYTES: each shard sums (or concatenates) for itself, in its
+    thread, at the same time as the others, rather than one shard computing every result and copying it to the
+    others while they wait (a 2 MiB activation, the 32 MiB of gathered logits). A small result (a decode step's
+    4 KiB) costs less to compute for all than the second meeting that per-shard results need (every shard must
+    have read the others' tensors before any returns). GPUs keep one NCCL call (or peer copies) for all.
+    `nbytes` is the same on every shard, so all take the same path."""
+    return nbytes >= EACH_MIN_BYTES and all(d.type == "cpu" for d in devices)
 
 
 def copies(t: torch.Tensor, devices: Sequence[torch.device]) -> list[torch.Tensor]:

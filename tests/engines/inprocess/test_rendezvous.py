@@ -37,9 +37,10 @@ def run_shards(group: ThreadGroup, body, n: int):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_each_shard_gets_its_own_bit_identical_sum_and_may_change_its_input_right_after(n, gen):
+@pytest.mark.parametrize("rows", [256, 1], ids=["each-sums", "one-sums-for-all"])  # 1 MiB; 4 KiB (a decode step)
+def test_each_shard_gets_its_own_bit_identical_sum_and_may_change_its_input_right_after(n, rows, gen):
     group = ThreadGroup([torch.device("cpu")] * n, timeout=20)
-    xs = [torch.randn(256, 1024, generator=gen) for _ in range(n)]
+    xs = [torch.randn(rows, 1024, generator=gen) for _ in range(n)]
     expected = xs[0] + xs[1]
     for x in xs[2:]:
         expected += x
@@ -60,7 +61,7 @@ def test_each_shard_assembles_its_own_all_gather(gen):
     group = ThreadGroup([torch.device("cpu")] * n, timeout=20)
     sizes = split_evenly(10, n)  # 4, 3, 3
     part = Partition(10, tuple(((sum(sizes[:r]), sum(sizes[: r + 1])),) for r in range(n)))
-    full = torch.randn(4, 10, generator=gen)
+    full = torch.randn(8192, 10, generator=gen)  # 320 KiB gathered: each shard assembles its own
     pieces = list(full.split(sizes, dim=1))
     ys = run_shards(group, lambda r: ThreadComm(group, r).all_gather(pieces[r].clone(), 1, part, where="test"), n)
     assert all(torch.equal(ys[r], full) for r in range(n))
