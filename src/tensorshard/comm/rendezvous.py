@@ -2,8 +2,8 @@
 
 Each shard deposits its tensor at a slot (one slot per collective, in call order); the last to arrive
 computes the collective for all of them (comm/threads.py supplies that computation) and every shard
-picks up its own result. Or, where each shard can compute its own result from what all brought (a sum or
-a concatenation on CPU), each does, in its own thread, all at once: no shard then waits while one
+picks up its own result. Or, where each shard can compute its own result from what all brought (a large
+sum or concatenation on CPU: comm/reduce.py), each does, in its own thread, all at once: no shard then waits while one
 computes for all; each returns once every shard has read what the others brought, so none changes its
 tensor in place while another still reads it.
 
