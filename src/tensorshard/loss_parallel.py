@@ -60,13 +60,26 @@ def vocab_parallel_cross_entropy(
             f"vocab_parallel_cross_entropy needs logits sharded on their last dimension over a 1-D mesh; got "
             f"placements {tuple(logits.placements)} on a {logits.device_mesh.ndim}-D mesh (use VocabParallelHead)"
         )
-    group = logits.device_mesh.get_group()
     rank, world = logits.device_mesh.get_local_rank(), logits.device_mesh.size()
-    vocab = logits.shape[-1]
-    width = -(-vocab // world)  # torch.chunk's slice length
-    start = rank * width
+    width = -(-logits.shape[-1] // world)  # torch.chunk's slice length
+    return sliced_cross_entropy(
+        logits.to_local(), target, rank * width, logits.device_mesh.get_group(), ignore_index=ignore_index, reduction=reduction
+    )
 
-    z = logits.to_local().flatten(0, -2).float()  # (tokens, V / N)
+
+def sliced_cross_entropy(
+    local_logits: torch.Tensor,
+    target: torch.Tensor,
+    start: int,
+    group,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """`vocab_parallel_cross_entropy` on this rank's plain slice of the logits: (..., V_local) holding classes
+    start .. start + V_local of the vocabulary, the other slices on the other ranks of `group`."""
+
+    z = local_logits.flatten(0, -2).float()  # (tokens, V / N)
     t = target.flatten()
     # 1. the max over the whole vocabulary: a constant shift for stability, no gradient
     local_max = z.detach().max(dim=-1).values

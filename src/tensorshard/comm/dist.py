@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import pickle
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TYPE_CHECKING
 
@@ -332,6 +333,7 @@ class DistComm(Comm):
         # this call's tensors by _alias_key (the tensors are kept so their memory is not reused meanwhile)
         self._parallel: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._gathered: dict[tuple, tuple[torch.Tensor, _Gathered]] = {}
+        self._left_split: set[str] = set()  # all_gather sites that return the local slice (leave_split)
 
     # -- per-call state ----------------------------------------------------------------------------------
 
@@ -371,7 +373,7 @@ class DistComm(Comm):
         return y
 
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
-        if self.world_size == 1:
+        if self.world_size == 1 or where in self._left_split:
             return x
         if torch.is_grad_enabled() and x.requires_grad:
             return _AllGather.apply(x, self, where, dim, partition)
@@ -387,6 +389,16 @@ class DistComm(Comm):
         rows = gather_even(local.reshape(1, -1), 0, self.world_size, self.group, what=label("all_gather", where))
         record("all_gather", _nbytes(rows), "forward", where)
         return list(rows.cpu())
+
+    @contextmanager
+    def leave_split(self, where: str):
+        """While inside, the all-gather of the module named `where` (a column layer's gather_output) hands back
+        this rank's slice: for a caller that computes from slices (integrations/causal_lm_loss.py)."""
+        self._left_split.add(where)
+        try:
+            yield
+        finally:
+            self._left_split.discard(where)
 
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
