@@ -1,0 +1,133 @@
+"""A transformers causal LM called with labels= under torchrun: the loss from vocabulary slices, the logits
+gathered only when read (integrations/causal_lm_loss.py, lazy_logits.py).
+
+Against the unsplit model (fp32): loss within 1e-5 relative (the slices' log-sum-exp adds in another order
+than F.cross_entropy), logits and every parameter's gradient within 1e-5. Counts: a training step that reads
+only the loss has no all-gather at all (the (batch, seq, vocab) logits gather is gone) and two all-reduces of
+per-token numbers for the loss instead.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tensorshard as tp
+from support import tiny_llama
+from support.harness import world_mesh
+from support.helpers import rel_err
+
+pytestmark = pytest.mark.timeout(120)
+
+BATCH, SEQ, LAYERS = 2, 9, 2
+
+
+def _batch(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, tiny_llama.VOCAB, (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt the loss skips
+    labels[1, -2:] = -100  # padding
+    return ids, labels
+
+
+def _grads(model, ref) -> float:
+    """Worst relative error of this rank's gradient slices against the same slices of the unsplit gradients."""
+    state, rank = model.tensorshard, torch.distributed.get_rank()
+    worst = 0.0
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        split = state.splits.get(name)
+        want = q.grad if split is None else split[1].take(q.grad, split[0], rank)
+        worst = max(worst, rel_err(state.layouts[name].view(p.grad.to_local()), want))
+    return worst
+
+
+def parity_task() -> dict:
+    ref = tiny_llama.build().train()
+    model = tp.parallelize(copy.deepcopy(ref), world_mesh(), check_inputs=0)
+    ids, labels = _batch(1)
+    out = {}
+
+    # 1. the usual training call: loss only (no logits read), then the logits and a backward through them
+    with tp.count_collectives() as fwd:
+        got = model(input_ids=ids, labels=labels)
+        loss = got.loss
+    with tp.count_collectives() as bwd:
+        loss.backward()
+    want = ref(input_ids=ids, labels=labels)
+    want.loss.backward()
+    out["counts"] = (dict(fwd.forward), dict(bwd.backward))
+    out["loss"] = abs(loss.item() - want.loss.item()) / abs(want.loss.item())
+    out["grads"] = _grads(model, ref)
+    with tp.count_collectives() as read:
+        logits = got.logits
+    out["read"] = dict(read.forward)
+    out["output"] = (type(got) is type(want), tuple(logits.shape), rel_err(logits, want.logits), rel_err(got["logits"], want.logits))
+
+    # 2. backward through .logits (and the loss together) reaches the head as in the unsplit model
+    model.zero_grad(), ref.zero_grad()
+    weight = torch.randn(tiny_llama.VOCAB, generator=torch.Generator().manual_seed(5))
+    got, want = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    (got.loss + (got.logits * weight).sum() * 1e-3).backward()
+    (want.loss + (want.logits * weight).sum() * 1e-3).backward()
+    out["logits_backward"] = _grads(model, ref)
+
+    # 3. ForCausalLMLoss's other arguments: num_items_in_batch (sum / count), shift_labels, ignore_index
+    with torch.no_grad():
+        n = torch.tensor(7)
+        pairs = [
+            (model(input_ids=ids, labels=labels, num_items_in_batch=n).loss, ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss),
+            (model(input_ids=ids, labels=labels, shift_labels=ids).loss, ref(input_ids=ids, labels=labels, shift_labels=ids).loss),
+            (model(input_ids=ids, labels=ids, ignore_index=5).loss, ref(input_ids=ids, labels=ids, ignore_index=5).loss),
+        ]
+        out["options"] = [abs(a.item() - b.item()) / abs(b.item()) for a, b in pairs]
+        # return_dict=False: a tuple, gathered at once
+        tup = model(input_ids=ids, labels=labels, return_dict=False)
+        out["tuple"] = (tuple(tup[1].shape), rel_err(tup[1], ref(input_ids=ids, labels=labels).logits))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])  # 3: the vocabulary 128 splits 43/43/42
+def test_labels_loss_from_slices_matches_unsplit(pool2, pool3, world):
+    for out in (pool2 if world == 2 else pool3).run(parity_task):
+        assert out["loss"] < 1e-5 and out["grads"] < 1e-5 and out["logits_backward"] < 1e-5
+        same_class, shape, err, err_item = out["output"]
+        assert same_class and shape == (BATCH, SEQ, tiny_llama.VOCAB) and err < 1e-5 and err_item < 1e-5
+        assert max(out["options"]) < 1e-5
+        assert out["tuple"][0] == (BATCH, SEQ, tiny_llama.VOCAB) and out["tuple"][1] < 1e-5
+        forward, backward = out["counts"]
+        # Forward: the embedding 1 + 2 per block + the loss's max and (sum of exp, target logit): no all-gather
+        # (the preset gathered the (batch, seq, vocab) logits here). Backward as before: 2 per block + the head's
+        # input (3 on 3 ranks adds the k/v ties of the replicated KV heads: 2 per block).
+        assert forward == {"all_reduce": 1 + 2 * LAYERS + 2}
+        ties = 2 * LAYERS if world == 3 else 0
+        assert backward == {"all_reduce": 2 * LAYERS + 1 + ties}
+        assert out["read"] == {"all_gather": 1}  # reading .logits gathers them, once
+
+
+def fallback_task() -> dict:
+    """Where the loss is not plain causal-LM cross-entropy the model's own path runs (logits gathered first)."""
+    ref = tiny_llama.build()
+    model = tp.parallelize(copy.deepcopy(ref), world_mesh(), check_inputs=0)
+    ids, labels = _batch(2)
+
+    def smoothed(logits, labels, vocab_size, **kwargs):
+        return F.cross_entropy(logits[:, :-1].reshape(-1, vocab_size).float(), labels[:, 1:].reshape(-1), label_smoothing=0.1)
+
+    model.loss_function, ref.loss_function = smoothed, smoothed
+    with torch.no_grad(), tp.count_collectives() as c:
+        got = model(input_ids=ids, labels=labels)
+    want = ref(input_ids=ids, labels=labels)
+    plain = model(input_ids=ids)  # no labels: unchanged, the head gathers
+    return {
+        "loss": abs(got.loss.item() - want.loss.item()) / abs(want.loss.item()),
+        "gathers": c.forward.get("all_gather", 0),
+        "logits": (type(plain.logits).__name__, tuple(plain.logits.shape)),
+    }
+
+
+def test_custom_loss_keeps_the_models_own_path(pool2):
+    for out in pool2.run(fallback_task):
+        assert out["loss"] < 1e-6 and out["gathers"] == 1
+        assert out["logits"] == ("Tensor", (BATCH, SEQ, tiny_llama.VOCAB))
