@@ -63,7 +63,8 @@ def vocab_parallel_cross_entropy(
     rank, world = logits.device_mesh.get_local_rank(), logits.device_mesh.size()
     width = -(-logits.shape[-1] // world)  # torch.chunk's slice length
     return sliced_cross_entropy(
-        logits.to_local(), target, rank * width, logits.device_mesh.get_group(), ignore_index=ignore_index, reduction=reduction
+        logits.to_local(), target, rank * width, logits.device_mesh.get_group(), vocab=logits.shape[-1],
+        ignore_index=ignore_index, reduction=reduction,
     )
 
 
@@ -73,11 +74,19 @@ def sliced_cross_entropy(
     start: int,
     group,
     *,
+    vocab: int,
     ignore_index: int = -100,
     reduction: str = "mean",
 ) -> torch.Tensor:
     """`vocab_parallel_cross_entropy` on this rank's plain slice of the logits: (..., V_local) holding classes
-    start .. start + V_local of the vocabulary, the other slices on the other ranks of `group`."""
+    start .. start + V_local of the `vocab` classes, the other slices on the other ranks of `group`."""
+
+    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if bad.any():  # F.cross_entropy refuses these; here no slice would hold them and the loss would be wrong
+        raise ValueError(
+            f"target holds class {int(target[bad][0])}, outside the vocabulary 0..{vocab - 1} (and not ignore_index="
+            f"{ignore_index}): fix the labels, or mark the positions to skip with {ignore_index}"
+        )
 
     z = local_logits.flatten(0, -2).float()  # (tokens, V / N)
     t = target.flatten()

@@ -92,8 +92,10 @@ def _sliced_loss_forward(lm: nn.Module, head: str, part: Partition, comm) -> Any
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         target = shift_labels.to(logits.device)
         if num_items_in_batch is None:
-            return sliced_cross_entropy(logits, target, start, comm.group, ignore_index=ignore_index)
-        loss = sliced_cross_entropy(logits, target, start, comm.group, ignore_index=ignore_index, reduction="sum")
+            return sliced_cross_entropy(logits, target, start, comm.group, vocab=part.size, ignore_index=ignore_index)
+        loss = sliced_cross_entropy(
+            logits, target, start, comm.group, vocab=part.size, ignore_index=ignore_index, reduction="sum"
+        )
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         return loss / num_items_in_batch

@@ -85,6 +85,14 @@ def parity_task() -> dict:
         # return_dict=False: a tuple, gathered at once
         tup = model(input_ids=ids, labels=labels, return_dict=False)
         out["tuple"] = (tuple(tup[1].shape), rel_err(tup[1], ref(input_ids=ids, labels=labels).logits))
+        # a class no vocabulary slice holds: refused on every rank (F.cross_entropy refuses it too), not a wrong loss
+        wrong = labels.clone()
+        wrong[0, 5] = tiny_llama.VOCAB
+        try:
+            model(input_ids=ids, labels=wrong)
+            out["refused"] = ""
+        except ValueError as e:
+            out["refused"] = str(e)
     return out
 
 
@@ -104,6 +112,7 @@ def test_labels_loss_from_slices_matches_unsplit(pool2, pool3, world):
         ties = 2 * LAYERS if world == 3 else 0
         assert backward == {"all_reduce": 2 * LAYERS + 1 + ties}
         assert out["read"] == {"all_gather": 1}  # reading .logits gathers them, once
+        assert f"class {tiny_llama.VOCAB}, outside the vocabulary 0..{tiny_llama.VOCAB - 1}" in out["refused"]
 
 
 def fallback_task() -> dict:
