@@ -181,7 +181,7 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
     if layout.heads:
         g.owner = common_parent(g.layers)
         owner = module.get_submodule(g.owner)
-        attrs = head_attrs(owner, layout, world_size)
+        attrs = head_attrs(owner, layout, world_size, _column_holders(g.owner, g.columns))
         needs_dim = any(q in ("features", "kv_features") for q in attrs.values())
         entries[g.owner] = Heads(
             num_heads=layout.num_heads,
@@ -382,6 +382,17 @@ def shared_path(names: list[str]) -> list[str]:
             break
         common.append(segs[0])
     return common
+
+
+def _column_holders(owner: str, columns: list[str]) -> tuple[str, ...]:
+    """The submodules between the attention owner and its column layers (relative to the owner): where
+    q, k and v are reshaped into heads when the owner is a wrapper (BERT's ``attention.self``)."""
+    holders = []
+    for name in columns:
+        rel = name[len(owner) + 1:].split(".")[:-1] if owner else name.split(".")[:-1]
+        for i in range(1, len(rel) + 1):
+            holders.append(".".join(rel[:i]))
+    return tuple(dict.fromkeys(holders))
 
 
 def common_parent(names: list[str]) -> str:

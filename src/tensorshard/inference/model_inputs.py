@@ -50,8 +50,13 @@ def model_input_candidates(model: nn.Module, generator: torch.Generator) -> Iter
         extra["decoder_input_ids"] = _on(decoder_ids(model, generator), model)
     for other in _required(model) - {name} - set(extra):  # BLIP-2 reads pixel_values first, input_ids too
         extra.update(next(_main_inputs(model, other, generator), {}))
-    for main in _main_inputs(model, name, generator):
+    mains = list(_main_inputs(model, name, generator))
+    for main in mains:
         yield {**main, **extra}
+    if "decoder_input_ids" in extra:  # BART's classifiers shift input_ids themselves and need equal lengths
+        own = {k: v for k, v in extra.items() if k != "decoder_input_ids"}
+        for main in mains:
+            yield {**main, **own}
     dummy = _dummy_inputs(model, name, params)
     if dummy is not None:
         yield {**dummy, **{k: v for k, v in extra.items() if k not in dummy}}
@@ -62,7 +67,11 @@ def _main_inputs(model: nn.Module, name: str, gen: torch.Generator) -> Iterator[
     if name in ("input_ids", "inputs"):
         vocab = vocab_size(model)
         if vocab:
-            yield {name: _on(torch.randint(0, vocab, (BATCH, SEQ), generator=gen), model)}
+            ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+            yield {name: _on(ids, model)}
+            sentence = _sentence(ids, config, vocab)
+            if sentence is not None:
+                yield {name: _on(sentence, model)}
     elif name == "pixel_values":
         channels = _config_int(config, ("num_channels", "in_channels", "in_chans", "num_input_channels"), 3)
         dtype = _float_dtype(model)
@@ -75,6 +84,31 @@ def _main_inputs(model: nn.Module, name: str, gen: torch.Generator) -> Iterator[
     elif name == "input_values":
         length = _waveform_length(config)
         yield {name: _on(torch.randn(BATCH, length, generator=gen, dtype=_float_dtype(model)), model)}
+
+
+def _sentence(ids: torch.Tensor, config, vocab: int) -> torch.Tensor | None:
+    """`ids` as sentences: special tokens (pad, bos, eos) inside replaced, each ending in the eos token.
+    Classifiers of encoder-decoders (BART's) pool at the eos token and need one per sequence; None when the
+    config names no eos token."""
+    eos = getattr(config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if not isinstance(eos, int) or not 0 <= eos < vocab:
+        return None
+    special = {v for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+               for v in _ints(getattr(config, key, None))}
+    plain = next((i for i in range(vocab) if i not in special), None)
+    if plain is None:
+        return None
+    out = ids.clone()
+    for token in special:
+        out[out == token] = plain
+    out[:, -1] = eos
+    return out
+
+
+def _ints(value) -> list[int]:
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 def patch_grid_inputs(config, gen: torch.Generator, *, dtype=torch.float32, images: int = BATCH,

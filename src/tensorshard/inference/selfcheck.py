@@ -33,7 +33,7 @@ from ..plans.plan import Plan
 from ..styles import ColwiseParallel, Heads, Replicate, Style
 from .groups import find_groups, shared_path
 from .inputs import as_inputs, first_that_runs
-from .trace import Trace, output_tensors, trace_model
+from .trace import Trace, fresh_state, output_tensors, trace_model
 
 TOLERANCE = 1e-4  # relative (norm) error, fp32; a wrong split is off by O(1)
 
@@ -132,7 +132,8 @@ def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dic
         if not err <= tolerance:
             return f"output {i} differs from the unsplit module (relative error {err:.1e})"
     with torch.no_grad():  # inference can take other code paths (PyTorch's fused encoder layer does)
-        plain_ref, plain_split = _floats(ref(*args_ref[0], **args_ref[1])), _floats(split(*args_split[0], **args_split[1]))
+        again_ref, again_split = _inputs(inputs, everything=False), _inputs(inputs, everything=False)
+        plain_ref, plain_split = _floats(ref(*again_ref[0], **again_ref[1])), _floats(split(*again_split[0], **again_split[1]))
     for i, (a, b) in enumerate(zip(plain_split, plain_ref)):
         if a.shape != b.shape or not _rel_err(a, b, _norm(b)) <= tolerance:
             return f"output {i} differs from the unsplit module without gradients (inference takes another path)"
@@ -210,7 +211,7 @@ def _random_like(p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 def _inputs(inputs: tuple[tuple, dict], everything: bool) -> tuple[tuple, dict]:
     def prep(t):
         if not isinstance(t, torch.Tensor):
-            return t
+            return fresh_state(t)  # each run appends to its own copy of a KV cache
         grad = t.is_floating_point() and (everything or t.requires_grad)
         t = t.detach().to("cpu")
         if t.is_floating_point():

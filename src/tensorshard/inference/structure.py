@@ -152,7 +152,7 @@ def infer_layout(
 
 # --- head-count attributes ------------------------------------------------------------------------------
 
-_NOT_COUNTS = re.compile(r"(idx|index|layer|head_dim|head_size|dim_head|per_head|rotary|rope|window|position|max|"
+_NOT_COUNTS = re.compile(r"(idx|index|layer|head_dim|(?<!all_)head_size|dim_head|per_head|rotary|rope|window|position|max|"
                          r"seq|vocab|bucket|stride|chunk|expert|rank|lora|pad|token|id$|_id|seed|block_size)", re.I)
 # Names decide between quantities with colliding values, most specific first.
 _HINTS = [
@@ -164,9 +164,12 @@ _HINTS = [
 ]
 
 
-def head_attrs(owner: nn.Module, layout: Layout, world_size: int) -> dict[str, str]:
+def head_attrs(owner: nn.Module, layout: Layout, world_size: int, inner: tuple[str, ...] = ()) -> dict[str, str]:
     """The integer attributes of `owner` that hold a head count (or a width derived from one), mapped to
-    the quantity each device must see: heads, kv_heads, groups, features or kv_features."""
+    the quantity each device must see: heads, kv_heads, groups or features or kv_features. `inner` names
+    submodules of `owner` (relative paths) that reshape into heads too: the module holding q, k and v when
+    the owner also holds the output projection in a sibling (BERT-style ``attention.self`` beside
+    ``attention.output``); their attributes come back as dotted paths (``self.all_head_size``)."""
     nh, nkv = layout.num_heads, layout.num_kv_heads
     values = {"heads": nh, "kv_heads": nkv, "groups": nh // nkv}
     if layout.head_dim:
@@ -180,8 +183,29 @@ def head_attrs(owner: nn.Module, layout: Layout, world_size: int) -> dict[str, s
         if layout.head_dim:
             counts["features"] = counts["heads"] * layout.head_dim
             counts["kv_features"] = counts["kv_heads"] * (layout.kv_head_dim or layout.head_dim)
+    attrs = _count_attrs(owner, values, local)
+    for path in inner:
+        sub = owner.get_submodule(path)
+        attrs.update({f"{path}.{attr}": quantity for attr, quantity in _count_attrs(sub, values, local).items()})
+    # Head counts read from a config object at forward time (Phi-3 slices its fused q|k|v with
+    # config.num_attention_heads). Only names that are head counts; the Heads style copies the config.
+    config = getattr(owner, "config", None)
+    if config is not None and not isinstance(config, nn.Module) and hasattr(config, "__dict__"):
+        for attr, value in vars(config).items():
+            if isinstance(value, bool) or not isinstance(value, int) or not _CONFIG_COUNTS.fullmatch(attr):
+                continue
+            for quantity, pattern in _HINTS:
+                if quantity in ("heads", "kv_heads", "groups") and values[quantity] == value and pattern.search(attr):
+                    attrs[f"config.{attr}"] = quantity
+                    break
+    return attrs
+
+
+def _count_attrs(module: nn.Module, values: dict[str, int], local: list[dict[str, int]]) -> dict[str, str]:
+    """`module`'s own integer attributes whose value is one of the global quantities in `values`, by name
+    where values collide (a hidden size equal to heads x head_dim)."""
     attrs: dict[str, str] = {}
-    for attr, value in vars(owner).items():
+    for attr, value in vars(module).items():
         if attr.startswith("_") or isinstance(value, bool) or not isinstance(value, int):
             continue
         if _NOT_COUNTS.search(attr):
@@ -196,17 +220,6 @@ def head_attrs(owner: nn.Module, layout: Layout, world_size: int) -> dict[str, s
             elif not (local and all(len({c[q] for q in matches}) == 1 for c in local)):
                 continue  # ambiguous and it matters: leave it (the self-check tells if it was needed)
         attrs[attr] = matches[0]
-    # Head counts read from a config object at forward time (Phi-3 slices its fused q|k|v with
-    # config.num_attention_heads). Only names that are head counts; the Heads style copies the config.
-    config = getattr(owner, "config", None)
-    if config is not None and not isinstance(config, nn.Module) and hasattr(config, "__dict__"):
-        for attr, value in vars(config).items():
-            if isinstance(value, bool) or not isinstance(value, int) or not _CONFIG_COUNTS.fullmatch(attr):
-                continue
-            for quantity, pattern in _HINTS:
-                if quantity in ("heads", "kv_heads", "groups") and values[quantity] == value and pattern.search(attr):
-                    attrs[f"config.{attr}"] = quantity
-                    break
     return attrs
 
 

@@ -27,6 +27,7 @@ input plus int64 shadows of the same size; captured module inputs (small) when `
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -170,9 +171,10 @@ class Tracer(TorchFunctionMode):
             self.poisons.append(Poison(ids, reason, self.where(), kind))
 
     def _copy(self, t: Any) -> Any:
-        """A captured input, marked as needing a gradient when it would in training."""
+        """A captured input, marked as needing a gradient when it would in training; a KV cache as it was
+        when the module was called (the rest of the pass appends to it)."""
         if not isinstance(t, torch.Tensor):
-            return t
+            return fresh_state(t)
         grad = t.is_floating_point() and (t.requires_grad or self.sources(t) is not None)
         return t.detach().clone().requires_grad_(grad)
 
@@ -464,6 +466,15 @@ def _name(func) -> str:
 
 
 # --- running it -----------------------------------------------------------------------------------------
+
+
+def fresh_state(value: Any) -> Any:
+    """A copy of an argument that a forward changes in place (a transformers KV cache: anything with a
+    ``get_seq_length`` method), so each run of a captured input starts from the same entries; other
+    values as they are."""
+    if not isinstance(value, nn.Module) and callable(getattr(value, "get_seq_length", None)):
+        return copy.deepcopy(value)
+    return value
 
 
 def trace_model(
