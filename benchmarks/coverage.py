@@ -83,7 +83,7 @@ FFN = ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "de
        "inner_hidden_size", "mlp_dim", "ff_dim", "dense_intermediate_size", "hidden_dim")
 MOE_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
            "moe_ffn_hidden_size", "moe_hidden_size", "shared_intermediate_size", "expert_hidden_size",
-           "expert_ffn_hidden_size", "shared_experts_intermediate_size")
+           "expert_ffn_hidden_size", "shared_experts_intermediate_size", "moe_shared_expert_intermediate_size")
 LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
           "num_decoder_layers", "num_encoder_layers", "num_blocks", "depth")
 HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads", "encoder_attention_heads")
@@ -99,20 +99,24 @@ SMALL = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_
          "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8, "num_layers_per_stack": 1,
          # state-space and linear-attention mixers of hybrid models
          "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_dt_rank": 8, "n_mamba_heads": 2,
-         "mamba_d_ssm": 128, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 16, "lru_width": 64,
+         "mamba_d_ssm": 128, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16,
+         "num_filters": 8,  # audio codecs' first conv width (doubled per downsampling stage) "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 16, "lru_width": 64,
          "shape_vocab_size": 512, "pronunciation_vocab_size": 512, "shape_embed_dim": 64, "pronunciation_embed_dim": 64,
          "linear_head_dim": 16, "linear_num_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
          "linear_num_key_heads": 2, "linear_num_value_heads": 4,
          "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1}
 
 
-def tiny_config(model_type: str, keep_layers: bool = False, images: bool = True):
+def tiny_config(model_type: str, keep_layers: bool = False, images: bool = True, causal: bool = True):
     """The default config of `model_type`, shrunk; `keep_layers` keeps the layer count and per-layer lists
-    (some hybrids need layers of every kind in a fixed pattern); `images` shrinks the image size."""
+    (some hybrids need layers of every kind in a fixed pattern); `images` shrinks the image size; `causal`
+    makes BERT-like encoders decoders (`is_decoder`), as causal LMs (other families keep them bidirectional)."""
     from transformers import AutoConfig
 
     cfg = AutoConfig.for_model(model_type)
     _shrink(cfg, keep_layers=keep_layers, images=images)
+    if causal and "is_decoder" in cfg.to_dict() and not getattr(cfg, "is_encoder_decoder", False):
+        cfg.is_decoder = True  # BERT-like models as causal LMs
     return cfg
 
 
@@ -134,6 +138,9 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
     values = cfg.to_dict()
     layers0 = next((values[k] for k in LAYERS if isinstance(values.get(k), int)), None)
     heads0 = next((values[k] for k in HEADS if isinstance(values.get(k), int)), None)
+    if layers0 is None:  # no layer count, only a per-layer pattern (NemotronH's layers_block_type)
+        layers0 = next((len(v) for k, v in values.items() if "layer" in k and isinstance(v, list) and len(v) > 2
+                        and all(isinstance(x, str) for x in v)), None)
 
     def put(key, value):
         try:
@@ -154,7 +161,7 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
                 pick.append(i)
         pick = sorted(pick)
     for key, value in values.items():
-        if isinstance(getattr(cfg, key, None), PretrainedConfig) and depth < 2:
+        if isinstance(getattr(cfg, key, None), PretrainedConfig) and depth < 4:
             _shrink(getattr(cfg, key), depth + 1, keep_layers, images)
             continue
         if isinstance(value, bool) or not isinstance(value, (int, list)):
@@ -206,8 +213,6 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
         put("layer_types", kinds[:-1] + ["full_attention"])  # a default without attention layers cannot cache
     if "attn_layer_indices" in values and values["attn_layer_indices"] is None and "mamba_n_heads" in values:
         put("attn_layer_indices", [1])  # Bamba's default has no attention layer, which its cache cannot handle
-    if "is_decoder" in values and not getattr(cfg, "is_encoder_decoder", False):
-        put("is_decoder", True)  # BERT-like models as causal LMs
     if values.get("is_encoder_decoder") and getattr(cfg, "decoder_start_token_id", None) is None:
         pad = getattr(cfg, "pad_token_id", None)
         put("decoder_start_token_id", pad if isinstance(pad, int) else 0)  # T5's default leaves it to the tokenizer
@@ -237,7 +242,9 @@ def build(model_type: str, family: str = "causal-lm"):
     errors = []
     for keep_layers, images in ((False, True), (True, True), (False, False)):
         try:
-            cfg = tiny_config(model_type, keep_layers, images)
+            cfg = tiny_config(model_type, keep_layers, images, causal=family == "causal-lm")
+            if family == "sequence-classification":
+                _give_pad_token(cfg)
             torch.manual_seed(0)
             model = auto.from_config(cfg).float().eval()
             if hasattr(model, "set_default_language"):  # X-MOD: adapters per language
@@ -253,6 +260,19 @@ def build(model_type: str, family: str = "causal-lm"):
     except Exception as e:
         raise RuntimeError(f"its default config does not build either ({type(e).__name__}: {_first(e)})") from e
     raise RuntimeError(errors[0])
+
+
+def _give_pad_token(cfg) -> None:
+    """Decoder-only classifiers pool at the last non-pad token and refuse a batch without a pad token
+    (checkpoints set one; default configs often do not): the eos token, else 0, as fine-tuning scripts do."""
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        if c is not None and hasattr(c, "pad_token_id") and getattr(c, "pad_token_id", None) is None:
+            eos = getattr(c, "eos_token_id", None)
+            eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+            try:
+                c.pad_token_id = eos if isinstance(eos, int) else 0
+            except Exception:
+                pass
 
 
 def _randomize_zeros(model) -> None:
