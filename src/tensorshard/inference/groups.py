@@ -42,7 +42,7 @@ class Group:
     rows: list[str]
     poisons: list[Poison] = field(default_factory=list)
     syncs: set[tuple[str, str]] = field(default_factory=set)  # whole parameters read by its split features
-    outcome: str = "whole"  # "split" | "gather" | "whole"
+    outcome: str = "whole"  # "split" | "gather" (output head) | "gathered" (own_forward.py) | "whole"
     reason: str = ""
     owner: str | None = None  # the module that gets the Heads entry
     layout: Layout | None = None
@@ -63,6 +63,8 @@ class Group:
             return f"attention ({self.layout.num_heads} heads{kv})"
         if self.outcome == "gather":
             return "output head"
+        if self.outcome == "gathered":
+            return "column, output gathered"
         return "column -> row pair" if self.rows else "column"
 
 
@@ -197,7 +199,7 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
         blocks = tuple(layout.blocks[name])
         size = channel_count(module.get_submodule(name))
         entries[name] = ChannelParallel(blocks=None if len(blocks) == 1 and blocks[0] == size else blocks)
-    problem = _validate(module, entries, world_size)
+    problem = validate_entries(module, entries, world_size)
     if problem:
         return g.fail(problem)
     for owner_name, pname in sorted(g.syncs):
@@ -221,7 +223,7 @@ def _gather(g: Group, info, world_size: int, module: nn.Module, trace: Trace) ->
     if out_f not in vocabularies:
         return g.fail(f"its output reaches the model's output and is not a vocabulary ({out_f} features): not worth a gather")
     entries = {info.name: ColwiseParallel(gather_output=True)}
-    problem = _validate(module, entries, world_size)
+    problem = validate_entries(module, entries, world_size)
     if problem:
         return g.fail(problem)
     g.outcome, g.entries = "gather", entries
@@ -247,7 +249,7 @@ def _blocks(blocks: tuple, info, row: bool = False) -> tuple | None:
     return tuple(blocks)
 
 
-def _validate(module: nn.Module, entries: dict[str, Style], world_size: int) -> str | None:
+def validate_entries(module: nn.Module, entries: dict[str, Style], world_size: int) -> str | None:
     """Dry-run the entries (head grouping, block sizes against the device count); the error, if any.
 
     Modules that share a weight with an entry (a tied embedding and head) get the style that splits it
@@ -326,7 +328,7 @@ def decide_embeddings(trace: Trace, module: nn.Module, world_size: int, fixed: d
         if not info.reads_model_input or info.foreign:
             continue
         entries = {name: EmbeddingParallel()}
-        if _validate(module, entries, world_size) is None:
+        if validate_entries(module, entries, world_size) is None:
             out.update(entries)
     return out
 

@@ -36,6 +36,7 @@ from .groups import (
 )
 from .inputs import as_inputs, first_that_runs, input_candidates
 from .parts import infer_parts, prefixed
+from .own_forward import gathered_own_forward
 from .selfcheck import check_entries
 from .trace import Trace, trace_model
 
@@ -135,8 +136,15 @@ def _infer(module: nn.Module, world_size: int, example_inputs: Any, check: bool)
             retrace = _record_failures(groups, trace, fixed, fallbacks, "layout check")
         if not retrace:
             break
+    if check:
+        groups += gathered_own_forward(module, trace, fixed, world_size, verdicts)
+        checked += sum(1 for g in groups if g.outcome == "gathered")
+        fallbacks = [f for f in fallbacks if not all(n in {c for g in groups if g.outcome == "gathered" for c in g.columns}
+                                                      for n in f.layers)]
     plan = assemble(module, groups, embeddings)
-    plan.whole.update({layer: f"plan inference kept it whole ({f.reason})" for f in fallbacks for layer in f.layers})
+    gathered = {c for g in groups if g.outcome == "gathered" for c in g.columns}
+    plan.whole.update({layer: f"plan inference kept it whole ({f.reason})" for f in fallbacks for layer in f.layers
+                       if layer not in gathered})
     parts = {}
     if example_inputs is None:  # given inputs reach what the caller wants reached
         parts = infer_parts(module, set(trace.call_order), lambda part: _infer(part, world_size, None, check))
