@@ -78,14 +78,14 @@ FAMILIES = {
 
 # Tiny sizes, by config attribute name. Heads 4 with 2 KV heads keeps grouped-query attention in play.
 HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "embedding_size", "word_embed_proj_dim",
-          "attention_hidden_size", "embedding_dim", "pooler_hidden_size", "encoder_hidden_size")
+          "attention_hidden_size", "embedding_dim", "pooler_hidden_size", "encoder_hidden_size", "d_latents")
 FFN = ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim", "encoder_ffn_dim",
-       "inner_hidden_size", "mlp_dim", "ff_dim", "dense_intermediate_size", "hidden_dim")
+       "inner_hidden_size", "mlp_dim", "ff_dim", "dense_intermediate_size", "hidden_dim", "feed_forward_size")
 MOE_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
            "moe_ffn_hidden_size", "moe_hidden_size", "shared_intermediate_size", "expert_hidden_size",
            "expert_ffn_hidden_size", "shared_experts_intermediate_size", "moe_shared_expert_intermediate_size")
 LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
-          "num_decoder_layers", "num_encoder_layers", "num_blocks", "depth")
+          "num_decoder_layers", "num_encoder_layers", "num_blocks", "depth", "num_self_attends_per_block")
 HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads", "encoder_attention_heads")
 KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv", "num_kv")
 HEAD_DIM = ("head_dim", "attention_head_dim", "kv_channels", "head_size", "attention_head_size")
@@ -100,7 +100,7 @@ SMALL = {"kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_
          # state-space and linear-attention mixers of hybrid models
          "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_dt_rank": 8, "n_mamba_heads": 2,
          "mamba_d_ssm": 128, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16,
-         "num_filters": 8,  # audio codecs' first conv width (doubled per downsampling stage) "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 16, "lru_width": 64,
+         "num_filters": 8, "num_latents": 16,  # audio codecs' first conv width (doubled per downsampling stage) "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 16, "lru_width": 64,
          "shape_vocab_size": 512, "pronunciation_vocab_size": 512, "shape_embed_dim": 64, "pronunciation_embed_dim": 64,
          "linear_head_dim": 16, "linear_num_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
          "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -200,6 +200,9 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
         put("head_dim", SMALL["qk_rope_head_dim"])  # multi-head latent attention: rotary part of the head
     if "qk_head_dim" in values:
         put("qk_head_dim", SMALL["qk_rope_head_dim"] + SMALL["qk_nope_head_dim"])
+    if "axial_pos_embds_dim" in values:  # Reformer: the axial position parts add up to the hidden size, and
+        put("axial_pos_embds_dim", (32, 32))  # their shape to the longest sequence
+        put("axial_pos_shape", (16, 16))
     if "expand" in values and "num_heads" in values and "head_dim" in values:  # Mamba-2: heads x head_dim = expand x hidden
         put("num_heads", values["expand"] * 64 // 16)
     if "width_coefficient" in values and "hidden_dim" in values:  # EfficientNet: B0's widths (hidden_dim is its top conv)
