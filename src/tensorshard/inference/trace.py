@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..layers import CONV, EMBEDDING, LayerKind, layer_kind
-from ..styles.channel import channel_group, is_channelwise
+from ..styles.channel import channel_dim, channel_group, is_channelwise
 from .features import FeatureSet, Ids, compact
 from .inputs import synthetic_inputs
 from .oprules import Call, IDENTITY, NO_TRACK, Rules, STRUCTURAL, tensors_of
@@ -141,6 +141,7 @@ class Tracer(TorchFunctionMode):
         self._hooks = []
         for name, mod in model.named_modules():
             kind = layer_kind(mod)
+            is_channelwise(mod)  # decided (and remembered) now, outside the traced pass: a response norm is probed
             if kind is not None:
                 self.layers[name] = LayerInfo(name, mod, kind)
                 for p in mod.parameters(recurse=False):
@@ -400,7 +401,7 @@ class Tracer(TorchFunctionMode):
         """"channel" when each channel of `x` (dim 1) carries one feature, the same at every batch and
         spatial position, and the module saw the same features before; else the features are poisoned."""
         s = self.shadow(x)
-        per_channel = self._per_channel(s)
+        per_channel = self._per_channel(s, channel_dim(self.modules[name]))
         seen = self.channels.get(name)
         if per_channel is None or seen is not None and not torch.equal(seen, per_channel):
             self.poison(s, f"{name} reads split features other than one per channel")
@@ -412,12 +413,14 @@ class Tracer(TorchFunctionMode):
         return "channel"
 
     @staticmethod
-    def _per_channel(s: Ids) -> Ids | None:
+    def _per_channel(s: Ids, dim: int = 1) -> Ids | None:
         if s.dim() < 2:
             return None
+        dim %= s.dim()
         rep = s.narrow(0, 0, 1)
-        for d in range(2, s.dim()):
-            rep = rep.narrow(d, 0, 1)
+        for d in range(1, s.dim()):
+            if d != dim:
+                rep = rep.narrow(d, 0, 1)
         if not bool((s == rep).all()) or not bool((rep >= 0).all()):
             return None
         return rep.reshape(-1)
@@ -425,9 +428,12 @@ class Tracer(TorchFunctionMode):
     def _channel_output(self, name: str, role: str, x: torch.Tensor, out: Any) -> None:
         for t in tensors_of(out):
             self.set_sources(t, LONG)
-        if role == "channel" and isinstance(out, torch.Tensor) and out.dim() == x.dim() and out.shape[1] == x.shape[1]:
+        dim = channel_dim(self.modules[name]) % x.dim()
+        if role == "channel" and isinstance(out, torch.Tensor) and out.dim() == x.dim() and out.shape[dim] == x.shape[dim]:
             ids = self.channels[name]
-            self.set_shadow(out, ids.view(1, -1, *([1] * (out.dim() - 2))).expand(out.shape))
+            shape = [1] * out.dim()
+            shape[dim] = -1
+            self.set_shadow(out, ids.view(shape).expand(out.shape))
 
     def _layer_output(self, name: str, kind: LayerKind, role: str, x: Any, out: Any) -> None:
         info = self.layers[name]
