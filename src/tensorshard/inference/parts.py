@@ -9,7 +9,8 @@ input, model_inputs.py) or sits beside one that is (the ``multi_modal_projector`
 layer). Each part gets a plan of its own, inferred (and self-checked) on its own tiny input as if it
 were a model: a part's inputs and outputs are whole, as a model's are, so its entries fit into the
 whole model's plan unchanged, under the part's name. Other unreached modules (experts no token was routed
-to) stay whole, as before. A part whose input cannot be built stays whole, with a log line saying so.
+to) stay whole, as before, and so does a bare embedding beside a tower (what it is fed is the tower's
+output, not ids). A part whose input cannot be built stays whole, with a log line saying so.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable, TypeVar
 
 from torch import nn
 
-from ..layers import layer_kind
+from ..layers import EMBEDDING, layer_kind
 from ..plans.plan import Plan
 from .groups import escape
 
@@ -41,7 +42,9 @@ def unreached_parts(module: nn.Module, reached: set[str]) -> list[str]:
         towers = [name for name, mod in siblings if _describes_inputs(mod) and _holds_layers(mod)]
         if not towers:
             continue
-        parts += [name for name, mod in siblings if _holds_layers(mod)]
+        # A bare embedding beside a tower is fed what the tower makes, not ids we could build (Ovis2's visual
+        # table multiplies the tower's probabilities with its rows): it stays whole.
+        parts += [name for name, mod in siblings if _holds_layers(mod) and layer_kind(mod) is not EMBEDDING]
     return [name for name, _ in module.named_modules() if name in set(parts)]
 
 

@@ -376,6 +376,12 @@ class Tracer(TorchFunctionMode):
         info = self.layers[name]
         s = self.shadow(x) if isinstance(x, torch.Tensor) else None
         if kind is EMBEDDING:
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                # not a lookup: an Embedding subclass multiplying soft inputs with its table (Ovis2's visual
+                # table, fed probabilities): a vocabulary split would cut that product
+                if s is not None:
+                    self.poison(s, f"{name} multiplies split features with its table")
+                return "soft"
             info.reads_model_input |= self.derived(x)
             if s is not None:
                 self.poison(s, f"{name} looks up split values")

@@ -2,8 +2,9 @@
 head counts live in a submodule (``attention.self``) beside the output projection (``attention.output``);
 a BERT-like decoder whose forward fills a KV cache it makes itself (the self-check must not run a region on
 a cache the traced pass already filled); BART's classifier, which pools at the eos token and builds its own
-decoder inputs. Each split without a plan at 2 and 3 devices: logits within 1e-5 (fp32, relative) of the
-unsplit model, and every block's attention and MLP split."""
+decoder inputs; Ovis2's visual embedding table, an Embedding fed the vision tower's probabilities (not ids),
+which must stay whole. Each split without a plan at 2 and 3 devices: logits within 1e-5 (fp32, relative) of
+the unsplit model, and every block's attention and MLP split."""
 
 import importlib.util
 import sys
@@ -93,3 +94,40 @@ def test_bart_classifier_splits_without_a_plan(n, gen):
     ids[:, -1] = cfg.eos_token_id
     with torch.no_grad():
         assert rel_err(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_an_embedding_fed_probabilities_is_not_split_by_vocabulary(n):
+    ref, _, inputs = coverage.build("ovis2", "image-text-to-text")
+    assert "pixel_values" in inputs
+    model = split_copy(ref, n)
+    assert "model.visual_embeddings_table" not in model.plan.assign(ref)
+    assert type(model.plan.assign(ref)["model.language_model.embed_tokens"].style).__name__ == "EmbeddingParallel"
+    with torch.no_grad():
+        assert rel_err(model(**inputs).logits, ref(**inputs).logits) < 1e-5
+
+
+def test_an_embedding_called_with_floats_is_not_a_lookup():
+    """Traced with a float input, an Embedding subclass that multiplies it with its table plays no lookup
+    role, so plan inference never splits it by vocabulary."""
+    from torch import nn
+
+    class SoftTable(nn.Embedding):
+        def forward(self, x):
+            return x @ self.weight if x.is_floating_point() else super().forward(x)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = SoftTable(24, 16)
+            self.out = nn.Linear(16, 8)
+
+        def forward(self, ids):  # soft one-hot rows made from the input ids themselves
+            soft = torch.nn.functional.one_hot(ids, 24).float().mul(0.9).add(0.1 / 24)
+            return self.out(self.table(soft))
+
+    from tensorshard.inference.infer import infer
+
+    report = infer(Model(), 2, example_inputs=(torch.randint(0, 24, (2, 5)),), check=True)
+    assert report.trace.layers["table"].roles == {"soft"}  # not "embedding": no vocabulary split candidate
+    assert "table" not in dict(report.plan.items())
