@@ -150,7 +150,8 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
 
     # Layers to keep: two, or the first layer of each kind when a per-layer list names kinds (hybrids).
     pick = None
-    if layers0 and layers0 > 2 and not keep_layers:
+    stages = isinstance(values.get("depths"), list) and len(values["depths"]) == layers0  # Swin: layers are stages
+    if layers0 and layers0 > 2 and not keep_layers and not stages:
         kinds = next((v for v in values.values() if isinstance(v, list) and len(v) == layers0
                       and all(isinstance(x, str) for x in v)), None)
         pick = sorted({kinds.index(k) for k in kinds}) if kinds else []
@@ -191,7 +192,8 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
             put(key, SMALL[key])
         elif isinstance(value, list) and pick is not None and len(value) == layers0:
             put(key, [value[i] for i in pick])  # per-layer lists (layer_types, ...)
-        elif key in STAGE_LISTS and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        elif key in STAGE_LISTS and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value) and not (
+                key == "hidden_sizes" and "stage_out_channels" in values):  # HGNet-V2: its widths live in stage_* lists
             put(key, STAGE_LISTS[key](value))  # per-stage lists of vision backbones
         elif key in ("image_size", "img_size") and images:
             put(key, IMAGE if isinstance(value, int) else [IMAGE] * len(value))
