@@ -329,9 +329,16 @@ def image_text_inputs(model, cfg, gen: torch.Generator) -> dict:
 
     from tensorshard.inference.model_inputs import patch_grid_inputs
 
-    token = next(v for v in (getattr(cfg, "image_token_id", None), getattr(cfg, "image_token_index", None))
-                 if isinstance(v, int))
+    token = next((v for v in (getattr(cfg, "image_token_id", None), getattr(cfg, "image_token_index", None))
+                  if isinstance(v, int)), None)
     vision = cfg.vision_config
+    if token is None and hasattr(cfg, "num_query_tokens"):  # BLIP-2 style: the default config names no image token
+        token = vocab_size(model) - 1
+        for key in ("image_token_id", "image_token_index"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, token)
+    if token is None:
+        raise ValueError(f"{type(cfg).__name__} names no image token")
     takes = inspect.signature(model.get_image_features).parameters
     extra = {}
     if "image_grid_thw" in takes:  # Qwen2-VL style: flattened patches and their grid
@@ -342,6 +349,9 @@ def image_text_inputs(model, cfg, gen: torch.Generator) -> dict:
         pixels = torch.randn(2, getattr(vision, "num_channels", 3), size, size, generator=gen)
         if "image_sizes" in takes:
             extra["image_sizes"] = torch.tensor([[size, size]] * 2)
+    if "qformer_input_ids" in takes:  # InstructBLIP: its Q-Former reads text ids of its own
+        qvocab = getattr(getattr(cfg, "qformer_config", None), "vocab_size", 512)
+        extra["qformer_input_ids"] = torch.randint(4, max(5, min(qvocab, 512)), (2, 4), generator=gen)
     first = pixels[: len(pixels) // 2]  # one image's patches (flattened patches: half the rows)
     with torch.no_grad():
         features = model.get_image_features(pixel_values=first, **{k: v[:1] for k, v in extra.items()})

@@ -143,3 +143,19 @@ def test_writing_through_a_submodule_view_reaches_every_device():
     split.model.some_state = None
     assert all(shard.model.some_state is None for shard in split.module_shards)
     assert split.model.some_state is None
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_blip2_generates_with_its_query_tokens(n):
+    """BLIP-2's generate runs the model's own get_image_features on the split model, which reads the
+    top-level parameter query_tokens: the first device's copy, under no_grad; with gradients, a clear error."""
+    ref, _, inputs = coverage.build("blip-2", "image-text-to-text")
+    model = split_copy(ref, n)
+    _split_is_real(model, ref)
+    first = coverage.first_sample(inputs)
+    with torch.no_grad():
+        assert rel_err(model(**inputs).logits, ref(**inputs).logits) < 1e-5
+        options = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        assert torch.equal(model.generate(**first, **options), ref.generate(**first, **options))
+    with pytest.raises(AttributeError, match="query_tokens is a parameter of every device's copy"):
+        model.query_tokens

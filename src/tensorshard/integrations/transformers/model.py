@@ -250,6 +250,8 @@ class TransformersTensorParallel(TensorParallel):
             original = self.__dict__.get("_original")
             if original is not None and name in original._modules:
                 return _submodule_view(self, name)
+            if original is not None and (name in original._parameters or name in original._buffers):
+                return _top_level_tensor(self, name)
             raise
 
 
@@ -283,6 +285,19 @@ class _SubmoduleView(TensorParallel):
             return
         for shard in self.module_shards:
             setattr(shard, name, _to_device_of(shard, value))
+
+
+def _top_level_tensor(split: nn.Module, name: str) -> torch.Tensor:
+    """A parameter or buffer the model holds itself (BLIP-2's ``query_tokens``), read by the model's own
+    methods that generate calls on the split model (``get_image_features``): the first device's copy. Only
+    without gradients: a computation outside the shards' forward would give that copy alone a gradient."""
+    if torch.is_grad_enabled():
+        raise AttributeError(
+            f"{name} is a parameter of every device's copy of the split {type(split._original).__name__}; code "
+            "outside its forward reads it only under torch.no_grad() (generate does). Call the split model itself "
+            "to compute with gradients."
+        )
+    return getattr(split.module_shards[0], name)
 
 
 def _to_device_of(module: nn.Module, value: Any) -> Any:
