@@ -78,7 +78,8 @@ FAMILIES = {
 
 # Tiny sizes, by config attribute name. Heads 4 with 2 KV heads keeps grouped-query attention in play.
 HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "model_dim", "embedding_size", "word_embed_proj_dim",
-          "attention_hidden_size", "embedding_dim", "pooler_hidden_size", "encoder_hidden_size", "d_latents")
+          "attention_hidden_size", "embedding_dim", "pooler_hidden_size", "encoder_hidden_size", "d_latents",
+          "cross_attention_hidden_size")
 FFN = ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim", "encoder_ffn_dim",
        "inner_hidden_size", "mlp_dim", "ff_dim", "dense_intermediate_size", "hidden_dim", "feed_forward_size")
 MOE_FFN = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
