@@ -472,6 +472,8 @@ def run_one(model_type: str, family: str = "causal-lm") -> dict:
             r.update(ok=False, error=f"{type(e).__name__}: {_first(e)}", trace=traceback.format_exc(limit=-3))
         rec[str(n)] = r
     rec["seconds"] = round(time.time() - t0, 1)
+    rec["commit"] = _git("rev-parse", "--short", "HEAD")  # the code this architecture ran on
+    rec["date"] = datetime.date.today().isoformat()
     return rec
 
 
@@ -595,13 +597,14 @@ def write_table() -> None:
         "Parameters a tiny config initialises to zero (classifier heads) get small random values, so equal "
         "outputs mean something.",
         "",
-        f"The causal-LM table is the sweep of {CAUSAL_MEASURED}, not rerun since; the other families were "
-        "measured on 2026-11-24 while they were being added (the seq2seq-LM sweep on earlier code than the "
-        "others; records in benchmarks/results/coverage-<family>.jsonl). Families or architectures not "
-        "measured yet are named below; run the sweep to fill them in.",
+        f"The causal-LM table is the sweep of {CAUSAL_MEASURED}, not rerun since. The other families were "
+        f"measured as the table's last column says: each architecture runs in a process of its own on the code of "
+        f"the commit it names (records in benchmarks/results/coverage-<family>.jsonl; records from before commits "
+        f"were recorded say `?`). This file was written at commit {commit}. Architectures not measured are named "
+        "in their family's section; run the sweep to fill them in.",
         "",
-        "| family | architectures | measured | buildable | pass on 2 devices | pass on 3 devices | pass on both |",
-        "|---|---|---|---|---|---|---|",
+        "| family | architectures | measured | buildable | pass on 2 devices | pass on 3 devices | pass on both | measured on (commits) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     sections: list[str] = []
     for name, records in measured:
@@ -611,13 +614,14 @@ def write_table() -> None:
         pct = 100 * len(both) / max(len(built), 1)
         title = FAMILIES[name].title
         total = len(_mapping(name))
+        when = CAUSAL_MEASURED if name == "causal-lm" else _measured_when(records)
         lines.append(f"| [{title}](#{title.lower().replace(' ', '-')}) | {total} | {len(records)} | {len(built)} | "
-                     f"{ok[2]} | {ok[3]} | {len(both)} ({pct:.1f}%) |")
+                     f"{ok[2]} | {ok[3]} | {len(both)} ({pct:.1f}%) | {when} |")
         sections += _family_section(name, records)
         print(f"{name}: {len(both)}/{len(built)} buildable architectures pass on 2 and 3 devices ({pct:.1f}%)")
     for name in FAMILIES:
         if name not in dict(measured):
-            lines.append(f"| {FAMILIES[name].title} | {len(_mapping(name))} | 0 (not measured yet) | - | - | - | - |")
+            lines.append(f"| {FAMILIES[name].title} | {len(_mapping(name))} | 0 (not measured yet) | - | - | - | - | - |")
     lines += [
         "",
         "Memory is the largest device's parameter bytes over the unsplit model's. Split: the "
@@ -630,6 +634,16 @@ def write_table() -> None:
     tmp.write_text("\n".join(lines + sections) + "\n")
     tmp.replace(TABLE)
     print(f"wrote {TABLE}")
+
+
+def _measured_when(records: list[dict]) -> str:
+    """Dates and commits of a family's records, with how many architectures each: "2026-11-24 (abc1234: 40, ?: 2)"."""
+    dates = sorted({r["date"] for r in records if r.get("date")}) or ["?"]
+    commits: dict[str, int] = {}
+    for r in records:
+        commits[r.get("commit", "?")] = commits.get(r.get("commit", "?"), 0) + 1
+    listed = ", ".join(f"{c}: {n}" for c, n in sorted(commits.items(), key=lambda kv: -kv[1]))
+    return f"{', '.join(dates)} ({listed})"
 
 
 def _mapping(family: str) -> list[str]:
