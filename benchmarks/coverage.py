@@ -413,7 +413,8 @@ def run_one(model_type: str, family: str = "causal-lm") -> dict:
     from tensorshard.inference.infer import infer
     from tensorshard.plans.presets import PRESETS, preset_for
 
-    rec: dict = {"arch": model_type}
+    rec: dict = {"arch": model_type, "commit": _git("rev-parse", "--short", "HEAD"),  # the code it ran on
+                 "date": datetime.date.today().isoformat()}
     t0 = time.time()
     try:
         model, cfg, inputs = build(model_type, family)
@@ -472,8 +473,6 @@ def run_one(model_type: str, family: str = "causal-lm") -> dict:
             r.update(ok=False, error=f"{type(e).__name__}: {_first(e)}", trace=traceback.format_exc(limit=-3))
         rec[str(n)] = r
     rec["seconds"] = round(time.time() - t0, 1)
-    rec["commit"] = _git("rev-parse", "--short", "HEAD")  # the code this architecture ran on
-    rec["date"] = datetime.date.today().isoformat()
     return rec
 
 
@@ -535,6 +534,7 @@ def _isolated(model_type: str, family: str) -> dict:
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
     failed = {"ok": False}
+    stamp = {"commit": _git("rev-parse", "--short", "HEAD"), "date": datetime.date.today().isoformat()}
     try:
         proc = subprocess.run(
             [sys.executable, __file__, "--worker", model_type, "--family", family], capture_output=True, text=True,
@@ -542,11 +542,11 @@ def _isolated(model_type: str, family: str) -> dict:
         )
     except subprocess.TimeoutExpired:
         why = f"timed out after {TIMEOUT} s"
-        return {"arch": model_type, "buildable": True, "2": failed | {"error": why}, "3": failed | {"error": why}}
+        return {"arch": model_type, "buildable": True, "2": failed | {"error": why}, "3": failed | {"error": why}} | stamp
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         why = f"crashed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}"[:300]
-        return {"arch": model_type, "buildable": True, "2": failed | {"error": why}, "3": failed | {"error": why}}
+        return {"arch": model_type, "buildable": True, "2": failed | {"error": why}, "3": failed | {"error": why}} | stamp
     return json.loads(lines[-1])
 
 
