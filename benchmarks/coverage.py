@@ -600,7 +600,8 @@ def write_table() -> None:
         f"The causal-LM table is the sweep of {CAUSAL_MEASURED}, not rerun since. The other families were "
         f"measured as the table's last column says: each architecture runs in a process of its own on the code of "
         f"the commit it names (records in benchmarks/results/coverage-<family>.jsonl; records from before commits "
-        f"were recorded say `?`). This file was written at commit {commit}. Architectures not measured are named "
+        f"were recorded say `?`; a `*` marks a commit whose library, src/, differs from this one's). This file was "
+        f"written at commit {commit}. Architectures not measured are named "
         "in their family's section; run the sweep to fill them in.",
         "",
         "| family | architectures | measured | buildable | pass on 2 devices | pass on 3 devices | pass on both | measured on (commits) |",
@@ -642,8 +643,20 @@ def _measured_when(records: list[dict]) -> str:
     commits: dict[str, int] = {}
     for r in records:
         commits[r.get("commit", "?")] = commits.get(r.get("commit", "?"), 0) + 1
-    listed = ", ".join(f"{c}: {n}" for c, n in sorted(commits.items(), key=lambda kv: -kv[1]))
+    listed = ", ".join(f"{c}{'' if _same_library(c) else '*'}: {n}"
+                       for c, n in sorted(commits.items(), key=lambda kv: -kv[1]))
     return f"{', '.join(dates)} ({listed})"
+
+
+def _same_library(commit: str) -> bool:
+    """Whether src/ at `commit` is the library this file is written with (HEAD's); False when unknown."""
+    if commit == "?":
+        return False
+    try:
+        subprocess.run(["git", "diff", "--quiet", commit, "HEAD", "--", "src"], cwd=ROOT, check=True, capture_output=True)
+        return True
+    except Exception:
+        return False
 
 
 def _mapping(family: str) -> list[str]:
