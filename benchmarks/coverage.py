@@ -513,9 +513,9 @@ def sweep(types: list[str], redo: bool, family: str = "causal-lm") -> None:
     """Each architecture in its own process, under a time and memory limit; results appended as it goes."""
     results = FAMILIES[family].results(family)
     results.parent.mkdir(parents=True, exist_ok=True)
-    if redo:
-        _rewrite(results, [r for r in load(family) if r["arch"] not in types])
-    done = {r["arch"] for r in load(family)}
+    # A redo appends: the latest record of an architecture counts (load), so an interrupted redo keeps the
+    # earlier records of what it did not reach; the file is compacted at the end.
+    done = {r["arch"] for r in load(family)} - (set(types) if redo else set())
     for i, t in enumerate(types):
         if t in done:
             continue
@@ -525,6 +525,7 @@ def sweep(types: list[str], redo: bool, family: str = "causal-lm") -> None:
         status = "not buildable" if not rec.get("buildable") else " ".join(
             f"{n}:{'ok' if rec.get(str(n), {}).get('ok') else 'FAIL'}" for n in WORLDS)
         print(f"[{family} {i + 1}/{len(types)}] {t}: {status} ({rec.get('seconds', '?')} s)", flush=True)
+    _rewrite(results, load(family))
 
 
 def _isolated(model_type: str, family: str) -> dict:
