@@ -506,6 +506,7 @@ def _first(e: BaseException) -> str:
 
 
 CAUSAL_MEASURED = "2026-11-21 (commit 85de0f5)"
+OTHERS_MEASURED = "all in one session on 2026-11-24, after the fixes of that day (issue 15)"
 MEMORY_LIMIT = 6 << 30  # bytes of address space per architecture: a runaway model fails alone
 
 
@@ -599,7 +600,7 @@ def write_table() -> None:
         "outputs mean something.",
         "",
         f"The causal-LM table is the sweep of {CAUSAL_MEASURED}, not rerun since. The other families were "
-        f"measured as the table's last column says: each architecture runs in a process of its own on the code of "
+        f"measured {OTHERS_MEASURED}, as the table's last column says: each architecture runs in a process of its own on the code of "
         f"the commit it names (records in benchmarks/results/coverage-<family>.jsonl; records from before commits "
         f"were recorded say `?`; a `*` marks a commit whose library, src/, differs from this one's). This file was "
         f"written at commit {commit}. Architectures not measured are named "
