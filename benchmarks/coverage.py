@@ -506,7 +506,7 @@ def _first(e: BaseException) -> str:
 
 
 CAUSAL_MEASURED = "2026-11-21 (commit 85de0f5)"
-OTHERS_MEASURED = "all in one session on 2026-11-24, after the fixes of that day (issue 15)"
+OTHERS_MEASURED = "in one session on 2026-11-24, after that day's fixes (issue 15)"
 MEMORY_LIMIT = 6 << 30  # bytes of address space per architecture: a runaway model fails alone
 
 
@@ -583,7 +583,7 @@ def write_table() -> None:
     lines = [
         "# Coverage of automatic plans",
         "",
-        f"Measured {datetime.date.today().isoformat()} by `benchmarks/coverage.py` on {platform.machine()} CPU "
+        f"Written {datetime.date.today().isoformat()} by `benchmarks/coverage.py` on {platform.machine()} CPU "
         f"({platform.system()}), torch {torch.__version__}, transformers {transformers.__version__}, "
         f"tensorshard {tensorshard.__version__} (commit {commit}).",
         "",
