@@ -134,6 +134,20 @@ class TwoBlocks(nn.Module):
         return self.b2(self.a2(self.b1(self.a1(x))))
 
 
+class TwoPairs(nn.Module):
+    """Two column -> row pairs with a residual, and a norm the plan (plans.TWO_BLOCKS) leaves whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.a1, self.b1 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.a2, self.b2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = x + self.b1(torch.relu(self.a1(x)))
+        return self.b2(torch.relu(self.a2(self.norm(h))))
+
+
 class SqueezeExcite(nn.Module):
     """Squeeze-and-excitation: channel weights from the pooled input, through a bottleneck."""
 

@@ -17,30 +17,15 @@ import tensorshard as tp
 from support import ROOT, plans
 from support.helpers import rel_err, split_copy
 from support.hf_parity import gathered_grads
-from support.models import FeedForward
+from support.models import FeedForward, TwoPairs
 
 pytestmark = pytest.mark.timeout(60)
 
-PAIRS = {"a[12]": tp.ColwiseParallel(), "b[12]": tp.RowwiseParallel()}
-
-
-class TwoPairs(nn.Module):
-    """Two column -> row pairs with a residual: one all-reduce each way per pair."""
-
-    def __init__(self):
-        super().__init__()
-        self.a1, self.b1 = nn.Linear(8, 16), nn.Linear(16, 8)
-        self.a2, self.b2 = nn.Linear(8, 16), nn.Linear(16, 8)
-        self.norm = nn.LayerNorm(8)
-
-    def forward(self, x):
-        h = x + self.b1(torch.relu(self.a1(x)))
-        return self.b2(torch.relu(self.a2(self.norm(h))))
 
 
 def pair(n=2, **kwargs):
     ref = TwoPairs()
-    return ref, split_copy(ref, n, plan=PAIRS, **kwargs)
+    return ref, split_copy(ref, n, plan=plans.TWO_BLOCKS, **kwargs)
 
 
 def grads_of(model) -> dict:

@@ -14,31 +14,18 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import tensorshard as tp
+from support import plans
 from support.helpers import split_copy
+from support.models import TwoPairs
 
 pytestmark = pytest.mark.timeout(60)
 
-PLAN = {"a[12]": tp.ColwiseParallel(), "b[12]": tp.RowwiseParallel()}
-
-
-class TwoPairs(nn.Module):
-    """Two column -> row pairs and a norm the plan leaves whole (replicated, or ZeRO-3 with sharded=True)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a1, self.b1 = nn.Linear(8, 16), nn.Linear(16, 8)
-        self.a2, self.b2 = nn.Linear(8, 16), nn.Linear(16, 8)
-        self.norm = nn.LayerNorm(8)
-
-    def forward(self, x):
-        h = x + self.b1(torch.relu(self.a1(x)))
-        return self.b2(torch.relu(self.a2(self.norm(h))))
 
 
 def twins(n=2, sharded=False):
     """Two identical split models: one for the plain optimizer, one for the per-device one."""
     torch.manual_seed(0)
-    first = split_copy(TwoPairs(), n, plan=PLAN, sharded=sharded)
+    first = split_copy(TwoPairs(), n, plan=plans.TWO_BLOCKS, sharded=sharded)
     return first, copy.deepcopy(first)
 
 
