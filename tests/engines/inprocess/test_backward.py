@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 import tensorshard as tp
 from support import ROOT, plans
