@@ -23,8 +23,11 @@ this wrapper instead
    The loss's backward does not go through the gathered logits: their (batch, seq, vocab) gradient is never made.
    Reading the logits is then a collective: on every rank, or on none.
 
-Anything else keeps the model's own path: no labels, a custom ``loss_function``, another loss type
-(sequence classification, ...), a head that is not a plain gathering column split, one rank.
+Only where that is exact: the model's forward must treat its logits elementwise between the head and the
+loss (softcapping, a scale, ``.float()``), which elementwise_logits.py proves from the forward's source; a
+forward that masks, slices or gathers vocabulary entries, or one it cannot read, keeps the model's own path
+(logged at debug level with the reason). So does anything else: no labels, a custom ``loss_function``, another
+loss type (sequence classification, ...), a head that is not a plain gathering column split, one rank.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from torch import nn
 
 from ..layers import is_transformers_model
 from ..loss_parallel import sliced_cross_entropy
+from .elementwise_logits import why_not_elementwise
 from .lazy_logits import gather_logits_on_read
 from ..partition import Partition
 from ..plans.slices import after_split, split_layout
@@ -70,6 +74,11 @@ def _install(root: nn.Module) -> None:
         part = split[1]
         if part.overlapping or len(part.ranges[state.comm.rank]) != 1:
             return  # a vocabulary that is not one contiguous slice per rank: keep the gathered loss
+        lm_name = names[id(lm)]
+        reason = why_not_elementwise(lm, name[len(lm_name) + 1:] if lm_name else name)
+        if reason is not None:  # the forward may edit its logits by vocabulary index: a slice would be wrong
+            logger.debug("%s keeps its own loss on gathered logits: %s", type(lm).__name__, reason)
+            return
         wrap_forward(lm, _sliced_loss_forward(lm, name, part, state.comm))
         logger.debug("%s: labels= computes the loss from vocabulary slices of %s", type(lm).__name__, name)
         return

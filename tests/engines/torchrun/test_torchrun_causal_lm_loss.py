@@ -140,3 +140,88 @@ def test_custom_loss_keeps_the_models_own_path(pool2):
     for out in pool2.run(fallback_task):
         assert out["loss"] < 1e-6 and out["gathers"] == 1
         assert out["logits"] == ("Tensor", (BATCH, SEQ, tiny_llama.VOCAB))
+
+
+BANNED = 7  # a token the masking model forbids, as Chameleon forbids its image tokens
+
+
+def _masking_llama():
+    """A Llama whose forward sets one vocabulary column of its logits to the dtype's minimum before the loss:
+    on a vocabulary slice that edit would hit another token (local column 7 is token 7 + the slice's start)."""
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class MaskingLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden_states = self.model(input_ids=input_ids).last_hidden_state
+            logits = self.lm_head(hidden_states)
+            logits[..., BANNED] = torch.finfo(logits.dtype).min
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    plain = tiny_llama.build()
+    model = MaskingLlama(plain.config).eval()
+    model.load_state_dict(plain.state_dict())
+    return model
+
+
+def _debug_log(name: str):
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda r: records.append(r.getMessage())
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    return records, lambda: logger.removeHandler(handler)
+
+
+def masking_task() -> dict:
+    ref = _masking_llama()
+    records, done = _debug_log("tensorshard.integrations.causal_lm_loss")
+    try:
+        model = tp.parallelize(copy.deepcopy(ref), world_mesh(), check_inputs=0)
+    finally:
+        done()
+    ids, labels = _batch(3)
+    labels[labels == BANNED] = 0  # the forbidden token as a target would make both losses ~1e38
+    with torch.no_grad(), tp.count_collectives() as c:
+        got = model(input_ids=ids, labels=labels).loss
+        want = ref(input_ids=ids, labels=labels).loss
+    return {"loss": abs(got.item() - want.item()) / abs(want.item()), "gathers": c.forward.get("all_gather", 0),
+            "log": records}
+
+
+def test_a_model_that_edits_logits_by_token_keeps_its_own_loss(pool2):
+    for out in pool2.run(masking_task):
+        # the gathered path: the same loss as the unsplit model (a slice would mask token 7 + 64 on rank 1)
+        assert out["loss"] < 1e-6 and out["gathers"] == 1
+        assert any("MaskingLlama keeps its own loss" in m and "logits[..., BANNED]" in m for m in out["log"]), out["log"]
+
+
+def softcapped_task() -> dict:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=tiny_llama.VOCAB, final_logit_softcapping=0.5, attn_implementation="eager",
+    )  # a cap of 0.5: tanh bends these logits (|x| ~ 1) a lot, so a missed cap would show
+    ref = Gemma2ForCausalLM(config).eval()
+    model = tp.parallelize(copy.deepcopy(ref), world_mesh(), check_inputs=0)
+    ids, labels = _batch(4)
+    with torch.no_grad(), tp.count_collectives() as c:
+        got = model(input_ids=ids, labels=labels).loss
+    want = ref(input_ids=ids, labels=labels).loss
+    return {"loss": abs(got.item() - want.item()) / abs(want.item()), "counts": dict(c.forward)}
+
+
+def test_softcapped_logits_still_use_the_slices(pool2):
+    for out in pool2.run(softcapped_task):
+        assert out["loss"] < 1e-5  # fp32, the slices' log-sum-exp in another order
+        # the embedding 1 + 2 per block + the loss's 2; no all-gather: the sliced path ran
+        assert out["counts"] == {"all_reduce": 1 + 2 + 2}
+
