@@ -144,6 +144,7 @@ class GroupGuard:
                 except RuntimeError as failure:
                     raise self._broken(failure, n, what, began) from failure
             if not announced and time.monotonic() > announce:  # for a timeout's roll call of who is here
+                self._put(f"doing/{self.rank}", f"{n} {what}")  # before at/: a rank seen at #n has its label
                 self._put(f"at/{self.rank}", str(n))
                 announced = True
             self._stop_if_another_failed(n, what)
@@ -224,6 +225,15 @@ class GroupGuard:
         self._record(n - 1, f"gave up at {what} (its collective #{n}) after {waited:.3g} s: rank(s) {missing} did not arrive")
         if missing:
             cause = f"rank(s) {missing} did not arrive within {self.timeout:g} s"
+        elif elsewhere := self._elsewhere(n, what):
+            # Every rank is at its collective #n, but not the same one: they ran different code (e.g. one rank
+            # read out.logits, a collective, and another went on to its next step). Waiting longer cannot help.
+            at = ", ".join(f"rank {r} at {w}" for r, w in elsewhere.items())
+            return mark_reported(TimeoutError(
+                f"{what} on rank {self.rank} (collective #{n} of {self.label}): the ranks are at different "
+                f"collectives ({at}), so none finished within {self.timeout:g} s. Every rank must run the same "
+                f"collectives in the same order: run the same code on every rank of the group. {_AFTERWARDS}"
+            ))
         else:
             cause = f"every rank arrived, but the collective did not finish within {self.timeout:g} s"
         return mark_reported(TimeoutError(
@@ -232,6 +242,16 @@ class GroupGuard:
             "legitimately takes longer, raise the limit: parallelize(..., timeout=S) or TENSORSHARD_TIMEOUT=S. "
             + _AFTERWARDS
         ))
+
+    def _elsewhere(self, n: int, what: str) -> dict[int, str]:
+        """{rank: its label} of the ranks waiting at their collective #n with another label than `what`."""
+        out = {}
+        for r in self.ranks:
+            entry = self._get(f"doing/{r}") if r != self.rank else None
+            count, _, label = (entry or "").partition(" ")
+            if count == str(n) and label != what:
+                out[r] = label
+        return out
 
     def _ended_peers(self) -> dict[int, int]:
         """{rank: pid} of peers on this host whose process has ended (looked for up to GONE_WAIT s: the

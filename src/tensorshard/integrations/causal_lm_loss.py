@@ -146,8 +146,9 @@ def _with_gathered_logits(out: Any, comm, head: str, part: Partition, local_voca
     if isinstance(out, tuple):  # (loss, logits, ...)
         return tuple(_gathered(x, comm, head, part, local_vocab) for x in out)
     logits = getattr(out, "logits", None)
+    read = f"{head} for out.logits (a collective: read the logits on every rank or on none)"  # errors say it
     if _is_slice(logits, local_vocab):
-        return gather_logits_on_read(out, lambda x: comm.all_gather(x, x.dim() - 1, part, where=head))
+        return gather_logits_on_read(out, lambda x: comm.all_gather(x, x.dim() - 1, part, where=read))
     return out
 
 

@@ -8,6 +8,7 @@ per-token numbers for the loss instead.
 """
 
 import copy
+import time
 
 import pytest
 import torch
@@ -225,3 +226,33 @@ def test_softcapped_logits_still_use_the_slices(pool2):
         # the embedding 1 + 2 per block + the loss's 2; no all-gather: the sliced path ran
         assert out["counts"] == {"all_reduce": 1 + 2 + 2}
 
+
+def one_reader(rank: int) -> None:
+    """Rank 0 reads out.logits (an all-gather), rank 1 goes on to its next step: the ranks fall out of step."""
+    from support import spawned
+
+    model = tp.parallelize(tiny_llama.build(), world_mesh(), check_inputs=0, timeout=3)
+    ids, labels = _batch(5)
+    out = model(input_ids=ids, labels=labels)
+    began = time.monotonic()
+    try:
+        if rank == 0:
+            out.logits
+        else:
+            model(input_ids=ids, labels=labels)
+    finally:
+        spawned.report("seconds", time.monotonic() - began)
+
+
+def test_logits_read_on_one_rank_fails_within_the_limit_naming_the_fix():
+    from support import spawned
+
+    result = spawned.run(one_reader, world=2, timeout=60)  # fresh processes: the group ends out of step
+    assert result.exit_codes == [1, 1]
+    reader, other = (result.events[r]["raised"] for r in (0, 1))
+    for event in (reader, other):
+        assert event["type"] == "TimeoutError"
+        assert "read the logits on every rank or on none" in event["message"], event["message"]
+        assert "the ranks are at different collectives" in event["message"]
+    assert "rank 1 at all_reduce at model.embed_tokens" in reader["message"]
+    assert all(3 <= result.events[r]["seconds"] < 3 + 10 for r in (0, 1))  # the limit (3 s), not a hang
