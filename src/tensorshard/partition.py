@@ -86,11 +86,15 @@ class Partition:
         shape[dim] = self.size
         out = pieces[0].new_empty(shape)
         for rank in reversed(range(self.world_size)):  # reversed: the first holder writes last
-            offset = 0
-            for start, stop in self.ranges[rank]:
-                out.narrow(dim, start, stop - start).copy_(pieces[rank].narrow(dim, offset, stop - start))
-                offset += stop - start
+            self.place(out, pieces[rank], dim, rank)
         return out
+
+    def place(self, out: torch.Tensor, piece: torch.Tensor, dim: int, rank: int) -> None:
+        """Copy rank `rank`'s local `piece` into its ranges of the full-size tensor `out`, in place."""
+        offset = 0
+        for start, stop in self.ranges[rank]:
+            out.narrow(dim, start, stop - start).copy_(piece.narrow(dim, offset, stop - start))
+            offset += stop - start
 
     @classmethod
     def replicated(cls, size: int, world_size: int) -> "Partition":

@@ -12,6 +12,7 @@ checkpointing) simply meets the other shards again.
     copy_to_parallel    identity                      meet: sum
     all_gather          meet: concatenate             take own slice
     split               take own slice                meet: concatenate
+    assemble            meet: one shared whole        take own slice
     tie                 identity                      meet: sum over the holders of a parameter
     partial_grads       identity                      meet: sum every parameter (comm/partial_grads.py)
 
@@ -20,6 +21,10 @@ arrive, in rank order, so every shard gets a bit-identical result; each collecti
 CPU slots every shard computes its own result of a large collective instead (the same rank-ordered sum, or
 concatenation), in its own thread, at the same time as the others (comm/rendezvous.py, `each`): nothing is
 then computed while the other shards wait, and no result is copied (reduce.each_computes_its_own).
+
+`assemble` is an all-gather whose result no shard changes afterwards (a model's output, once its forward has
+returned): every shard gets a view of ONE whole tensor, into which each shard copied its own slice, in its own
+thread. The logits of a causal LM (batch x seq x vocabulary) are then made once, not once per device.
 """
 
 from __future__ import annotations
@@ -71,6 +76,33 @@ def _gathered(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, dim: int
     return comm._exchange(op, where, x, compute, _signature(x, dim))
 
 
+def _assembled(comm: "ThreadComm", where: str, x: torch.Tensor, dim: int, part) -> torch.Tensor:
+    devices = comm.group.devices
+    full = list(x.shape)
+    full[dim] = part.size
+    full_bytes = math.prod(full) * x.element_size()
+    if each_computes_its_own(devices, full_bytes):
+        # The first shard brings the (still unwritten) whole; each copies its slice into it, all at once.
+        whole = x.new_empty(full) if comm.rank == 0 else None
+
+        def each(payloads, rank):
+            out = payloads[0][1]
+            part.place(out, payloads[rank][0], dim, rank)
+            return out
+
+        return comm.group.exchange(
+            comm.rank, "assemble", where, (x, whole), lambda xs: record("all_gather", full_bytes, "forward", where),
+            _signature(x, dim), each=each,
+        )
+
+    def compute(xs):
+        out = part.assemble([t.to(devices[0]) for t in xs], dim)
+        record("all_gather", full_bytes, "forward", where)
+        return [out] * len(xs)
+
+    return comm._exchange("assemble", where, x, compute, _signature(x, dim))
+
+
 class AllReduce(Function):
     @staticmethod
     def forward(ctx, comm, where, x):
@@ -97,6 +129,18 @@ class AllGather(Function):
     def forward(ctx, comm, where, part, dim, x):
         ctx.part, ctx.dim, ctx.rank = part, dim, comm.rank
         return _gathered(comm, "all_gather", where, x, dim, part, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None, ctx.part.take(grad, ctx.dim, ctx.rank).contiguous()
+
+
+class Assemble(Function):
+    @staticmethod
+    def forward(ctx, comm, where, part, dim, x):
+        ctx.part, ctx.dim, ctx.rank = part, dim, comm.rank
+        whole = _assembled(comm, where, x, dim, part)
+        return whole.view(whole.shape)  # a tensor of this shard's own (its graph node), on the shared storage
 
     @staticmethod
     def backward(ctx, grad):

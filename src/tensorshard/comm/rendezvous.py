@@ -95,6 +95,7 @@ class ThreadGroup:
         self.baton = threading.RLock() if serial else None
         self._cond = threading.Condition()
         self.current: _Call | None = None
+        self.left_split: list[set[str]] = [set() for _ in self.devices]  # per rank: ThreadComm.leave_split
 
     def _who(self, rank: int) -> str:
         return f"device {self.labels[rank]} (rank {rank})"

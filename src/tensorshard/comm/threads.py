@@ -19,7 +19,8 @@ The reductions themselves are in comm/reduce.py.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.autograd import Function
@@ -167,7 +168,7 @@ class ThreadComm(Comm):
 
     @_not_compiled
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
-        if self.world_size == 1:
+        if self.world_size == 1 or where in self.group.left_split[self.rank]:
             return x
         dim %= x.dim()
         self._check_size("all_gather", where, x, dim, partition.local_size(self.rank), f"this device's slice of {partition.size}")
@@ -183,6 +184,28 @@ class ThreadComm(Comm):
             return copies(full, devices)
 
         return self._exchange("all_gather", where, x, compute, _signature(x, dim))
+
+    @contextmanager
+    def leave_split(self, where: str) -> Iterator[None]:
+        """While inside, the all-gather at `where` (a column layer's gather_output) hands back this shard's slice,
+        for a caller that assembles the whole later (`assemble`; integrations/transformers/split_logits.py)."""
+        left = self.group.left_split[self.rank]  # shared by every ThreadComm of this shard (styles hold their own)
+        left.add(where)
+        try:
+            yield
+        finally:
+            left.discard(where)
+
+    @_not_compiled
+    def assemble(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
+        """The all-gather of a result no shard changes afterwards (a model's output): every shard gets a view
+        of one whole tensor, each having copied its slice into it (comm/per_shard.py). Shards that own their
+        graphs only: the caller checks `group.own_graphs`."""
+        if self.world_size == 1:
+            return x
+        dim %= x.dim()
+        self._check_size("assemble", where, x, dim, partition.local_size(self.rank), f"this device's slice of {partition.size}")
+        return per_shard.Assemble.apply(self, where, partition, dim, x)
 
     @_not_compiled
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:

@@ -9,6 +9,7 @@ from torch import nn
 from ...layers import is_peft_model
 from .cache import ShardedCache, rank_caches
 from .model import TransformersTensorParallel, is_transformers_model, split_class, tensor_parallel_pretrained
+from .split_logits import assemble_logits_once
 from .peft import PeftTensorParallel, save_adapter, tensor_parallel_peft
 from .wrapped import WrapperTensorParallel
 
@@ -30,7 +31,10 @@ def tensor_parallel_transformers(module: nn.Module, device_ids=None, **options) 
     """Split a transformers model (an instance of its class), a PeftModel (still a PeftModel: peft.py) or a
     module holding a transformers model (wrapped.py)."""
     if is_peft_model(module):
-        return tensor_parallel_peft(module, device_ids, **options)
-    if is_transformers_model(module):
-        return tensor_parallel_pretrained(module, device_ids, **options)
-    return WrapperTensorParallel(module, device_ids, **options)
+        split = tensor_parallel_peft(module, device_ids, **options)
+    elif is_transformers_model(module):
+        split = tensor_parallel_pretrained(module, device_ids, **options)
+    else:
+        split = WrapperTensorParallel(module, device_ids, **options)
+    assemble_logits_once(split)
+    return split

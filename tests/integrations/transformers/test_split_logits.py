@@ -1,0 +1,103 @@
+"""In one process, a causal LM's logits stay split by vocabulary through the model's forward and are assembled
+once at the end of the call (integrations/transformers/split_logits.py): the same logits, gradients and
+collective counts as the unsplit model, with the head's output never whole on any device inside the call."""
+
+import copy
+
+import pytest
+import torch
+
+import tensorshard as tp
+from support.hf_parity import gathered_grads
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+pytestmark = pytest.mark.timeout(120)
+
+
+def tiny(vocab: int = 301, cls=LlamaForCausalLM):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return cls(config).eval()
+
+
+def head_widths(split) -> list[int]:
+    """The width of each shard's head output, recorded at every call of the head."""
+    widths = []
+    for shard in split.module_shards:
+        shard.get_output_embeddings().register_forward_hook(lambda m, i, o: widths.append(o.shape[-1]))
+    return widths
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_logits_are_assembled_once_from_the_vocabulary_slices(n):
+    model = tiny()  # vocabulary 301: uneven slices at 2 and 3 devices
+    ids = torch.randint(0, 301, (2, 7))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n)
+    widths = head_widths(split)
+    with torch.no_grad(), tp.count_collectives() as counted:
+        out = split(input_ids=ids)
+    torch.testing.assert_close(out.logits, ref, **TOL)
+    assert sorted(widths) == sorted(split.splits["lm_head.weight"][1].local_size(r) for r in range(n))
+    assert counted.forward == {"all_reduce": 1 + 2 * 2, "all_gather": 1}  # as with the gathering head
+    tuple_out = split(input_ids=ids, return_dict=False, use_cache=False)
+    torch.testing.assert_close(tuple_out[0], ref, **TOL)
+
+
+def test_training_through_the_logits_matches_the_unsplit_gradients():
+    model = tiny().train()
+    ids = torch.randint(0, 301, (2, 6))
+    model(input_ids=ids).logits.log_softmax(-1).mean().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 2, sharded=False)
+    widths = head_widths(split)
+    split(input_ids=ids).logits.log_softmax(-1).mean().backward()
+    assert sorted(widths) == [150, 151]  # the head's output stayed split through the forward
+    grads = gathered_grads(split)
+    assert set(grads) == set(ref)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref[name], **TOL)
+
+
+def test_a_call_with_labels_keeps_the_gathered_logits_for_the_models_own_loss():
+    model = tiny()
+    ids = torch.randint(0, 301, (2, 6))
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids)
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 2)
+    widths = head_widths(split)
+    with torch.no_grad():
+        out = split(input_ids=ids, labels=ids)
+    assert widths == [301, 301]  # gathered inside the call: the loss reads every token's logits
+    torch.testing.assert_close(out.loss, ref.loss, **TOL)
+    torch.testing.assert_close(out.logits, ref.logits, **TOL)
+
+
+class MasksOneToken(LlamaForCausalLM):
+    """Edits its logits by token id after the head: slices would mask the wrong column (or none)."""
+
+    def forward(self, input_ids=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        out.logits[..., 7] = -1e4
+        return out
+
+
+def test_a_model_that_edits_logits_by_token_keeps_the_gathered_head():
+    model = tiny(cls=MasksOneToken)
+    ids = torch.randint(0, 301, (2, 5))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 2)
+    widths = head_widths(split)
+    with torch.no_grad():
+        out = split(input_ids=ids).logits
+    assert widths == [301, 301]
+    torch.testing.assert_close(out, ref, **TOL)
