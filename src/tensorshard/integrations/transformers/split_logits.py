@@ -29,7 +29,7 @@ from ...comm.threads import ThreadComm
 from ...layers import is_transformers_model
 from ...styles import ColwiseParallel
 from ...styles.base import original_forward, wrap_forward
-from ..logits_audit import elementwise_after_head
+from ..elementwise_logits import why_not_elementwise
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def _head_of(split: nn.Module, shard: nn.Module) -> tuple[str, str, Any] | None:
     except (ValueError, AttributeError):
         return None
     names = {id(m): n for n, m in shard.named_modules()}
-    for lm in shard.modules():
+    for lm in shard.modules():  # outermost first: a multimodal model before the language model inside it
         if not (is_transformers_model(lm) and hasattr(type(lm), "loss_function")):
             continue
         head = names.get(id(lm.get_output_embeddings()))
@@ -69,11 +69,11 @@ def _head_of(split: nn.Module, shard: nn.Module) -> tuple[str, str, Any] | None:
         part = placement[1]
         if part.overlapping or any(len(r) != 1 for r in part.ranges):
             return None
-        safe, why = elementwise_after_head(type(lm))
-        if not safe:
-            logger.debug("%s keeps its gathered logits: %s", type(lm).__name__, why)
-            return None
-        return names[id(lm)], head, part
+        prefix = f"{names[id(lm)]}." if names[id(lm)] else ""
+        why = why_not_elementwise(lm, head.removeprefix(prefix))
+        if why is None:
+            return names[id(lm)], head, part
+        logger.debug("%s keeps its gathered logits: %s", type(lm).__name__, why)  # an inner model may qualify
     return None
 
 
