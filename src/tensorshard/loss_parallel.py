@@ -68,6 +68,20 @@ def vocab_parallel_cross_entropy(
     )
 
 
+class _GroupReductions:
+    """The two reductions the loss needs, over a torch.distributed process group."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        return all_reduce(x, self.group, where=where)
+
+    def all_reduce_max(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        record("all_reduce", x.numel() * x.element_size(), "forward", where)
+        return all_reduce_copy(x, self.group, op=dist.ReduceOp.MAX)
+
+
 def sliced_cross_entropy(
     local_logits: torch.Tensor,
     target: torch.Tensor,
@@ -79,7 +93,8 @@ def sliced_cross_entropy(
     reduction: str = "mean",
 ) -> torch.Tensor:
     """`vocab_parallel_cross_entropy` on this rank's plain slice of the logits: (..., V_local) holding classes
-    start .. start + V_local of the `vocab` classes, the other slices on the other ranks of `group`."""
+    start .. start + V_local of the `vocab` classes, the other slices on the other ranks of `group` (a process
+    group, or an in-process shard's ThreadComm: anything with `all_reduce` and `all_reduce_max`)."""
 
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
     if bad.any():  # F.cross_entropy refuses these; here no slice would hold them and the loss would be wrong
@@ -91,14 +106,14 @@ def sliced_cross_entropy(
     z = local_logits.flatten(0, -2).float()  # (tokens, V / N)
     t = target.flatten()
     # 1. the max over the whole vocabulary: a constant shift for stability, no gradient
+    reductions = group if hasattr(group, "all_reduce_max") else _GroupReductions(group)
     local_max = z.detach().max(dim=-1).values
-    record("all_reduce", local_max.numel() * local_max.element_size(), "forward", "cross_entropy max")
-    shift = all_reduce_copy(local_max, group, op=dist.ReduceOp.MAX)
+    shift = reductions.all_reduce_max(local_max, where="cross_entropy max")
     z = z - shift.unsqueeze(-1)
     # 2. sum of exp and the target's logit, each device contributing its vocabulary slice
     mine = (t >= start) & (t < start + z.shape[-1])
     picked = z.gather(1, (t - start).clamp(0, z.shape[-1] - 1).unsqueeze(1)).squeeze(1) * mine
-    sums = all_reduce(torch.stack([z.exp().sum(-1), picked]), group, where="cross_entropy")  # (2, tokens)
+    sums = reductions.all_reduce(torch.stack([z.exp().sum(-1), picked]), where="cross_entropy")  # (2, tokens)
     loss = sums[0].log() - sums[1]
     counted = t != ignore_index
     loss = torch.where(counted, loss, torch.zeros_like(loss))

@@ -185,6 +185,22 @@ class ThreadComm(Comm):
 
         return self._exchange("all_gather", where, x, compute, _signature(x, dim))
 
+    @_not_compiled
+    def all_reduce_max(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        """The elementwise max over the shards, each getting its own copy; no gradient (a loss's stability shift)."""
+        if self.world_size == 1:
+            return x.detach().clone()
+        devices = self.group.devices
+
+        def compute(xs):
+            record("all_reduce", _nbytes(xs[0]), "forward", where)
+            top = xs[0].detach().to(devices[0])
+            for t in xs[1:]:
+                top = torch.maximum(top, t.detach().to(devices[0]))
+            return copies(top, devices)
+
+        return self._exchange("all_reduce_max", where, x, compute, _signature(x))
+
     @contextmanager
     def leave_split(self, where: str) -> Iterator[None]:
         """While inside, the all-gather at `where` (a column layer's gather_output) hands back this shard's slice,

@@ -60,35 +60,45 @@ def _install(root: nn.Module) -> None:
     if layout is None or layout.engine != "torchrun" or layout.state.comm.world_size == 1:
         return
     state = layout.state
+    found = sliced_head(root, {n: a.style for n, a in state.plan.assign(root).items()}, state.splits)
+    if found is None:
+        return
+    lm, name, part = found
+    wrap_forward(lm, _sliced_loss_forward(lm, name, part, state.comm))
+    logger.debug("%s: labels= computes the loss from vocabulary slices of %s", type(lm).__name__, name)
+
+
+def sliced_head(root: nn.Module, styles: dict, splits: dict) -> tuple[nn.Module, str, Partition] | None:
+    """The transformers causal LM inside `root` whose logits may stay split by vocabulary, its head's name and
+    the head's Partition; None if there is none. The head must be a gathering column split of one contiguous
+    vocabulary slice per device, and the model's forward must treat its logits elementwise after the head
+    (elementwise_logits.py). `styles`: module name -> its plan style; `splits`: tensor name -> placement."""
     names = {id(m): n for n, m in root.named_modules()}
-    styles = {n: a.style for n, a in state.plan.assign(root).items()}
-    for lm in root.modules():
+    for lm in root.modules():  # outermost first: a multimodal model, then the language model inside it
         if not (is_transformers_model(lm) and hasattr(type(lm), "loss_function")):
             continue
-        head = lm.get_output_embeddings()
-        name = names.get(id(head))
+        name = names.get(id(lm.get_output_embeddings()))
         style = styles.get(name)
-        split = state.splits.get(f"{name}.weight")
+        split = splits.get(f"{name}.weight")
         if type(style) is not ColwiseParallel or not style.gather_output or split is None:
-            return
+            return None
         part = split[1]
-        if part.overlapping or len(part.ranges[state.comm.rank]) != 1:
-            return  # a vocabulary that is not one contiguous slice per rank: keep the gathered loss
+        if part.overlapping or any(len(r) != 1 for r in part.ranges):
+            return None  # a vocabulary that is not one contiguous slice per device: keep the gathered logits
         lm_name = names[id(lm)]
         reason = why_not_elementwise(lm, name[len(lm_name) + 1:] if lm_name else name)
-        if reason is not None:  # the forward may edit its logits by vocabulary index: a slice would be wrong
-            logger.debug("%s keeps its own loss on gathered logits: %s", type(lm).__name__, reason)
-            return
-        wrap_forward(lm, _sliced_loss_forward(lm, name, part, state.comm))
-        logger.debug("%s: labels= computes the loss from vocabulary slices of %s", type(lm).__name__, name)
-        return
+        if reason is None:
+            return lm, name, part
+        # the forward may edit its logits by vocabulary index: a slice would be wrong. A model inside may qualify.
+        logger.debug("%s keeps its own loss on gathered logits: %s", type(lm).__name__, reason)
+    return None
 
 
-def _sliced_loss_forward(lm: nn.Module, head: str, part: Partition, comm) -> Any:
-    inner = lm.forward
-    signature = inspect.signature(original_forward(lm))
-    start = part.ranges[comm.rank][0][0]
-    local_vocab = part.local_size(comm.rank)
+def sliced_loss_function(lm: nn.Module, head: str, part: Partition, rank: int, reductions) -> Any:
+    """A loss function with `ForCausalLMLoss`'s contract computed from device `rank`'s vocabulary slice of the
+    logits; `reductions` sums (and maxes) over the devices: a process group, or an in-process ThreadComm."""
+    start = part.ranges[rank][0][0]
+    local_vocab = part.local_size(rank)
 
     def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_):
         if logits.shape[-1] != local_vocab:
@@ -101,20 +111,29 @@ def _sliced_loss_forward(lm: nn.Module, head: str, part: Partition, comm) -> Any
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         target = shift_labels.to(logits.device)
         if num_items_in_batch is None:
-            return sliced_cross_entropy(logits, target, start, comm.group, vocab=part.size, ignore_index=ignore_index)
+            return sliced_cross_entropy(logits, target, start, reductions, vocab=part.size, ignore_index=ignore_index)
         loss = sliced_cross_entropy(
-            logits, target, start, comm.group, vocab=part.size, ignore_index=ignore_index, reduction="sum"
+            logits, target, start, reductions, vocab=part.size, ignore_index=ignore_index, reduction="sum"
         )
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         return loss / num_items_in_batch
+
+    return loss_function
+
+
+def _sliced_loss_forward(lm: nn.Module, head: str, part: Partition, comm) -> Any:
+    inner = lm.forward
+    signature = inspect.signature(original_forward(lm))
+    local_vocab = part.local_size(comm.rank)
+    loss_function = sliced_loss_function(lm, head, part, comm.rank, comm.group)
 
     def forward(*args, **kwargs):
         try:
             labels = signature.bind_partial(*args, **kwargs).arguments.get("labels")
         except TypeError:
             labels = None  # let the model's own forward report the bad call
-        if labels is None or not _plain_causal_lm_loss(lm):
+        if labels is None or not plain_causal_lm_loss(lm):
             return inner(*args, **kwargs)
         comm.begin_call()
         had = "_loss_function" in lm.__dict__
@@ -134,7 +153,7 @@ def _sliced_loss_forward(lm: nn.Module, head: str, part: Partition, comm) -> Any
     return forward
 
 
-def _plain_causal_lm_loss(lm: nn.Module) -> bool:
+def plain_causal_lm_loss(lm: nn.Module) -> bool:
     """The model's loss is transformers' ForCausalLMLoss, not one the user or the model class replaced."""
     losses = sys.modules.get("transformers.loss.loss_utils")
     return "_loss_function" not in lm.__dict__ and lm.loss_function is getattr(losses, "ForCausalLMLoss", None)

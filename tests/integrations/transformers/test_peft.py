@@ -124,7 +124,8 @@ def test_lora_after_split_trains_like_unsplit(tmp_path, n):
         with tp.count_collectives() as c:
             model(input_ids=ids(), labels=ids()).loss.backward()
         assert sum("partial gradients" in where for _, _, _, where in c.log) == 1
-        assert dict(c.forward) == {"all_reduce": 5, "all_gather": 1}
+        # + the loss's 2 all-reduces: the head is the split model's own here, so the loss comes from its slices
+        assert dict(c.forward) == {"all_reduce": 5 + 2, "all_gather": 1}
         model.zero_grad()
     assert_same_training(model, ref)
 

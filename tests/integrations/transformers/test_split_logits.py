@@ -67,18 +67,53 @@ def test_training_through_the_logits_matches_the_unsplit_gradients():
         torch.testing.assert_close(grad, ref[name], **TOL)
 
 
-def test_a_call_with_labels_keeps_the_gathered_logits_for_the_models_own_loss():
-    model = tiny()
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_call_with_labels_computes_the_loss_from_the_slices(n):
+    model = tiny().train()
     ids = torch.randint(0, 301, (2, 6))
-    with torch.no_grad():
-        ref = model(input_ids=ids, labels=ids)
-    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 2)
+    labels = ids.clone()
+    labels[0, :2] = -100  # ignored positions, as a data collator pads
+    ref = model(input_ids=ids, labels=labels)
+    ref.loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n, sharded=False)  # no ZeRO-3 gathers to count
     widths = head_widths(split)
-    with torch.no_grad():
-        out = split(input_ids=ids, labels=ids)
-    assert widths == [301, 301]  # gathered inside the call: the loss reads every token's logits
+    with tp.count_collectives() as counted:
+        out = split(input_ids=ids, labels=labels)
+        out.loss.backward()
+    assert sorted(widths) == sorted(split.splits["lm_head.weight"][1].local_size(r) for r in range(n))
+    # the blocks' all-reduces, and the loss's two (the max, and the sums of exp and of the target logits)
+    assert counted.forward == {"all_reduce": 1 + 2 * 2 + 2, "all_gather": 1}
     torch.testing.assert_close(out.loss, ref.loss, **TOL)
     torch.testing.assert_close(out.logits, ref.logits, **TOL)
+    grads = gathered_grads(split)
+    assert set(grads) == set(expected)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], **TOL)
+    with torch.no_grad():  # the Trainer's form: a summed loss over the batch's counted tokens
+        summed = split(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(7)).loss
+        plain = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(7)).loss
+    torch.testing.assert_close(summed, plain, **TOL)
+
+
+def test_a_loss_of_the_users_own_reads_the_gathered_logits():
+    model = tiny()
+    ids = torch.randint(0, 301, (2, 6))
+    seen = []
+
+    def loss_function(logits, labels, **kwargs):
+        seen.append(logits.shape[-1])
+        return logits.float().logsumexp(-1).mean()
+
+    with torch.no_grad():
+        model.loss_function = loss_function
+        ref = model(input_ids=ids, labels=ids).loss
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 2)
+    with torch.no_grad():
+        got = split(input_ids=ids, labels=ids).loss
+    assert seen == [301, 301, 301]  # the unsplit model's call, then each device's: whole logits
+    torch.testing.assert_close(got, ref, **TOL)
 
 
 class MasksOneToken(LlamaForCausalLM):

@@ -1,19 +1,24 @@
-"""In one process, a causal LM's logits are made once, from the devices' vocabulary slices, at the end of the call.
+"""In one process, a causal LM's logits stay split by vocabulary through its forward: its loss is computed from
+the slices, and the logits are made once, at the end of the call.
 
     split = tp.tensor_parallel(AutoModelForCausalLM.from_pretrained(...), ["cpu"] * 2)
-    out = split(input_ids=ids)          # out.logits: (batch, seq, vocab), the same values as before
+    out = split(input_ids=ids, labels=ids)     # out.loss from each device's vocabulary slice of the logits
+    out.logits                                 # (batch, seq, vocab): the same values as before
 
 The default plans split the output head by vocabulary and gather its logits (`ColwiseParallel(gather_output=
-True)`): every device then built its own copy of the whole (batch x seq x vocab) logits, and all copies but one
-were thrown away at the end of the call. On CPU slots, for a transformers causal LM called without ``labels=``,
-this wrapper instead leaves the head's output split while the model's forward runs (`ThreadComm.leave_split`)
-and, once it has returned, assembles the logits into one tensor that every device writes its slice of, at the
-same time (`ThreadComm.assemble`): the same values (the same collective count), a fraction of the copying, and
-no (batch x seq x vocab) tensor per device. Backward hands each device the gradient of its slice.
+True)`): every device then built its own copy of the whole (batch x seq x vocab) logits, computed the model's
+loss over all of them (the log-softmax over the vocabulary, forward and backward, once per device), and all
+copies but one were thrown away at the end of the call. On CPU slots, for a transformers causal LM, this
+wrapper instead leaves the head's output split while the model's forward runs (`ThreadComm.leave_split`);
+with ``labels=`` and transformers' own causal-LM loss, that loss is computed from the slices (the torchrun
+engine's `sliced_loss_function`: two all-reduces of per-token numbers, no communication in backward); once
+the forward has returned, the logits are assembled into one tensor that every device writes its slice of, at
+the same time (`ThreadComm.assemble`). Backward through the logits hands each device its slice's gradient.
 
 Only where it is provably the same computation: the model must apply nothing but elementwise operations to
-its logits between the head and its return (logits_audit.py); a call with ``labels=`` keeps the gathered
-logits (the model's own loss reads them); GPUs keep their gather (the output is moved to `output_device`).
+its logits after the head (elementwise_logits.py; `causal_lm_loss.sliced_head` picks the model); a loss the
+user or the model class replaced keeps the gathered logits; GPUs keep their gather (the output is moved to
+`output_device`).
 """
 
 from __future__ import annotations
@@ -26,10 +31,8 @@ import torch
 from torch import nn
 
 from ...comm.threads import ThreadComm
-from ...layers import is_transformers_model
-from ...styles import ColwiseParallel
 from ...styles.base import original_forward, wrap_forward
-from ..elementwise_logits import why_not_elementwise
+from ..causal_lm_loss import plain_causal_lm_loss, sliced_head, sliced_loss_function
 
 logger = logging.getLogger(__name__)
 
@@ -40,59 +43,43 @@ def assemble_logits_once(split: nn.Module) -> None:
     group = getattr(split, "_group", None)
     if len(shards) < 2 or group is None or not group.own_graphs or any(d.type != "cpu" for d in group.devices):
         return
-    found = _head_of(split, shards[0])
+    try:
+        styles = {n: a.style for n, a in split.plan.assign(shards[0]).items()}
+    except ValueError:
+        return
+    found = sliced_head(shards[0], styles, split.splits)
     if found is None:
         return
-    lm_name, head, part = found
+    lm, head, part = found
+    lm_name = next(n for n, m in shards[0].named_modules() if m is lm)
     for rank, shard in enumerate(shards):
-        lm = shard.get_submodule(lm_name)
-        wrap_forward(lm, _forward(lm, head, part, ThreadComm(group, rank)))
-    logger.debug("%s: logits assembled once from the vocabulary slices of %s", type(shards[0].get_submodule(lm_name)).__name__, head)
-
-
-def _head_of(split: nn.Module, shard: nn.Module) -> tuple[str, str, Any] | None:
-    """(the causal LM's name in the shard, its head's name, the head's vocabulary Partition), or None when the
-    shard holds no causal LM whose head is a plain gathering column split over contiguous vocabulary slices."""
-    try:
-        styles = {n: a.style for n, a in split.plan.assign(shard).items()}
-    except (ValueError, AttributeError):
-        return None
-    names = {id(m): n for n, m in shard.named_modules()}
-    for lm in shard.modules():  # outermost first: a multimodal model before the language model inside it
-        if not (is_transformers_model(lm) and hasattr(type(lm), "loss_function")):
-            continue
-        head = names.get(id(lm.get_output_embeddings()))
-        style = styles.get(head)
-        placement = split.splits.get(f"{head}.weight")
-        if type(style) is not ColwiseParallel or not style.gather_output or placement is None:
-            return None
-        part = placement[1]
-        if part.overlapping or any(len(r) != 1 for r in part.ranges):
-            return None
-        prefix = f"{names[id(lm)]}." if names[id(lm)] else ""
-        why = why_not_elementwise(lm, head.removeprefix(prefix))
-        if why is None:
-            return names[id(lm)], head, part
-        logger.debug("%s keeps its gathered logits: %s", type(lm).__name__, why)  # an inner model may qualify
-    return None
+        wrap_forward(shard.get_submodule(lm_name), _forward(shard.get_submodule(lm_name), head, part, ThreadComm(group, rank)))
+    logger.debug("%s: logits stay split by vocabulary (%s) until the end of the call", type(lm).__name__, head)
 
 
 def _forward(lm: nn.Module, head: str, part, comm: ThreadComm):
     inner = lm.forward
     signature = inspect.signature(original_forward(lm))
     local_vocab = part.local_size(comm.rank)
+    loss_function = sliced_loss_function(lm, head, part, comm.rank, comm)
 
     def forward(*args, **kwargs):
         try:
             labels = signature.bind_partial(*args, **kwargs).arguments.get("labels")
         except TypeError:
             labels = None  # the model's own forward reports the bad call
+        if labels is not None and not plain_causal_lm_loss(lm):
+            return inner(*args, **kwargs)  # a loss of its own reads the gathered logits
         if labels is not None:
-            return inner(*args, **kwargs)
-        with comm.leave_split(head):
-            out = inner(*args, **kwargs)
-        if isinstance(out, tuple):  # return_dict=False: (logits, past_key_values, ...) without a loss
-            return (_whole(out[0], comm, head, part, local_vocab), *out[1:]) if out else out
+            lm._loss_function = loss_function  # read by PreTrainedModel.loss_function for this call
+        try:
+            with comm.leave_split(head):
+                out = inner(*args, **kwargs)
+        finally:
+            lm.__dict__.pop("_loss_function", None)
+        if isinstance(out, tuple):  # return_dict=False: ([loss,] logits, past_key_values, ...)
+            at = 1 if labels is not None else 0
+            return (*out[:at], _whole(out[at], comm, head, part, local_vocab), *out[at + 1:]) if len(out) > at else out
         logits = getattr(out, "logits", None)
         if logits is not None:
             out.logits = _whole(logits, comm, head, part, local_vocab)
