@@ -15,42 +15,32 @@ ANALYSIS: dict[str, str] = {
         "Where the time goes (rank 0's profile above, and the CPU work column): the matrix products halve, but "
         "each rank also repeats everything the plan leaves whole, and pays for the collectives on the cores that "
         "compute. Per step at 6 layers: 13 all-reduces forward and 13 backward of a (4, 128, 1024) activation "
-        "(2 MiB each; gloo over loopback TCP, no overlap with compute), the all-gather of the logits (4 x 128 x "
-        "16384 floats = 32 MiB) for the output head, and then the language-model loss on the full logits on "
-        "every rank (log-softmax over the vocabulary, forward and backward), the RMSNorms and the embedding "
-        "masking. The loss and the logits gather are the biggest replicated items (measured alone on this machine, "
-        "one thread: 65 ms of CPU for the loss's forward and backward, 17 ms to assemble the gathered logits; "
-        "a 1-device step is about 3-4 s of CPU). "
-        "Every collective is also a synchronisation point, so when one rank is descheduled the other waits. "
-        "What would close it: (1) a vocabulary-parallel loss: `tp.VocabParallelHead()` with "
-        "`tp.vocab_parallel_cross_entropy` (both in tensorshard for torchrun) keeps the logits split and "
-        "computes the loss from slices; the benchmark uses the default plan and `labels=`, as users start; "
-        "(2) asynchronous backward all-reduces overlapped with the next layer's gradient computation; "
-        "(3) sequence parallelism for the norms. Fixed already: the all-gather used to transpose the gathered "
-        "dimension to the front and back (two strided copies of the 32 MiB logits per step); it now gathers "
-        "each rank's piece as one block. " + _SHARED_CORES
+        "(2 MiB each; gloo over loopback TCP, no overlap with compute), the RMSNorms, residual adds and the "
+        "embedding masking on every rank. The language-model loss is no longer among them: with `labels=` it is "
+        "computed from each rank's vocabulary slice of the logits (2 all-reduces of per-token numbers, nothing "
+        "in backward) and the 32 MiB logits are gathered only if read. Every collective is also a "
+        "synchronisation point, so when one rank is descheduled the other waits. What would close the rest: "
+        "asynchronous backward all-reduces overlapped with the next layer's gradient computation, and sequence "
+        "parallelism for the norms. " + _SHARED_CORES
     ),
     "inprocess-train": (
         "Where the time goes: the forward and backward passes of the shards run concurrently, one thread each "
         "(each shard owns its autograd graph), and so does the AdamW step (`tp.per_device_optimizer`: each "
         "shard's parameters in its thread). At every collective each shard computes its own rank-ordered sum "
-        "(or concatenation) in its thread, so no shard waits while another computes for all. What stays "
-        "replicated: the RMSNorms and residual adds, ZeRO-3's gather of the norm weights, and the loss on the "
-        "full logits (each shard assembles the 32 MiB of gathered logits and computes the loss over them). What "
-        "would close the rest: a vocabulary-parallel loss (the logits stay split). " + _SHARED_CORES
+        "in its thread, so no shard waits while another computes for all; the loss comes from each shard's "
+        "vocabulary slice and the logits are assembled once, all shards writing their slices at once. What "
+        "stays replicated: the RMSNorms and residual adds, and ZeRO-3's gather of the norm weights. "
+        + _SHARED_CORES
     ),
     "inprocess-forward": (
         "Where the time goes: the shards' matrix products run concurrently (their threads release the GIL "
-        "inside the kernels), and at each collective every shard computes its own rank-ordered sum (2 MiB per "
-        "all-reduce at this batch) or concatenation in its own thread, at the same time as the other (before "
-        "issue 13 the last thread to arrive summed for both and copied the result while the other waited: "
-        "about 23 ms per forward of serial work, 18 of them the 32 MiB logits). What remains beyond half the "
-        "1-device time: work every shard repeats (the RMSNorms, residual adds and the all-reduces' sums, about "
-        "10 ms per shard; assembling the full logits, about 8 ms per shard, mostly page faults of the fresh "
-        "32 MiB buffer), the matrix products of two cores sharing one memory bus and cache, and the Python of "
-        "every layer running in both shards, taking turns on the GIL. What would close the rest: keeping the "
-        "logits split to the end of the call (a vocabulary-parallel loss, and the engine assembling the "
-        "output once). " + _SHARED_CORES
+        "inside the kernels), at each collective every shard computes its own rank-ordered sum (2 MiB per "
+        "all-reduce at this batch) in its own thread, and the 32 MiB of logits are assembled once at the end "
+        "of the call, each shard copying its slice (before, each shard built its own copy and all but one were "
+        "dropped). What remains beyond half the 1-device time: work every shard repeats (the RMSNorms, residual "
+        "adds and the all-reduces' sums, about 10 ms per shard), the matrix products of two cores sharing one "
+        "memory bus and cache, and the Python of every layer running in both shards, taking turns on the GIL. "
+        + _SHARED_CORES
     ),
     "generate": (
         "Where the time goes: a decode step multiplies a single token's activations with every weight, so it is "
