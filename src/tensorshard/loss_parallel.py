@@ -8,9 +8,9 @@ Each device holds logits z[..., a:b] for its vocabulary slice. With m = max over
 
 needs three numbers per token from every device: its local max, its local sum of exp(z - m), and z_target
 if the target falls in its slice (else 0). That is one all-reduce (max, no gradient) and one all-reduce of
-a (2, tokens) tensor, against an all-gather of (tokens, V) logits. Backward needs no communication: the
-all-reduce's backward is the identity (comm/base.py), and each device's gradient is
-softmax(z)[a:b] - onehot(target)[a:b] for its own slice.
+a (2, tokens) tensor, against an all-gather of (tokens, V) logits. Backward needs no communication: each
+device's gradient is softmax(z)[a:b] - onehot(target)[a:b] for its own slice, computed from the exp(z - m)
+its forward kept (one autograd node: one (tokens, V / N) tensor made each way).
 
 Plain (unsplit) logits are accepted too and go to `F.cross_entropy`, so the same training step runs on a
 single device.
@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd import Function
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Shard
 
 from .comm.counter import record
@@ -103,22 +105,40 @@ def sliced_cross_entropy(
             f"{ignore_index}): fix the labels, or mark the positions to skip with {ignore_index}"
         )
 
-    z = local_logits.flatten(0, -2).float()  # (tokens, V / N)
-    t = target.flatten()
-    # 1. the max over the whole vocabulary: a constant shift for stability, no gradient
     reductions = group if hasattr(group, "all_reduce_max") else _GroupReductions(group)
-    local_max = z.detach().max(dim=-1).values
-    shift = reductions.all_reduce_max(local_max, where="cross_entropy max")
-    z = z - shift.unsqueeze(-1)
-    # 2. sum of exp and the target's logit, each device contributing its vocabulary slice
-    mine = (t >= start) & (t < start + z.shape[-1])
-    picked = z.gather(1, (t - start).clamp(0, z.shape[-1] - 1).unsqueeze(1)).squeeze(1) * mine
-    sums = reductions.all_reduce(torch.stack([z.exp().sum(-1), picked]), where="cross_entropy")  # (2, tokens)
-    loss = sums[0].log() - sums[1]
-    counted = t != ignore_index
-    loss = torch.where(counted, loss, torch.zeros_like(loss))
+    t = target.flatten()
+    loss = _SlicedCrossEntropy.apply(local_logits.flatten(0, -2).float(), t, start, reductions, ignore_index)
     if reduction == "none":
         return loss.view(target.shape)
     if reduction == "sum":
         return loss.sum()
-    return loss.sum() / counted.sum()
+    return loss.sum() / (t != ignore_index).sum()
+
+
+class _SlicedCrossEntropy(Function):
+    """Per-token cross-entropy from this device's (tokens, V_local) slice `z` of the logits (0 for ignored
+    tokens). One (tokens, V_local) tensor is made in forward, exp(z - max), and kept for backward, where the
+    gradient, exp(z - max) / sum - onehot(target), is computed into one new tensor; no communication there."""
+
+    @staticmethod
+    def forward(ctx, z, t, start, reductions, ignore_index):
+        # 1. the max over the whole vocabulary: a constant shift for stability
+        shift = reductions.all_reduce_max(z.max(dim=-1).values, where="cross_entropy max").unsqueeze(-1)
+        # 2. sum of exp and the target's shifted logit, each device contributing its vocabulary slice
+        mine = (t >= start) & (t < start + z.shape[-1])
+        local_t = (t - start).clamp(0, z.shape[-1] - 1).unsqueeze(1)
+        picked = (z.gather(1, local_t) - shift).squeeze(1) * mine
+        e = torch.sub(z, shift).exp_()
+        sums = reductions.all_reduce(torch.stack([e.sum(-1), picked]), where="cross_entropy")  # (2, tokens)
+        counted = t != ignore_index
+        ctx.save_for_backward(e, sums[0], local_t, mine & counted, counted)
+        return torch.where(counted, sums[0].log() - sums[1], torch.zeros_like(sums[1]))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        e, total, local_t, hit, counted = ctx.saved_tensors
+        g = torch.where(counted, grad, torch.zeros_like(grad))
+        dz = e * (g / total).unsqueeze(-1)
+        dz.scatter_add_(1, local_t, -(g * hit).unsqueeze(1))
+        return dz, None, None, None, None
