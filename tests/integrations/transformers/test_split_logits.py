@@ -1,6 +1,8 @@
-"""In one process, a causal LM's logits stay split by vocabulary through the model's forward and are assembled
-once at the end of the call (integrations/transformers/split_logits.py): the same logits, gradients and
-collective counts as the unsplit model, with the head's output never whole on any device inside the call."""
+"""In one process, a causal LM's logits stay split by vocabulary through the model's forward: with labels= its loss
+comes from the slices, and the logits are assembled once at the end of the call, into one tensor
+(integrations/transformers/split_logits.py). The same logits, loss and gradients as the unsplit model, with the
+head's output never whole on any device inside the call; a model whose code is not provably elementwise on its
+logits, or a loss of the user's own, keeps the gathering head."""
 
 import copy
 
@@ -42,10 +44,18 @@ def test_logits_are_assembled_once_from_the_vocabulary_slices(n):
         ref = model(input_ids=ids).logits
     split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n)
     widths = head_widths(split)
+    storages = []  # where each device's model put the logits it returned
+    hooks = [
+        shard.register_forward_hook(lambda m, i, o: storages.append(o.logits.untyped_storage().data_ptr()))
+        for shard in split.module_shards
+    ]
     with torch.no_grad(), tp.count_collectives() as counted:
         out = split(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
     torch.testing.assert_close(out.logits, ref, **TOL)
     assert sorted(widths) == sorted(split.splits["lm_head.weight"][1].local_size(r) for r in range(n))
+    assert storages == [out.logits.untyped_storage().data_ptr()] * n  # one tensor, not one per device
     assert counted.forward == {"all_reduce": 1 + 2 * 2, "all_gather": 1}  # as with the gathering head
     tuple_out = split(input_ids=ids, return_dict=False, use_cache=False)
     torch.testing.assert_close(tuple_out[0], ref, **TOL)
