@@ -146,3 +146,25 @@ def test_a_model_that_edits_logits_by_token_keeps_the_gathered_head():
         out = split(input_ids=ids).logits
     assert widths == [301, 301]
     torch.testing.assert_close(out, ref, **TOL)
+
+
+def test_softcapped_logits_stay_split_and_match():
+    """Gemma 2 caps its logits (divide, tanh, multiply) after the head: elementwise, so the slices serve."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=301, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=3, head_dim=32, final_logit_softcapping=0.5,
+    )
+    model = Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 301, (2, 6))
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids)
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 3)
+    widths = head_widths(split)
+    with torch.no_grad():
+        out = split(input_ids=ids, labels=ids)
+    assert sorted(widths) == [100, 100, 101]
+    torch.testing.assert_close(out.loss, ref.loss, **TOL)
+    torch.testing.assert_close(out.logits, ref.logits, **TOL)
