@@ -87,3 +87,28 @@ def test_falcon_new_architecture_refuses_more_devices_than_kv_groups():
     config = tiny_config("falcon_new")  # 3 KV groups
     with pytest.raises(ValueError, match="at most 3 devices"):
         tp.tensor_parallel(tiny_model("falcon_new", config), ["cpu"] * 4)
+
+
+class ScaledHead(torch.nn.Linear):
+    """An output head with a forward of its own and a per-token parameter (as Dory's): not a plain column split."""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        super().__init__(hidden, vocab, bias=False)
+        self.logit_scale = torch.nn.Parameter(torch.rand(vocab) + 0.5)
+
+    def forward(self, x):
+        return super().forward(x) * self.logit_scale
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_head_with_a_forward_of_its_own_stays_whole(n, gen):
+    model = tiny_model("llama")
+    model.lm_head = ScaledHead(model.config.hidden_size, model.config.vocab_size)
+    ids = torch.randint(1, VOCAB, (2, 5), generator=gen)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    assert "lm_head" not in tp.preset_for(model)  # the preset leaves it to the plan's default: whole
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n)
+    with torch.no_grad():
+        assert rel_err(split(input_ids=ids).logits, ref) < 1e-5
+    assert split.splits["lm_head.weight"] is None and split.splits["lm_head.logit_scale"] is None

@@ -88,11 +88,18 @@ def complete(module: nn.Module, plan: Plan) -> Plan:
     if isinstance(_unwrapped(embedding), nn.Embedding) and id(embedding) in by_id and kept.match(by_id[id(embedding)]) is None:
         extra[by_id[id(embedding)]] = EmbeddingParallel()
     head = _call(module, "get_output_embeddings")
-    if isinstance(_unwrapped(head), nn.Linear) and id(head) in by_id and kept.match(by_id[id(head)]) is None:
+    if _plain_linear(_unwrapped(head)) and id(head) in by_id and kept.match(by_id[id(head)]) is None:
         extra[by_id[id(head)]] = ColwiseParallel(gather_output=True)
         if _unwrapped(head).bias is not None:
             extra |= _tied_bias(module, _unwrapped(head))
     return follow_ties(module, Plan({**entries, **extra}))
+
+
+def _plain_linear(module) -> bool:
+    """An nn.Linear computing nn.Linear's forward: a subclass with a forward of its own (Dory's head scales each
+    token's logit by a parameter of its own) may do anything to its outputs, and stays whole unless a plan says
+    otherwise."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 def _unwrapped(module):
