@@ -505,7 +505,7 @@ def _first(e: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
-CAUSAL_MEASURED = "2026-11-21 (commit 85de0f5)"
+CAUSAL_MEASURED = "2026-11-24 (commit 3763379; from gemma4 on, and for dory, with the output-head preset change of f77c7ec)"
 OTHERS_MEASURED = "in one session on 2026-11-24, after that day's fixes (issue 15)"
 MEMORY_LIMIT = 6 << 30  # bytes of address space per architecture: a runaway model fails alone
 
@@ -599,7 +599,7 @@ def write_table() -> None:
         "Parameters a tiny config initialises to zero (classifier heads) get small random values, so equal "
         "outputs mean something.",
         "",
-        f"The causal-LM table is the sweep of {CAUSAL_MEASURED}, not rerun since. The other families were "
+        f"The causal-LM table is the sweep of {CAUSAL_MEASURED}. The other families were "
         f"measured {OTHERS_MEASURED}, as the table's last column says: each architecture runs in a process of its own on the code of "
         f"the commit it names (records in benchmarks/results/coverage-<family>.jsonl; records from before commits "
         f"were recorded say `?`; a `*` marks a commit whose library, src/, differs from this one's). This file was "
