@@ -505,7 +505,7 @@ def _first(e: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
-CAUSAL_MEASURED = "2026-11-24 (commit 3763379; from gemma4 on, and for dory, with the output-head preset change of f77c7ec)"
+CAUSAL_MEASURED = "2026-11-24 (commit 3763379; from gemma4 on, and for dory, with the output-head preset change of f77c7ec; reformer rerun with the per-device copies of its own cache class)"
 OTHERS_MEASURED = "in one session on 2026-11-24, after that day's fixes (issue 15)"
 MEMORY_LIMIT = 6 << 30  # bytes of address space per architecture: a runaway model fails alone
 

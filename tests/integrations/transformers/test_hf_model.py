@@ -192,3 +192,30 @@ def test_streamed_load_gives_the_same_kind_of_model(llama, gen, tmp_path):
     ids = torch.randint(1, VOCAB, (1, 4), generator=gen)
     generate = dict(max_new_tokens=8, min_new_tokens=8, pad_token_id=0)
     assert torch.equal(loaded.generate(ids, **generate), ref.generate(ids, **generate))
+
+
+def _tiny_reformer():
+    from transformers import ReformerConfig, ReformerModelWithLMHead
+
+    torch.manual_seed(0)
+    config = ReformerConfig(
+        attention_head_size=16, attn_layers=["local", "lsh"], axial_pos_shape=[16, 16], axial_pos_embds_dim=[32, 32],
+        feed_forward_size=128, hidden_size=64, is_decoder=True, max_position_embeddings=256, num_attention_heads=4,
+        vocab_size=512, num_hidden_layers=2, hidden_dropout_prob=0.0,
+    )
+    return ReformerModelWithLMHead(config).eval()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_cache_class_of_the_models_own_gets_one_copy_per_device(n):
+    """Reformer's ReformerDynamicCache is not a transformers Cache. Shared by the devices, each appended its
+    own states to it, and greedy decoding went off after a few tokens; now every device keeps its own."""
+    model = _tiny_reformer()
+    prompt = torch.randint(1, 512, (1, 4), generator=torch.Generator().manual_seed(1))
+    expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n)
+    assert torch.equal(split.generate(prompt, max_new_tokens=8, do_sample=False), expected)
+    filled = model(prompt, use_cache=True).past_buckets_states  # filled by the unsplit model
+    with pytest.raises(ValueError, match="already holds state"):
+        split(prompt[:, -1:], past_buckets_states=filled, use_cache=True)

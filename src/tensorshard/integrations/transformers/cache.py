@@ -15,7 +15,9 @@ It stays an instance of its original class (a DynamicCache is still a DynamicCac
 still an EncoderDecoderCache), so transformers' isinstance checks hold. Sliding-window layers (gemma2) and
 encoder-decoder caches (t5) work because each device's cache is a deep copy of the empty original, built by
 transformers' own code. Static caches pre-allocate with the full head count and are refused; a cache already
-filled by the unsplit model is divided by heads (unsplit_cache.py).
+filled by the unsplit model is divided by heads (unsplit_cache.py). A model's own cache class that is not a
+`Cache` (Reformer's ReformerDynamicCache) is sharded the same way when empty: shared, every device would
+append its own states to it; filled elsewhere, it is refused (`is_cache`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
+import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from ...engines.inprocess.boundary import PerDevice, register_per_device
@@ -117,7 +120,7 @@ def join_caches(per_rank: list[Any]) -> Cache:
     sharded cache over the caches they built themselves (a first call without a cache)."""
     if all(c is per_rank[0] for c in per_rank):
         return per_rank[0]
-    if not all(isinstance(c, Cache) and not isinstance(c, ShardedCache) for c in per_rank):
+    if not all(is_cache(c) and not isinstance(c, ShardedCache) for c in per_rank):
         raise RuntimeError(f"the shards returned different kinds of cache ({[type(c).__name__ for c in per_rank]}); they ran different code")
     return sharded(per_rank)
 
@@ -130,11 +133,48 @@ def _refuse_filled(cache: Cache) -> list[Cache]:
     )
 
 
+def is_cache(x: Any) -> bool:
+    """A transformers `Cache`, or a cache class of a model's own that is not one (Reformer's
+    ReformerDynamicCache of hashing buckets and states): a transformers class named ...Cache with an `update`."""
+    if isinstance(x, Cache):
+        return True
+    cls = type(x)
+    return cls.__module__.startswith("transformers.") and cls.__name__.endswith("Cache") and callable(getattr(x, "update", None))
+
+
+def _own_cache_per_device(cache: Any, world: int) -> Any:
+    """A model's own (non-`Cache`) cache class: an empty one gets a copy per device; one holding state cannot be
+    divided (its layout is the model's own), so it is refused rather than shared by the devices."""
+    if isinstance(cache, ShardedCache):
+        return shard_cache(cache, world, _refuse_filled)
+    if any(isinstance(t, torch.Tensor) and t.numel() for t in _tensors(vars(cache))):
+        raise ValueError(
+            f"{type(cache).__name__} already holds state, passed to a split model: only a cache this split model "
+            "filled can be passed back to it (every device keeps its own). Start from None and reuse the cache it returns"
+        )
+    ranks = [copy.deepcopy(cache) for _ in range(world)]
+    object.__setattr__(cache, _RANKS, ranks)
+    cache.__class__ = _sharded_class(type(cache))
+    return cache
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
 # Any call of a split model (a transformers model, or a module containing one) gives each device its own cache.
 register_per_device(PerDevice(
     accepts=lambda x: isinstance(x, Cache), prepare=lambda cache, world: shard_cache(cache, world, _refuse_filled),
     join=join_caches,
 ))
+register_per_device(PerDevice(accepts=is_cache, prepare=_own_cache_per_device, join=join_caches))
 
 
 def _seq_length(cache: Cache) -> int:

@@ -14,7 +14,8 @@ attributes, and its ``forward`` (with the model's own signature, which ``generat
 shards. What differs from the unsplit model:
 
 - the KV cache is sharded: each device caches its own heads (cache.py); a cache filled by the unsplit
-  model is divided by heads on first use (unsplit_cache.py);
+  model is divided by heads on first use (unsplit_cache.py); a cache class of the model's own that is not a
+  transformers `Cache` (Reformer's) gets one copy per device, and is refused when filled elsewhere;
 - ``get_input_embeddings()``, ``get_output_embeddings()``, ``get_encoder()`` return views that run that part
   of every shard (T5's ``generate`` runs the encoder through one); a multimodal model's
   ``get_image_features()`` (``_video_``, ``_audio_``) runs on every shard at once (``generate`` encodes the
