@@ -65,13 +65,14 @@ def vocab_parallel_cross_entropy(
     rank, world = logits.device_mesh.get_local_rank(), logits.device_mesh.size()
     width = -(-logits.shape[-1] // world)  # torch.chunk's slice length
     return sliced_cross_entropy(
-        logits.to_local(), target, rank * width, logits.device_mesh.get_group(), vocab=logits.shape[-1],
-        ignore_index=ignore_index, reduction=reduction,
+        logits.to_local(), target, rank * width, GroupReductions(logits.device_mesh.get_group()),
+        vocab=logits.shape[-1], ignore_index=ignore_index, reduction=reduction,
     )
 
 
-class _GroupReductions:
-    """The two reductions the loss needs, over a torch.distributed process group."""
+class GroupReductions:
+    """The two reductions `sliced_cross_entropy` needs, over a torch.distributed process group (in one process,
+    a shard's ThreadComm has the same two methods)."""
 
     def __init__(self, group) -> None:
         self.group = group
@@ -88,15 +89,15 @@ def sliced_cross_entropy(
     local_logits: torch.Tensor,
     target: torch.Tensor,
     start: int,
-    group,
+    reductions,
     *,
     vocab: int,
     ignore_index: int = -100,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """`vocab_parallel_cross_entropy` on this rank's plain slice of the logits: (..., V_local) holding classes
-    start .. start + V_local of the `vocab` classes, the other slices on the other ranks of `group` (a process
-    group, or an in-process shard's ThreadComm: anything with `all_reduce` and `all_reduce_max`)."""
+    """`vocab_parallel_cross_entropy` on this device's plain slice of the logits: (..., V_local) holding classes
+    start .. start + V_local of the `vocab` classes, the other slices on the other devices, which `reductions`
+    (`GroupReductions` of a process group, or an in-process shard's ThreadComm) sums and maxes over."""
 
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
     if bad.any():  # F.cross_entropy refuses these; here no slice would hold them and the loss would be wrong
@@ -105,7 +106,6 @@ def sliced_cross_entropy(
             f"{ignore_index}): fix the labels, or mark the positions to skip with {ignore_index}"
         )
 
-    reductions = group if hasattr(group, "all_reduce_max") else _GroupReductions(group)
     t = target.flatten()
     loss = _SlicedCrossEntropy.apply(local_logits.flatten(0, -2).float(), t, start, reductions, ignore_index)
     if reduction == "none":

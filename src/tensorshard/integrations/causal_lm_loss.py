@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import is_transformers_model
-from ..loss_parallel import sliced_cross_entropy
+from ..loss_parallel import GroupReductions, sliced_cross_entropy
 from .elementwise_logits import why_not_elementwise
 from .lazy_logits import gather_logits_on_read
 from ..partition import Partition
@@ -96,7 +96,8 @@ def sliced_head(root: nn.Module, styles: dict, splits: dict) -> tuple[nn.Module,
 
 def sliced_loss_function(lm: nn.Module, head: str, part: Partition, rank: int, reductions) -> Any:
     """A loss function with `ForCausalLMLoss`'s contract computed from device `rank`'s vocabulary slice of the
-    logits; `reductions` sums (and maxes) over the devices: a process group, or an in-process ThreadComm."""
+    logits; `reductions` sums (and maxes) over the devices: `GroupReductions` of a process group, or an
+    in-process ThreadComm."""
     start = part.ranges[rank][0][0]
     local_vocab = part.local_size(rank)
 
@@ -126,17 +127,12 @@ def _sliced_loss_forward(lm: nn.Module, head: str, part: Partition, comm) -> Any
     inner = lm.forward
     signature = inspect.signature(original_forward(lm))
     local_vocab = part.local_size(comm.rank)
-    loss_function = sliced_loss_function(lm, head, part, comm.rank, comm.group)
+    loss_function = sliced_loss_function(lm, head, part, comm.rank, GroupReductions(comm.group))
 
     def forward(*args, **kwargs):
-        try:
-            labels = signature.bind_partial(*args, **kwargs).arguments.get("labels")
-        except TypeError:
-            labels = None  # let the model's own forward report the bad call
-        if labels is None or not plain_causal_lm_loss(lm):
+        if call_labels(signature, args, kwargs) is None or not plain_causal_lm_loss(lm):
             return inner(*args, **kwargs)
         comm.begin_call()
-        had = "_loss_function" in lm.__dict__
         try:
             lm._loss_function = loss_function  # read by PreTrainedModel.loss_function for this call
             with comm.leave_split(head):
@@ -146,11 +142,19 @@ def _sliced_loss_forward(lm: nn.Module, head: str, part: Partition, comm) -> Any
             comm.guard.report(e, f"the forward of {type(lm).__name__}")
             raise
         finally:
-            if not had:
-                lm.__dict__.pop("_loss_function", None)
+            lm.__dict__.pop("_loss_function", None)  # plain_causal_lm_loss: the user had set none
             comm.end_call()
 
     return forward
+
+
+def call_labels(signature: inspect.Signature, args: tuple, kwargs: dict) -> Any:
+    """The ``labels`` of a call of a forward with this signature (None when absent, or when the call does not fit
+    the signature: the model's own forward then reports the bad call)."""
+    try:
+        return signature.bind_partial(*args, **kwargs).arguments.get("labels")
+    except TypeError:
+        return None
 
 
 def plain_causal_lm_loss(lm: nn.Module) -> bool:

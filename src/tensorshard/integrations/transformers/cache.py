@@ -28,6 +28,7 @@ import inspect
 from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_leaves
 from transformers.cache_utils import Cache, StaticLayer
 
 from ...engines.inprocess.boundary import PerDevice, register_per_device
@@ -110,6 +111,11 @@ def shard_cache(cache: Any, world_size: int, split_filled: Callable[[Cache], lis
             "device's heads. Use the default dynamic cache (generate(..., cache_implementation=None))."
         )
     ranks = split_filled(cache) if _seq_length(cache) > 0 else [copy.deepcopy(cache) for _ in range(world_size)]
+    return _dispatch_over(cache, ranks)
+
+
+def _dispatch_over(cache: Any, ranks: list[Any]) -> Any:
+    """Turn `cache`, in place, into the dispatcher over the per-device caches `ranks`."""
     object.__setattr__(cache, _RANKS, ranks)
     cache.__class__ = _sharded_class(type(cache))
     return cache
@@ -142,39 +148,22 @@ def is_cache(x: Any) -> bool:
     return cls.__module__.startswith("transformers.") and cls.__name__.endswith("Cache") and callable(getattr(x, "update", None))
 
 
-def _own_cache_per_device(cache: Any, world: int) -> Any:
-    """A model's own (non-`Cache`) cache class: an empty one gets a copy per device; one holding state cannot be
-    divided (its layout is the model's own), so it is refused rather than shared by the devices."""
-    if isinstance(cache, ShardedCache):
+def _per_device_cache(cache: Any, world: int) -> Any:
+    """Every device's own cache behind the caller's object. A model's own (non-`Cache`) cache class: an empty one
+    gets a copy per device; one holding state cannot be divided (its layout is the model's own), so it is refused
+    rather than shared by the devices."""
+    if isinstance(cache, (Cache, ShardedCache)):
         return shard_cache(cache, world, _refuse_filled)
-    if any(isinstance(t, torch.Tensor) and t.numel() for t in _tensors(vars(cache))):
+    if any(isinstance(t, torch.Tensor) and t.numel() for t in tree_leaves(vars(cache))):
         raise ValueError(
             f"{type(cache).__name__} already holds state, passed to a split model: only a cache this split model "
             "filled can be passed back to it (every device keeps its own). Start from None and reuse the cache it returns"
         )
-    ranks = [copy.deepcopy(cache) for _ in range(world)]
-    object.__setattr__(cache, _RANKS, ranks)
-    cache.__class__ = _sharded_class(type(cache))
-    return cache
-
-
-def _tensors(value: Any):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
+    return _dispatch_over(cache, [copy.deepcopy(cache) for _ in range(world)])
 
 
 # Any call of a split model (a transformers model, or a module containing one) gives each device its own cache.
-register_per_device(PerDevice(
-    accepts=lambda x: isinstance(x, Cache), prepare=lambda cache, world: shard_cache(cache, world, _refuse_filled),
-    join=join_caches,
-))
-register_per_device(PerDevice(accepts=is_cache, prepare=_own_cache_per_device, join=join_caches))
+register_per_device(PerDevice(accepts=is_cache, prepare=_per_device_cache, join=join_caches))
 
 
 def _seq_length(cache: Cache) -> int:

@@ -32,7 +32,7 @@ from torch import nn
 
 from ...comm.threads import ThreadComm
 from ...styles.base import original_forward, wrap_forward
-from ..causal_lm_loss import plain_causal_lm_loss, sliced_head, sliced_loss_function
+from ..causal_lm_loss import call_labels, plain_causal_lm_loss, sliced_head, sliced_loss_function
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +64,7 @@ def _forward(lm: nn.Module, head: str, part, comm: ThreadComm):
     loss_function = sliced_loss_function(lm, head, part, comm.rank, comm)
 
     def forward(*args, **kwargs):
-        try:
-            labels = signature.bind_partial(*args, **kwargs).arguments.get("labels")
-        except TypeError:
-            labels = None  # the model's own forward reports the bad call
+        labels = call_labels(signature, args, kwargs)
         if labels is not None and not plain_causal_lm_loss(lm):
             return inner(*args, **kwargs)  # a loss of its own reads the gathered logits
         if labels is not None:
