@@ -168,3 +168,27 @@ def test_softcapped_logits_stay_split_and_match():
     assert sorted(widths) == [100, 100, 101]
     torch.testing.assert_close(out.loss, ref.loss, **TOL)
     torch.testing.assert_close(out.logits, ref.logits, **TOL)
+
+
+class DoublesLogitsInPlace(torch.nn.Module):
+    """User code around a causal LM that changes its logits in place: run once per device, it must see a tensor of
+    that device's own."""
+
+    def __init__(self, lm) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids):
+        logits = self.lm(input_ids=input_ids).logits
+        logits.mul_(2)
+        return logits
+
+
+def test_code_around_the_model_gets_logits_of_each_devices_own():
+    wrapped = DoublesLogitsInPlace(tiny())
+    ids = torch.randint(0, 301, (2, 5))
+    with torch.no_grad():
+        ref = wrapped(ids)
+    split = tp.tensor_parallel(copy.deepcopy(wrapped), ["cpu"] * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids), ref, **TOL)

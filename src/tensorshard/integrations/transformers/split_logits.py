@@ -16,9 +16,10 @@ the forward has returned, the logits are assembled into one tensor that every de
 the same time (`ThreadComm.assemble`). Backward through the logits hands each device its slice's gradient.
 
 Only where it is provably the same computation: the model must apply nothing but elementwise operations to
-its logits after the head (elementwise_logits.py; `causal_lm_loss.sliced_head` picks the model); a loss the
-user or the model class replaced keeps the gathered logits; GPUs keep their gather (the output is moved to
-`output_device`).
+its logits after the head (elementwise_logits.py; `causal_lm_loss.sliced_head` picks the model) and return
+them straight to the engine (the split model itself, or the model inside a PeftModel: no code of a module
+around it runs once per device on the one shared tensor); a loss the user or the model class replaced keeps
+the gathered logits; GPUs keep their gather (the output is moved to `output_device`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from ...comm.threads import ThreadComm
+from ...layers import is_peft_model
 from ...styles.base import original_forward, wrap_forward
 from ..causal_lm_loss import call_labels, plain_causal_lm_loss, sliced_head, sliced_loss_function
 
@@ -51,10 +53,21 @@ def assemble_logits_once(split: nn.Module) -> None:
     if found is None:
         return
     lm, head, part = found
+    if not _returns_to_the_engine(shards[0], lm):
+        logger.debug("%s keeps its gathered logits: code around it would share one logits tensor", type(lm).__name__)
+        return
     lm_name = next(n for n, m in shards[0].named_modules() if m is lm)
     for rank, shard in enumerate(shards):
         wrap_forward(shard.get_submodule(lm_name), _forward(shard.get_submodule(lm_name), head, part, ThreadComm(group, rank)))
     logger.debug("%s: logits stay split by vocabulary (%s) until the end of the call", type(lm).__name__, head)
+
+
+def _returns_to_the_engine(shard: nn.Module, lm: nn.Module) -> bool:
+    """`lm`'s output goes straight back to the engine: it is the shard itself, or the model a PeftModel passes
+    through. Every device's model returns a view of ONE logits tensor; code of a module around it (a multimodal
+    model around its language model, a user's wrapper) runs once per device, and an in-place change there would
+    be applied once per device to that one tensor."""
+    return lm is shard or (is_peft_model(shard) and lm is shard.get_base_model())
 
 
 def _forward(lm: nn.Module, head: str, part, comm: ThreadComm):
