@@ -274,6 +274,7 @@ def failed_save_task(folder: str) -> dict:
         result = {"error": None}
     except OSError as e:
         result = {"error": type(e).__name__, "notes": " ".join(getattr(e, "__notes__", []))}
+    dist.barrier()  # every rank has finished removing its own temporary file before the folder is read
     now = digests(folder)
     result["committed_intact"] = all(now.get(name) == digest for name, digest in committed.items())
     result["generation"] = tp.checkpoint.read_index(folder)["generation"]

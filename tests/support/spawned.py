@@ -5,7 +5,9 @@
     result.events[rank]                          # what scenario(rank) reported: spawned.report(key, value)
 
 A scenario that raises is reported as event "raised" (type, message, notes, time) and then ends its process
-with exit code 1, as an uncaught error ends a training script. The shared process pool of
+with exit code 1, as an uncaught error ends a training script; a scenario that returns ends it with 0. Both skip
+the interpreter's teardown, where a gloo group left out of step can make torch abort (SIGABRT), depending on
+timing. The shared process pool of
 tests/engines/torchrun cannot host these tests: a killed rank, or a group left out of step, ends it.
 """
 
@@ -49,9 +51,15 @@ def _main(fn: Callable, rank: int, world: int, init_file: str, events) -> None:
                             timeout=timedelta(seconds=30))
     try:
         fn(rank)
+        os._exit(0)  # a script that ends, without the teardown (below)
     except BaseException as e:
         report("raised", describe(e))
-        raise
+        import traceback
+
+        traceback.print_exc()  # as an uncaught error prints it; the report is already written (SimpleQueue)
+        # Exit code 1, as an uncaught error ends a script, without the interpreter's teardown: with a gloo group
+        # left out of step, torch's own destructors may abort (SIGABRT) at exit, depending on timing.
+        os._exit(1)
 
 
 @dataclass
