@@ -4,11 +4,13 @@ engine.py builds and runs `TensorParallel`; workers.py runs the shards' threads,
 and outputs across devices (and gives each shard its own KV cache and other per-device objects),
 shard_backward.py runs every shard's own backward pass, rollback.py undoes a half-built split, zero.py adds
 ZeRO-3 for the parameters the plan leaves whole, optimizer.py steps an optimizer per device in the
-shards' threads, late_adapters.py adopts PEFT adapters added to a model
+shards' threads (default_step.py makes that the default step of plain torch.optim optimizers on CPU
+slots), late_adapters.py adopts PEFT adapters added to a model
 after it was split.
 """
 
 from .engine import TensorParallel, current_rank
 from .optimizer import PerDeviceOptimizer, per_device_optimizer
+from . import default_step  # noqa: F401  (registers torch.optim's global step hooks)
 
 __all__ = ["PerDeviceOptimizer", "TensorParallel", "current_rank", "per_device_optimizer"]

@@ -59,6 +59,12 @@ from .zero import WHERE as zero_where, choose_params, shard_replicated
 logger = logging.getLogger(__name__)
 
 _shard = threading.local()  # .rank: the shard the current thread is running
+_live: "weakref.WeakSet[TensorParallel]" = weakref.WeakSet()  # models split over several devices
+
+
+def live_models() -> list["TensorParallel"]:
+    """The models split over several devices of this process that are still referenced (default_step.py)."""
+    return list(_live)
 
 
 def current_rank() -> int | None:
@@ -175,6 +181,8 @@ class TensorParallel(nn.Module):
         report_split(module, self.plan, split, world, summary)
         if self.debug:
             logger.info("debug: the shards run one after another on %s", placement[0])
+        if world > 1:
+            _live.add(self)
 
     # -- compatibility with the tensor_parallel package --------------------------------------------------
 

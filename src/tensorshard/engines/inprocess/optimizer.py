@@ -86,8 +86,7 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, models: list[TensorParallel]) -> None:
         # Not Optimizer.__init__: the groups, the state and the hooks are the wrapped optimizer's own objects.
         self.optimizer = optimizer
-        self._models = models
-        self._owners: dict[int, tuple[weakref.ref, int, int]] = {}  # id(param) -> (param, model index, rank)
+        self._steps = DeviceSteps(optimizer, models)
         for name in _HOOKS:
             setattr(self, name, getattr(optimizer, name))
         self._patch_step_function()  # step() fires the (shared) step hooks, once per step
@@ -147,29 +146,63 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        per_model, rest = self._split_groups()
+        self._steps.run(self.optimizer.param_groups)
+        self.optimizer._opt_called = True  # an LR scheduler built on the wrapped optimizer sees its step
+        return loss
+
+
+def _owners(models: list[TensorParallel]) -> dict[int, tuple[weakref.ref, int, int]]:
+    owners: dict[int, tuple[weakref.ref, int, int]] = {}
+    groups: dict[int, int] = {}  # id(ThreadGroup) -> index of the first model using it (a view shares its model's)
+    for index, model in enumerate(models):
+        index = groups.setdefault(id(model._group), index)
+        for rank, shard in enumerate(model.module_shards):
+            for p in shard.parameters():
+                owners.setdefault(id(p), (weakref.ref(p), index, rank))
+    return owners
+
+
+class DeviceSteps:
+    """Runs an optimizer's own step once per shard, over that shard's parameters, in the shards' threads.
+
+    The optimizer's `step` (its class's, without torch's hook wrapper: the hooks fire once, around the whole
+    step) runs on a shallow copy of the optimizer that shares its state, defaults and options but holds only
+    one shard's parameters. Used by `PerDeviceOptimizer` and by the default step of plain optimizers
+    (default_step.py).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, models: list[TensorParallel]) -> None:
+        self.optimizer = optimizer
+        self.models = models
+        self._owners: dict[int, tuple[weakref.ref, int, int]] = {}  # id(param) -> (param, model index, rank)
+
+    def run(self, param_groups: list[dict[str, Any]], *, rest: bool = True) -> list[torch.Tensor]:
+        """Step `param_groups`: each owned parameter in its shard's thread, the others (unless not `rest`) in this
+        one. Returns the parameters stepped in the shards' threads."""
+        per_model, unowned = self._split_groups(param_groups)
         state = ThreadState.capture()
+        stepped: list[torch.Tensor] = []
         for index, per_rank in per_model.items():
-            model = self._models[index]
+            model = self.models[index]
             devices = model._placement
             if model._group.running_here():
                 # Inside one of the model's own shards (a gradient hook stepping an optimizer per parameter, as in
                 # "optimizer in backward"): that shard's thread is the right one; the others are busy in this call.
-                self._step_groups([group for groups in per_rank for group in groups])
+                self.step_groups([group for groups in per_rank for group in groups])
                 continue
 
             def run(rank: int, per_rank=per_rank, devices=devices) -> None:
                 with state.applied(devices[rank]):
-                    self._step_groups(per_rank[rank])
+                    self.step_groups(per_rank[rank])
 
             model._run_shards("optimizer step", run)
-        if rest:
-            self._step_groups(rest)
-        self.optimizer._opt_called = True  # an LR scheduler built on the wrapped optimizer sees its step
-        return loss
+            stepped.extend(p for groups in per_rank for group in groups for p in group["params"])
+        if rest and unowned:
+            self.step_groups(unowned)
+        return stepped
 
-    def _step_groups(self, groups: list[dict[str, Any]]) -> None:
-        """The wrapped optimizer's step (without its hooks: they fire once, around this step) over `groups`."""
+    def step_groups(self, groups: list[dict[str, Any]]) -> None:
+        """The optimizer's own step (without its hooks: they fire once, around the whole step) over `groups`."""
         if not groups:
             return
         inner = self.optimizer
@@ -182,40 +215,29 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
         step = step.__wrapped__ if getattr(step, "hooked", False) else step  # torch's hook wrapper, undone
         step(part)
 
-    def _split_groups(self) -> tuple[dict[int, list[list[dict]]], list[dict]]:
+    def _split_groups(self, param_groups: list[dict[str, Any]]) -> tuple[dict[int, list[list[dict]]], list[dict]]:
         """Every param group cut by owner: {model index: [rank's groups]}, and the groups of unowned parameters."""
         per_model: dict[int, list[list[dict]]] = {}
         rest: list[dict] = []
-        for group in self.optimizer.param_groups:
+        for group in param_groups:
             cut: dict[tuple[int, int], list] = {}
             for p in group["params"]:
-                cut.setdefault(self._owner(p), []).append(p)
+                cut.setdefault(self.owner(p), []).append(p)
             for (index, rank), params in cut.items():
                 piece = {**group, "params": params}
                 if index < 0:
                     rest.append(piece)
                 else:
-                    world = len(self._models[index].module_shards)
+                    world = len(self.models[index].module_shards)
                     per_model.setdefault(index, [[] for _ in range(world)])[rank].append(piece)
         return per_model, rest
 
-    def _owner(self, p: torch.Tensor) -> tuple[int, int]:
+    def owner(self, p: torch.Tensor) -> tuple[int, int]:
         """(model index, rank) of the shard holding `p`, or (-1, 0) when none does."""
         entry = self._owners.get(id(p))
         if entry is None or entry[0]() is not p:
-            self._owners = _owners(self._models)  # parameters changed since (ZeRO-3 applied later, adapters)
+            self._owners = _owners(self.models)  # parameters changed since (ZeRO-3 applied later, adapters)
             entry = self._owners.get(id(p))
             if entry is None:
                 self._owners[id(p)] = entry = (weakref.ref(p), -1, 0)
         return entry[1], entry[2]
-
-
-def _owners(models: list[TensorParallel]) -> dict[int, tuple[weakref.ref, int, int]]:
-    owners: dict[int, tuple[weakref.ref, int, int]] = {}
-    groups: dict[int, int] = {}  # id(ThreadGroup) -> index of the first model using it (a view shares its model's)
-    for index, model in enumerate(models):
-        index = groups.setdefault(id(model._group), index)
-        for rank, shard in enumerate(model.module_shards):
-            for p in shard.parameters():
-                owners.setdefault(id(p), (weakref.ref(p), index, rank))
-    return owners
