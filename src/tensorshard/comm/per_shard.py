@@ -18,9 +18,10 @@ checkpointing) simply meets the other shards again.
 
 The reductions are those of comm/threads.py (`sum_to_all`, `copies`): run once, by the last shard to
 arrive, in rank order, so every shard gets a bit-identical result; each collective is counted once. On
-CPU slots every shard computes its own result of a large collective instead (the same rank-ordered sum, or
-concatenation), in its own thread, at the same time as the others (comm/rendezvous.py, `each`): nothing is
-then computed while the other shards wait, and no result is copied (reduce.each_computes_its_own).
+CPU slots the shards compute a large collective together instead, each in its own thread, at the same time
+(comm/rendezvous.py, `each`): for an all-reduce each sums one chunk of the elements (in rank order) into every
+shard's result (reduce.sum_chunk_into), for an all-gather each concatenates its own copy; nothing is then
+computed while the other shards wait (reduce.each_computes_its_own).
 
 `assemble` is an all-gather whose result no shard changes afterwards (a model's output, once its forward has
 returned): every shard gets a view of ONE whole tensor, into which each shard copied its own slice, in its own
@@ -36,7 +37,7 @@ import torch
 from torch.autograd import Function
 
 from .counter import record
-from .reduce import copies, each_computes_its_own, nbytes as _nbytes, signature as _signature, sum_on, sum_to_all
+from .reduce import copies, each_computes_its_own, nbytes as _nbytes, signature as _signature, sum_chunk_into, sum_to_all
 
 if TYPE_CHECKING:
     from .threads import ThreadComm
@@ -45,9 +46,16 @@ if TYPE_CHECKING:
 def _summed(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, phase: str) -> torch.Tensor:
     devices = comm.group.devices
     if each_computes_its_own(devices, _nbytes(x)):
+        # Each shard brings its input and an empty result, sums its own chunk of every element into all the
+        # results at once (reduce.sum_chunk_into), and returns its result once every chunk is written.
+        def each(payloads, rank):
+            sum_chunk_into([p[0] for p in payloads], [p[1] for p in payloads], rank)
+            return payloads[rank][1]
+
+        x = x.contiguous()
         return comm.group.exchange(
-            comm.rank, op, where, x, lambda xs: record("all_reduce", _nbytes(xs[0]), phase, where), _signature(x),
-            each=lambda xs, rank: sum_on(xs, devices[rank]),
+            comm.rank, op, where, (x, torch.empty_like(x)), lambda xs: record("all_reduce", _nbytes(x), phase, where),
+            _signature(x), each=each,
         )
 
     def compute(xs):

@@ -47,20 +47,49 @@ def sum_to_all(tensors: Sequence[torch.Tensor], devices: Sequence[torch.device])
 
 def sum_on(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The rank-ordered sum on `device`, a new tensor: bit-identical wherever it is computed (on one device
-    type), so on CPU every shard may compute its own (comm/per_shard.py)."""
+    type), and element by element to `sum_chunk_into`'s."""
     total = tensors[0].to(device) + tensors[1].to(device)
     for t in tensors[2:]:
         total += t.to(device)
     return total
 
 
+def sum_chunk_into(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], rank: int) -> None:
+    """Shard `rank`'s part of an all-reduce on CPU slots: chunk `rank` of the rank-ordered sum of `inputs`,
+    written into every one of `outputs` (one per shard, contiguous, all in this process's memory).
+
+    With every shard doing this for its own chunk at once, each reads one input's worth and writes one output's
+    worth, whatever the device count: had each summed everything for itself, every shard would read all N
+    inputs, N^2 tensors in all. An element's sum is computed exactly as `sum_on` computes it (in rank order), so
+    the result is bit-identical to it."""
+    flat_in = [t.view(-1) for t in inputs]
+    start, stop = _chunk(flat_in[0].numel(), len(inputs), rank)
+    if stop <= start:
+        return
+    total = flat_in[0][start:stop] + flat_in[1][start:stop]
+    for t in flat_in[2:]:
+        total += t[start:stop]
+    for out in outputs:
+        out.view(-1)[start:stop].copy_(total)
+
+
+def _chunk(n: int, parts: int, rank: int, align: int = 16) -> tuple[int, int]:
+    """Element range [start, stop) of chunk `rank` of `n` elements, in runs of `align` elements (64 bytes of
+    float32: two shards never write to one cache line)."""
+    blocks = -(-n // align)
+    base, extra = divmod(blocks, parts)
+    start = (rank * base + min(rank, extra)) * align
+    stop = start + (base + (1 if rank < extra else 0)) * align
+    return min(start, n), min(stop, n)
+
+
 EACH_MIN_BYTES = 256 * 1024  # smaller results: one shard computes them all (see each_computes_its_own)
 
 
 def each_computes_its_own(devices: Sequence[torch.device], nbytes: int) -> bool:
-    """CPU slots and a result of `nbytes` >= EACH_MIN_BYTES: each shard sums (or concatenates) for itself, in its
-    thread, at the same time as the others, rather than one shard computing every result and copying it to the
-    others while they wait (a 2 MiB activation, the 32 MiB of gathered logits). A small result (a decode step's
+    """CPU slots and a result of `nbytes` >= EACH_MIN_BYTES: the shards compute the result together, each in its
+    thread (a chunk of a sum, `sum_chunk_into`; its own concatenation), at the same time as the others, rather
+    than one shard computing every result and copying it to the others while they wait (a 2 MiB activation, the 32 MiB of gathered logits). A small result (a decode step's
     4 KiB) costs less to compute for all than the second meeting that per-shard results need (every shard must
     have read the others' tensors before any returns). GPUs keep one NCCL call (or peer copies) for all.
     `nbytes` is the same on every shard, so all take the same path."""
