@@ -19,6 +19,7 @@ from .checkpoint import (
 )
 from .comm.counter import CollectiveCounter, count_collectives
 from .comm.rendezvous import CollectiveAborted
+from .comm.timeline import ShardTimeline, shard_timeline
 from .engines.inprocess import PerDeviceOptimizer, TensorParallel, per_device_optimizer
 from .engines.torchrun import InputMismatchError, TensorParallelSampler, broadcast_batch, check_same_inputs, synchronize_rng
 from .inference import infer_plan
@@ -65,6 +66,7 @@ __all__ = [
     "RowwiseToSequence",
     "SequenceParallel",
     "ShardParams",
+    "ShardTimeline",
     "Style",
     "SumGradients",
     "TensorParallel",
@@ -87,6 +89,7 @@ __all__ = [
     "save_gathered",
     "save_sharded",
     "save_tensor_parallel",
+    "shard_timeline",
     "split_evenly",
     "synchronize_rng",
     "tensor_parallel",

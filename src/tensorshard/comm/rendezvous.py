@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import timeline
+
 _local = threading.local()  # .calls: the calls this thread runs a shard of, innermost last
 
 
@@ -76,6 +78,7 @@ class _Call:
         self.error: BaseException | None = None  # the first failure; every waiting shard stops on it
         self.ended = False
         self.parallel_inputs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(n)]
+        self.began = time.perf_counter() if timeline.recording() else None  # comm/timeline.py
 
 
 class ThreadGroup:
@@ -110,6 +113,8 @@ class ThreadGroup:
 
     def end(self, call: _Call) -> None:
         """End a call: drop its cached tensors; a shard still inside it fails at its next collective."""
+        if call.began is not None:
+            timeline.record("calls", call.kind, call.began, time.perf_counter())
         with self._cond:
             call.ended = True
             call.slots = {}
@@ -139,6 +144,7 @@ class ThreadGroup:
         """Run shard `rank` of `call` in this thread: a failure aborts the call, a return is reported."""
         stack = _running()
         stack.append(call)
+        started = time.perf_counter() if call.began is not None else None
         try:
             try:
                 if self.baton is not None:
@@ -157,6 +163,8 @@ class ThreadGroup:
             return result
         finally:
             stack.remove(call)
+            if started is not None:
+                timeline.record("shards", rank, started, time.perf_counter())
 
     def _take_baton(self, call: _Call, rank: int) -> None:
         if not self.baton.acquire(timeout=self.timeout):
@@ -310,6 +318,15 @@ class ThreadGroup:
         """Wait for the slot's results (or `until()`), failing as the module docstring says."""
         deadline = time.monotonic() + self.timeout
         done = until or (lambda: slot.results is not None)
+        blocked = time.perf_counter() if call.began is not None else None
+        try:
+            self._wait_for(call, seq, slot, rank, op, where, done, deadline)
+        finally:
+            if blocked is not None:
+                timeline.record("waits", rank, blocked, time.perf_counter())
+
+    def _wait_for(self, call: _Call, seq: int, slot: _Slot, rank: int, op: str, where: str,
+                  done: Callable[[], bool], deadline: float) -> None:
         with self._cond:
             while not done():
                 if call.error is not None:
