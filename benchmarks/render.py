@@ -1,4 +1,4 @@
-"""Render benchmarks/results/{memory,comm,speed}.json into BENCHMARKS.md and benchmarks/plots/*.png.
+"""Render benchmarks/results/{memory,comm,speed,scaling}.json into BENCHMARKS.md and benchmarks/plots/*.png.
 
 Needs only the standard library and matplotlib (installed in the bench environment, .venv-bench-peers);
 without matplotlib the markdown is written and the plots are skipped with a note.
@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from suite.analysis import ANALYSIS  # noqa: E402
 from suite.plots import make_plots  # noqa: E402
+from suite.scaling_section import scaling_plot, scaling_section  # noqa: E402
 from suite.sections import comm_section, load, memory_section, speed_section  # noqa: E402
 from suite.targets import TARGETS  # noqa: E402
 
@@ -133,6 +134,7 @@ def missed_section(speed: dict | None) -> list[str]:
 
 def render(results: Path, out: Path, plots_dir: Path) -> str:
     memory, comm, speed = load(results, "memory"), load(results, "comm"), load(results, "speed")
+    scaling = load(results, "scaling")
     metas = [x["meta"] for x in (memory, comm, speed) if x]
     if not metas:
         raise SystemExit(f"no results in {results}: run benchmarks/run_all.py first")
@@ -141,11 +143,15 @@ def render(results: Path, out: Path, plots_dir: Path) -> str:
     quick = any(x["sizes"]["llama"]["hidden_size"] < 1024 for x in (memory, comm, speed) if x)
     rel = os.path.relpath(plots_dir, out.parent)
     plots, note = make_plots(memory, comm, speed, plots_dir, rel)
+    if not note:
+        import matplotlib.pyplot as plt  # deferred: present, as make_plots found
+
+        plots.update(scaling_plot(scaling, plots_dir, rel, plt))
     lines = header(meta, {"quick": quick, "probe": (speed or {}).get("tensor_parallel_on_main")})
     if note:
         lines += [note, ""]
     lines += targets_section(speed) + memory_section(memory, plots) + comm_section(comm, plots)
-    lines += speed_section(speed, plots) + missed_section(speed)
+    lines += speed_section(speed, plots) + scaling_section(scaling, plots) + missed_section(speed)
     jobs = [j for x in (memory, comm, speed) if x for j in x.get("jobs", [])]
     if jobs:
         lines += ["## The run", "", f"{len(jobs)} jobs, {sum(j['seconds'] for j in jobs) / 60:.1f} minutes in all "

@@ -25,9 +25,9 @@ ANALYSIS: dict[str, str] = {
     ),
     "inprocess-train": (
         "Where the time goes: the forward and backward passes of the shards run concurrently, one thread each "
-        "(each shard owns its autograd graph), and so does the AdamW step (`tp.per_device_optimizer`: each "
-        "shard's parameters in its thread). At every collective each shard computes its own rank-ordered sum "
-        "in its thread, so no shard waits while another computes for all; the loss comes from each shard's "
+        "(each shard owns its autograd graph), and so does a plain AdamW step (each shard's parameters in its "
+        "thread, by default). At every large collective each shard sums one chunk of the elements into every "
+        "shard's result, so no shard waits while another computes for all; the loss comes from each shard's "
         "vocabulary slice and the logits are assembled once, all shards writing their slices at once. What "
         "stays replicated: the RMSNorms and residual adds, and ZeRO-3's gather of the norm weights. "
         + _SHARED_CORES

@@ -286,9 +286,8 @@ def speed_section(speed: dict | None, plots: dict) -> list[str]:
         "thread of the process; for torchrun-based systems rank 0's times the number of ranks) / the unsplit "
         "model's: the extra work tensor parallelism costs, which the load of a shared machine does not blur "
         "(1.00 = none). tensor_parallel 2.0 is compared with the unsplit model of its own environment "
-        "(transformers 4.31). The in-process engine steps AdamW through `tp.per_device_optimizer` (each device's "
-        "parameters in its own thread, as docs/inprocess.md recommends); every other system uses `torch.optim.AdamW` "
-        "as it is.",
+        "(transformers 4.31). Every system trains with `torch.optim.AdamW(model.parameters())` as users write it (the "
+        "in-process engine steps each device's parameters in its shard's thread by itself).",
         "",
     ]
     for task, metric, title in (("train", "step", "Training step"), ("infer", "forward", "Forward (no gradients)"),

@@ -3,7 +3,7 @@
 | name             | what                                                                | processes      |
 |------------------|---------------------------------------------------------------------|----------------|
 | plain            | the unsplit model                                                   | 1              |
-| ours-inprocess   | `tp.tensor_parallel(model, devices)` (defaults; llama: our preset); AdamW through `tp.per_device_optimizer` | 1, N threads |
+| ours-inprocess   | `tp.tensor_parallel(model, devices)` (defaults; llama: our preset); plain AdamW | 1, N threads |
 | ours-torchrun    | `tp.parallelize(model, mesh)` (llama: our preset)                   | N (torchrun)   |
 | dtensor          | `parallelize_module` with the Lightning guide's hand-written plan    | N (torchrun)   |
 | hf-tp-plan       | transformers' own `DistributedConfig(tp_size=N)` (`base_model_tp_plan`) | N (torchrun) |
@@ -118,14 +118,9 @@ def guide_plan(model_name: str, layers: int) -> dict:
 
 
 def optimizer_for(system: str, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW as a user of `system` builds it after reading its docs: the in-process engine's steps each device's
-    parameters in that device's thread (`tp.per_device_optimizer`, docs/inprocess.md); the others as they are."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    if system == "ours-inprocess":
-        import tensorshard as tp
-
-        opt = tp.per_device_optimizer(opt, model)
-    return opt
+    """AdamW over the model's parameters, as users write it, for every system (the in-process engine steps each
+    device's parameters in its shard's thread by itself: engines/inprocess/default_step.py)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-5)
 
 
 # --- builders --------------------------------------------------------------------------------------------------

@@ -1,0 +1,114 @@
+"""BENCHMARKS.md's scaling section and its plot, from benchmarks/results/scaling.json (benchmarks/scaling.py).
+
+Speed-up against the device count for each engine and kind, the ideal line included, and per device count the
+accounting that explains the speed-up. Nothing here measures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ENGINES = {"inprocess": "in-process", "torchrun": "torchrun"}
+KINDS = {"forward": "forward (no gradients)", "train": "training step (plain AdamW)", "decode": "greedy decoding, per token"}
+
+# Issue 23's targets on a 2-core machine: (engine, kind, devices) -> (what, bound, goal); speed-ups are at least
+# the goal, the others at most.
+TARGETS = {
+    ("inprocess", "train", 2): ("speed-up", "min", 1.8),
+    ("torchrun", "train", 2): ("speed-up", "min", 1.8),
+    ("inprocess", "decode", 1): ("time / unsplit", "max", 1.03),
+    ("inprocess", "decode", 2): ("time / unsplit", "max", 1.2),
+    ("inprocess", "decode", 8): ("time / unsplit", "max", 2.0),
+}
+
+
+def scaling_section(scaling: dict | None, plots: dict) -> list[str]:
+    if scaling is None:
+        return []
+    meta = scaling["meta"]
+    lines = [
+        "## 4. Scaling past two devices",
+        "",
+        f"Measured by `benchmarks/scaling.py` on {meta['date']}: {meta['cpu']}, {meta['cores']} cores"
+        + (f", {meta['gpu']}" if meta.get("gpu") else "")
+        + f"; torch {meta['torch']}, transformers {meta['transformers']}; load average {_load(meta.get('load_average_start'))} "
+        f"at the start, {_load(meta.get('load_average_end'))} at the end"
+        + ("; **--quick run**: small models, the numbers say nothing about performance" if meta.get("quick") else "")
+        + ". One intra-op thread per device; the unsplit model and every device count of one engine and kind "
+        f"timed in {meta['rounds']} interleaved rounds (medians). Columns: the speed-up over the unsplit model; the "
+        "work inflation (CPU seconds of all threads or ranks / the unsplit model's: 1.00 = splitting adds no work); "
+        "cores busy (CPU seconds / (wall x min(cores, devices)): below 1, work runs alone or waits); waiting (a "
+        "shard's mean time blocked at collectives) and one running (time in which only one shard, or the caller "
+        "alone, runs), as shares of the wall time; CPU per shard (in decoding: the model's Python and dispatch).",
+        "",
+    ]
+    if "scaling" in plots:
+        lines += [f"![speed-up against devices]({plots['scaling']})", ""]
+    for engine, engine_name in ENGINES.items():
+        for kind, kind_name in KINDS.items():
+            result = scaling.get(engine, {}).get(kind)
+            if result is None:
+                continue
+            lines += [f"### {engine_name}: {kind_name}", ""]
+            if "variants" not in result:
+                lines += [f"Failed: `{str(result.get('error', '?'))[:300]}`", ""]
+                continue
+            unit, scale = ("ms", 1e3) if kind == "decode" or result.get("per") == "token" else ("s", 1.0)
+            lines += [f"| devices | {unit} per {result.get('per', 'step')} | speed-up | vs unsplit | work inflation | "
+                      "cores busy | waiting | one running | CPU per shard |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+            for v in result["variants"]:
+                n = v["devices"]
+                per_shard = ", ".join(f"{c * scale:.3g}" for c in v.get("shard_cpu", []))
+                lines.append(
+                    f"| {n or 'unsplit'} | {v['wall'] * scale:.3g} | {v['speedup']:.2f}x{_target(engine, kind, n, v)} | "
+                    f"{1 / v['speedup']:.2f}x | {v['work_inflation']:.2f}x | {v['cores_busy']:.2f} | "
+                    f"{v['waiting_share'] * 100:.0f}% | {v['one_running_share'] * 100:.0f}% | {per_shard} {unit} |"
+                )
+            lines.append("")
+    return lines
+
+
+def _target(engine: str, kind: str, n: int, v: dict) -> str:
+    target = TARGETS.get((engine, kind, n))
+    if target is None:
+        return ""
+    what, bound, goal = target
+    value = v["speedup"] if what == "speed-up" else 1 / v["speedup"]
+    met = value >= goal if bound == "min" else value <= goal
+    sign = "≥" if bound == "min" else "≤"
+    return f" ({what} goal {sign} {goal:g}x: {'met' if met else '**missed**'})"
+
+
+def _load(x) -> str:
+    return "/".join(f"{v:.1f}" for v in x) if x else "?"
+
+
+def scaling_plot(scaling: dict | None, folder: Path, rel: str, plt) -> dict:
+    """plots/scaling.png: speed-up over the unsplit model against the device count, one line per engine and kind."""
+    if scaling is None:
+        return {}
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    worlds = sorted({v["devices"] for e in ENGINES for r in scaling.get(e, {}).values() if "variants" in r
+                     for v in r["variants"] if v["devices"]})
+    if not worlds:
+        plt.close(fig)
+        return {}
+    ax.plot(worlds, worlds, "k--", label="ideal: N x")
+    styles = {"inprocess": "-", "torchrun": ":"}
+    markers = {"forward": "o", "train": "s", "decode": "^"}
+    for engine in ENGINES:
+        for kind, result in scaling.get(engine, {}).items():
+            pts = [(v["devices"], v["speedup"]) for v in result.get("variants", []) if v["devices"]]
+            if pts:
+                ax.plot(*zip(*pts), styles[engine], marker=markers.get(kind, "o"), label=f"{ENGINES[engine]}: {kind}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(worlds, [str(w) for w in worlds])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("speed-up over the unsplit model")
+    ax.set_title(f"Scaling ({scaling['meta']['cores']} cores, one thread per device)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    folder.mkdir(parents=True, exist_ok=True)
+    fig.savefig(folder / "scaling.png", dpi=110)
+    plt.close(fig)
+    return {"scaling": f"{rel}/scaling.png"}
