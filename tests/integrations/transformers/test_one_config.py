@@ -224,3 +224,16 @@ def test_model_attributes_and_generation_config_reach_every_device(gen):
     assert torch.equal(split.generate(ids), ref.generate(ids)) and split.generate(ids).shape[1] == 7
     split.loss_type = "ForCausalLM"
     assert all(s.loss_type == "ForCausalLM" for s in split.module_shards)
+
+
+def test_a_split_buffer_replaced_by_assignment_gives_each_device_its_slice():
+    """(A plan that splits a buffer: the rotary frequencies here, only to check where the slices go.)"""
+    ref = tiny_model("llama")
+    plan = tp.preset_for(ref) | {"model.rotary_emb": tp.ShardParams(params={"inv_freq": 0}, input="split", output="split")}
+    split = split_copy(ref, 3, plan=plan)
+    whole = torch.arange(4.0)  # inv_freq has head_dim / 2 = 4 entries: 2 + 1 + 1 over 3 devices
+    split.model.rotary_emb.inv_freq = whole
+    assert [s.model.rotary_emb.inv_freq.tolist() for s in split.module_shards] == [[0.0, 1.0], [2.0], [3.0]]
+    with pytest.raises(ValueError, match=r"unsplit shape \[4\], not \[2\]"):
+        split.model.rotary_emb.inv_freq = whole[:2]
+    assert [s.model.rotary_emb.inv_freq.tolist() for s in split.module_shards] == [[0.0, 1.0], [2.0], [3.0]]
