@@ -69,7 +69,8 @@ class LocalValues:
     def __eq__(self, other: Any) -> bool:
         return shared_of(self) == (shared_of(other) if type(other) is LocalValues else other)
 
-    __hash__ = None  # as the configuration classes: mutable, compared by value
+    def __hash__(self) -> int:
+        return hash(shared_of(self))  # raises as the shared object does (transformers configs are unhashable)
 
     def __copy__(self) -> "LocalValues":
         return LocalValues(shared_of(self), local_values(self))
