@@ -8,18 +8,19 @@ does two things:
 - the listed attributes, which the module's forward uses to reshape, are set to each device's local
   value: ``heads`` (query heads here), ``kv_heads``, ``groups`` (query heads per KV head), and with
   ``head_dim`` given, ``features`` (heads * head_dim) and ``kv_features``. A dotted path such as
-  ``"config.num_attention_heads"`` reaches into an attribute's object; that object is copied for this
-  module first, so a config shared by all layers keeps its global values everywhere else.
+  ``"config.num_attention_heads"`` reaches into an attribute's object: this module gets a `LocalValues`
+  view of it (local_values.py) holding its local count, so the config shared by all layers keeps its
+  global values everywhere else, and every other field of it stays the shared one.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from .base import ShardContext, Splits, Style, register
+from .local_values import set_local_path
 
 QUANTITIES = ("heads", "kv_heads", "groups", "features", "kv_features")
 
@@ -66,15 +67,10 @@ class Heads(Style):
         if self.head_dim is not None:
             local["features"] = local["heads"] * self.head_dim
             local["kv_features"] = local["kv_heads"] * self.head_dim
-        for first in {path.split(".")[0] for path in self.attrs if "." in path}:
-            # "config.num_attention_heads": the config object is shared by every layer of this device's copy
-            # of the model; this module gets its own (shallow) copy, so only it sees the local count.
-            shared = getattr(module, first, None)
-            if shared is not None and not isinstance(shared, nn.Module):
-                setattr(module, first, copy.copy(shared))
         for path, quantity in self.attrs.items():
-            owner, attr = _resolve(module, path, ctx.name)
-            setattr(owner, attr, local[quantity])
+            # "config.num_attention_heads": the config object is shared by every layer (and device); this
+            # module sees it through a view of its own holding the local count (local_values.py).
+            set_local_path(module, path, local[quantity])
 
 
 def _resolve(module: nn.Module, path: str, where: str):

@@ -45,12 +45,14 @@ from ...plans.plan import BoundPlan, Plan
 from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine
 from ..resplit import mark_consumed, mark_split, refuse_split_twice
+from ..shared_config import guard as guard_configurations, keep_shared
 from ..split_report import report_split
 from .boundary import gather_outputs, replicate_inputs, to_device
 from .copies import deep_copy, refuse_pickle
 from .grad_norm import clip_grad_norm_
 from .late_adapters import adopt_late_modules, refuse_parent_state_dict
 from .rollback import Released, restore
+from .shard_attributes import record_per_device
 from .shard_backward import ShardGraphs, join_outputs
 from .unsplit_state import is_unsplit, load_unsplit
 from .workers import ThreadState, WorkerPool
@@ -156,6 +158,8 @@ class TensorParallel(nn.Module):
         self.splits: dict[str, tuple[int, Partition] | None] = layout.slice_map(module)
         zero_names = choose_params(module, self.splits, world, sharded_param_names) if sharded else []
         self.module_shards = nn.ModuleList(_build_shards(module, layout, placement, self._group))  # atomic
+        record_per_device(module, self.module_shards)  # what a view may not set on every device (shard_attributes.py)
+        guard_configurations(self.module_shards, f"over {world} device(s)")  # one configuration (shared_config.py)
         self._placement = placement
         self._module_names = {n for n, _ in self.module_shards[0].named_modules()}  # to spot adapters added later
         self._module_count = len(self._module_names)
@@ -355,6 +359,7 @@ def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.
     world = len(devices)
     # 1. Skeletons: deep copies that share no tensor storage (each tensor maps to a meta placeholder).
     placeholders = quant.skeleton_memo(module)  # a quantized layer's own reference to its state
+    placeholders.update(keep_shared(module))  # one configuration for every shard, not a copy each (shared_config.py)
     for t in list(module.parameters()) + list(module.buffers()):
         placeholders[id(t)] = torch.empty(0, device="meta")
     shards = [copy.deepcopy(module, memo=dict(placeholders)) for _ in range(world)]

@@ -58,6 +58,7 @@ from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine, run_after_split
 from ...styles.base import original_forward, wrap_forward
 from ..resplit import refuse_split_twice
+from ..shared_config import guard as guard_configurations
 from ..split_report import report_split
 from .data import check_same_inputs
 
@@ -154,6 +155,7 @@ def parallelize(
     except BaseException as e:
         comm.guard.report(e, f"parallelize({type(module).__name__})")  # the others stop waiting for this rank
         raise
+    guard_configurations([module], f"over {world} rank(s)")  # fields that size the split stay (shared_config.py)
     _wrap_root(module, state)
     module.tensorshard = state
     run_after_split(module)  # e.g. a transformers model's save_pretrained gathers (checkpoint/gather.py)

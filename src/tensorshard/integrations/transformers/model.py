@@ -11,7 +11,8 @@ both `TensorParallel` (the engine: shards, forward) and the model's own class (`
 ``generate``, ``prepare_inputs_for_generation``, ``can_generate``, class attributes...). The model's
 constructor never runs: the instance takes the original's ``config``, ``generation_config`` and other plain
 attributes, and its ``forward`` (with the model's own signature, which ``generate`` inspects) runs the
-shards. What differs from the unsplit model:
+shards. The configuration objects are the ones every shard reads (engines/shared_config.py): a field set on
+``split.config`` reaches every device. What differs from the unsplit model:
 
 - the KV cache is sharded: each device caches its own heads (cache.py); a cache filled by the unsplit
   model is divided by heads on first use (unsplit_cache.py); a cache class of the model's own that is not a
@@ -24,8 +25,9 @@ shards. What differs from the unsplit model:
   dict: peak host memory is one full copy of the model) and writes them with transformers' own
   ``save_pretrained`` of the original class, into a temporary folder moved into place;
 - ``state_dict()`` is the shards' (use ``tp.save_tensor_parallel`` for the unsplit one); submodules such
-  as ``model.model`` live in ``model.module_shards[r]``; ``split.model.encoder`` is a view that runs that
-  submodule on every device, and reads its other attributes from the first device's copy;
+  as ``model.model`` live in ``model.module_shards[r]``; ``split.model.encoder`` (``split.model.layers[0]``) is
+  a view that runs that submodule on every device, reads its other attributes from the first device's copy
+  and sets them on every device's copy, or refuses (engines/inprocess/shard_attributes.py);
 - gradient (activation) checkpointing, enabled before or after splitting, recomputes each block in its
   shard's own backward pass (engines/inprocess/shard_backward.py); not in debug mode on a GPU;
 - unsupported, with an error saying so: output_attentions, static caches, resizing embeddings;
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import logging
 import os
 from pathlib import Path
@@ -49,6 +50,7 @@ from transformers.cache_utils import Cache
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import WEIGHT_FILES, gathered_state_dict, save_pretrained_options
 from ...engines.inprocess import TensorParallel
+from ...engines.inprocess.shard_attributes import set_everywhere
 from ...layers import is_transformers_model
 from .cache import shard_cache
 from .unsplit_cache import split_filled_cache
@@ -120,9 +122,12 @@ def transformers_view(model: TensorParallel, path: str, original: nn.Module) -> 
 
 def _adopt(model: "TransformersTensorParallel", original: nn.Module) -> None:
     """Give the split model the unsplit one's plain attributes (config, generation_config, ...) and state."""
+    adopted = []
     for key, value in vars(original).items():  # config, generation_config, name_or_path, ...
         if key not in vars(nn.Module()) and key not in _NOT_COPIED and key not in model.__dict__:
             object.__setattr__(model, key, value)
+            adopted.append(key)
+    object.__setattr__(model, "_adopted", frozenset(adopted))  # the model's own attributes (__setattr__)
     object.__setattr__(model, "_original", original)  # consumed (on meta); not a submodule
     object.__setattr__(model, "_views", {})
     object.__setattr__(model, "_forward_parameters", dict(inspect.signature(type(original).forward).parameters))
@@ -149,8 +154,6 @@ class TransformersTensorParallel(TensorParallel):
                 "output_attentions=True: each device computes the attention weights of its own heads only, and "
                 "a split model does not gather them; call without output_attentions"
             )
-        if "use_cache" in self._forward_parameters and "use_cache" not in kwargs:
-            kwargs["use_cache"] = getattr(self.config, "use_cache", None)  # the shards' configs are copies
         for key, value in kwargs.items():  # any cache argument: past_key_values, Mamba's cache_params, ...
             if isinstance(value, Cache) or (key == "past_key_values" and value is not None):
                 # (past_key_values: refuses legacy tuples; one filled by the unsplit model is divided by heads)
@@ -244,6 +247,14 @@ class TransformersTensorParallel(TensorParallel):
             )
         return super()._set_gradient_checkpointing(enable, *args, **kwargs)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The model's own attributes (generation_config, loss_type, ...) are read by its forward on every
+        # device: a new value goes to every device's copy, or is refused (shard_attributes.py); the config object
+        # itself is shared, so it is changed field by field, not replaced.
+        if name in self.__dict__.get("_adopted", ()):
+            set_everywhere(self.module_shards, self._placement, self.splits, name, value, "")
+        super().__setattr__(name, value)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -260,10 +271,12 @@ class TransformersTensorParallel(TensorParallel):
 
 
 class _SubmoduleView(TensorParallel):
-    """``split.model.encoder``: calling it runs that submodule on every device (a `TensorParallel.view`);
-    its submodules are views too, its methods run on every device as well (``split.model.get_image_features``,
-    which generate calls), and its other attributes (a convolution's stride, a config) are read from the
-    first device's copy, as generation code reads them (Whisper's reads its encoder's strides)."""
+    """``split.model.encoder``, ``split.model.layers[0]``: calling it runs that submodule on every device (a
+    `TensorParallel.view`); its submodules are views too (by attribute, index or key, and when iterated), its
+    methods run on every device as well (``split.model.get_image_features``, which generate calls), and its
+    other attributes (a convolution's stride, a config) are read from the first device's copy, as generation
+    code reads them (Whisper's reads its encoder's strides). Setting one sets every device's copy, or is
+    refused (engines/inprocess/shard_attributes.py)."""
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -280,12 +293,43 @@ class _SubmoduleView(TensorParallel):
     def __setattr__(self, name: str, value: Any) -> None:
         # Reads come from the first device's copy, so a write goes to every device's copy (generation code
         # resets state such as Qwen2-VL's `model.rope_deltas` this way); kept on the view, it would reach no
-        # shard and their state would go stale silently.
-        if name.startswith("_") or name == "training" or name in self.__dict__ or isinstance(value, nn.Module):
+        # shard and their state would go stale silently. The view's own state: the engine's attributes.
+        if name.startswith("_") or name in ("training", "module_shards") or name in self.__dict__:
             super().__setattr__(name, value)
             return
-        for shard in self.module_shards:
-            setattr(shard, name, _to_device_of(shard, value))
+        set_everywhere(self.module_shards, self._placement, self.splits, name, value, self.__dict__.get("_path", ""))
+
+    # A container (ModuleList, Sequential, ModuleDict) reads like one: split.model.layers[0], len(), for ... in
+    def __getitem__(self, key: Any) -> Any:
+        first = self.module_shards[0]
+        if isinstance(first, nn.ModuleDict):
+            if key not in first._modules:
+                raise KeyError(key)
+            return _submodule_view(self, key)
+        names = self._child_names()
+        if isinstance(key, slice):
+            return [_submodule_view(self, n) for n in names[key]]
+        return _submodule_view(self, names[key])  # IndexError / TypeError as a list of them raises
+
+    def __len__(self) -> int:
+        return len(self._child_names())
+
+    def __iter__(self):
+        if isinstance(self.module_shards[0], nn.ModuleDict):
+            return iter(list(self.module_shards[0]._modules))  # the keys, as a ModuleDict iterates
+        return iter([_submodule_view(self, n) for n in self._child_names()])
+
+    def __bool__(self) -> bool:
+        return not isinstance(self.module_shards[0], _CONTAINERS) or len(self) > 0
+
+    def _child_names(self) -> list[str]:
+        first = self.module_shards[0]
+        if not isinstance(first, _CONTAINERS):
+            raise TypeError(f"{type(first).__name__} (a view of it in the split model) is not a container of modules")
+        return list(first._modules)
+
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
 
 def _top_level_tensor(split: nn.Module, name: str) -> torch.Tensor:
@@ -301,14 +345,6 @@ def _top_level_tensor(split: nn.Module, name: str) -> torch.Tensor:
     return getattr(split.module_shards[0], name)
 
 
-def _to_device_of(module: nn.Module, value: Any) -> Any:
-    """`value`, a tensor moved to `module`'s device (that of its first parameter or buffer); else as is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    held = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return value if held is None else value.to(held.device)
-
-
 def _method_view(model: TensorParallel, method: str) -> TensorParallel:
     """A view of `model` whose shards run `method` of its shards (cached on `model`)."""
     views = _own_cache(model, "_method_views")
@@ -322,6 +358,11 @@ def _submodule_view(model: TensorParallel, name: str) -> "_SubmoduleView":
     views = _own_cache(model, "_submodule_views")
     if name not in views:
         view = model.view(name) if not isinstance(model, _SubmoduleView) else _view_below(model, name)
+        for key in model.__dict__.get("_adopted", ()):  # the model's own attributes: not this submodule's
+            view.__dict__.pop(key, None)
+        view.__dict__["_adopted"] = frozenset()
+        parent = model.__dict__.get("_path", "") if isinstance(model, _SubmoduleView) else ""
+        view.__dict__["_path"] = f"{parent}.{name}" if parent else name
         view.__class__ = _SubmoduleView
         views[name] = view
     return views[name]
@@ -356,15 +397,16 @@ def _view_below(view: TensorParallel, name: str) -> TensorParallel:
 
 def _align_experts(model: TensorParallel) -> None:
     """transformers' default "grouped_mm" experts kernel needs 16-byte aligned rows; an uneven split of the
-    experts' hidden size (14336 over 3: 4779 features of 4 bytes) breaks that, so such shards use the
-    "batched_mm" kernel instead (same math, no alignment requirement)."""
-    switched = []
-    for label, shard in zip(model.labels, model.module_shards):
-        config = getattr(shard, "config", None)
-        if getattr(config, "_experts_implementation", None) != "grouped_mm":
-            continue
-        if any(p.dim() == 3 and (p.shape[-1] * p.element_size()) % 16 for p in shard.parameters()):
-            shard.set_experts_implementation("batched_mm")
-            switched.append(label)
-    if switched:
-        logger.info("experts on %s: local sizes not 16-byte aligned; using the batched_mm kernel", ", ".join(switched))
+    experts' hidden size (14336 over 3: 4779 features of 4 bytes) breaks that, so then the model uses the
+    "batched_mm" kernel instead (same math, no alignment requirement): on every device, as the devices share
+    one configuration."""
+    first = model.module_shards[0]
+    if getattr(getattr(first, "config", None), "_experts_implementation", None) != "grouped_mm":
+        return
+    unaligned = [
+        label for label, shard in zip(model.labels, model.module_shards)
+        if any(p.dim() == 3 and (p.shape[-1] * p.element_size()) % 16 for p in shard.parameters())
+    ]
+    if unaligned:
+        first.set_experts_implementation("batched_mm")  # the shared config: every device
+        logger.info("experts on %s: local sizes not 16-byte aligned; using the batched_mm kernel", ", ".join(unaligned))
