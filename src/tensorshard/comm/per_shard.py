@@ -31,19 +31,16 @@ thread. The logits of a causal LM (batch x seq x vocabulary) are then made once,
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd import Function
 
+from .base import Comm  # a ThreadComm (comm/threads.py), which builds these nodes
 from .counter import record
 from .reduce import copies, each_computes_its_own, nbytes as _nbytes, signature as _signature, sum_chunk_into, sum_to_all
 
-if TYPE_CHECKING:
-    from .threads import ThreadComm
 
-
-def _summed(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, phase: str) -> torch.Tensor:
+def _summed(comm: Comm, op: str, where: str, x: torch.Tensor, phase: str) -> torch.Tensor:
     devices = comm.group.devices
     if each_computes_its_own(devices, _nbytes(x)):
         # Each shard brings its input and an empty result, sums its own chunk of every element into all the
@@ -65,7 +62,7 @@ def _summed(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, phase: str
     return comm._exchange(op, where, x, compute, _signature(x))
 
 
-def _gathered(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, dim: int, part, phase: str) -> torch.Tensor:
+def _gathered(comm: Comm, op: str, where: str, x: torch.Tensor, dim: int, part, phase: str) -> torch.Tensor:
     devices = comm.group.devices
     full = list(x.shape)
     full[dim] = part.size
@@ -84,7 +81,7 @@ def _gathered(comm: "ThreadComm", op: str, where: str, x: torch.Tensor, dim: int
     return comm._exchange(op, where, x, compute, _signature(x, dim))
 
 
-def _assembled(comm: "ThreadComm", where: str, x: torch.Tensor, dim: int, part) -> torch.Tensor:
+def _assembled(comm: Comm, where: str, x: torch.Tensor, dim: int, part) -> torch.Tensor:
     devices = comm.group.devices
     full = list(x.shape)
     full[dim] = part.size

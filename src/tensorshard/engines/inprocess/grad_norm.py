@@ -13,14 +13,10 @@ same factor, so clipping matches the unsplit model's:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from ...partition import Partition
-
-if TYPE_CHECKING:
-    from .engine import TensorParallel
 
 
 def _owned(part: Partition, rank: int) -> list[tuple[int, int]]:
@@ -41,7 +37,7 @@ def _owned(part: Partition, rank: int) -> list[tuple[int, int]]:
     return owned
 
 
-def _counted(model: "TensorParallel", name: str, rank: int, grad: torch.Tensor) -> list[torch.Tensor]:
+def _counted(model: nn.Module, name: str, rank: int, grad: torch.Tensor) -> list[torch.Tensor]:
     """The pieces of shard `rank`'s gradient of `name` that count towards the norm."""
     zero = getattr(model, "zero_splits", None) or {}
     if name in zero:
@@ -55,7 +51,7 @@ def _counted(model: "TensorParallel", name: str, rank: int, grad: torch.Tensor) 
     return [grad.narrow(dim, a, b - a) for a, b in _owned(part, rank)]
 
 
-def grad_norm(model: "TensorParallel", norm_type: float = 2.0) -> torch.Tensor:
+def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """The total `norm_type` norm of the split model's gradients, as the unsplit model's (on the output device)."""
     norm_type = float(norm_type)
     partial = []
@@ -76,7 +72,7 @@ def grad_norm(model: "TensorParallel", norm_type: float = 2.0) -> torch.Tensor:
     return total.max() if norm_type == float("inf") else total.sum().pow(1.0 / norm_type)
 
 
-def clip_grad_norm_(model: "TensorParallel", max_norm: float, norm_type: float = 2.0,
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scales every shard's gradients so the unsplit model's gradient norm is at most `max_norm`, as
     `torch.nn.utils.clip_grad_norm_` does to an unsplit model; returns the norm before clipping."""

@@ -23,17 +23,15 @@ supported: they belong to the shards' graphs, not the caller's (compute `.grad` 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 from torch.autograd import Function
 from torch.utils._pytree import tree_unflatten
 
 from .boundary import output_leaves
 from .workers import ThreadState
-
-if TYPE_CHECKING:
-    from .engine import TensorParallel
 
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 _BACKWARD_STATE = ThreadState(grad=False, inference=False, autocast=())  # as in autograd's own threads
@@ -42,7 +40,7 @@ _BACKWARD_STATE = ThreadState(grad=False, inference=False, autocast=())  # as in
 class ShardGraphs:
     """What one forward call leaves for its backward pass: each shard's input leaves and output roots."""
 
-    def __init__(self, model: "TensorParallel", inline: int) -> None:
+    def __init__(self, model: nn.Module, inline: int) -> None:
         self.model = model
         self.inline = inline  # the shard whose backward the boundary node runs itself (on the output device)
         self.inputs: list[torch.Tensor] = []  # the caller's tensors that need a gradient
