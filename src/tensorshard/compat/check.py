@@ -15,6 +15,7 @@ from torch import nn
 
 from ..plans.sharding import shard_plan
 from ..plans.plan import Plan
+from .bare import adapted, bare_tensors
 from .rules import RuleTables, read_action
 
 
@@ -24,10 +25,10 @@ class UntranslatableConfig(ValueError):
 
 def check_against_config(config: RuleTables, model: nn.Module, plan: Plan, world: int) -> None:
     """Each split tensor: the rows tensorshard gives every device == the rows the config's action gives."""
-    layout = shard_plan(model, plan, world)
+    layout = shard_plan(model, adapted(model, plan), world)
     problems = []
     seen: set[int] = set()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, t in bare_tensors(model):
         hit = config.state_rule(name)
         if hit is None or id(t) in seen:
             continue

@@ -33,6 +33,9 @@ keeps each device's cache itself), splits of modules other than Linear / Conv1D 
 row layer whose partial output no "sum" covers (or two do), a "sum" over nothing split, "gather" or
 "split" anywhere else than above, "scale" on anything but a row layer's bias.
 
+A PEFT model is read without its adapters, each adapted layer under its own name (bare.py); the plan's
+entries for those layers become the layer's and its adapters' when the plan is resolved.
+
 Finally the plan is checked against the config itself (check.py).
 """
 
@@ -52,6 +55,7 @@ from ..plans.plan import Plan, match_pattern
 from ..styles import (
     ColwiseParallel, EmbeddingParallel, Heads, HeadsWithValues, PerDeviceValues, RowwiseParallel, ShardParams, Style,
 )
+from .bare import bare_modules, bare_tensors
 from .check import UntranslatableConfig, check_against_config
 from .rules import Rule, RuleTables, pattern_text, read_action
 
@@ -119,7 +123,7 @@ def _read_rules(config: RuleTables, model: nn.Module, world_size: int, problems:
     # appear once): an output head tied to the embedding follows the embedding's rule.
     rule_of: dict[int, Rule] = {}
     used: set[str] = set()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, t in bare_tensors(model):  # a PEFT model's layers under their own names (bare.py)
         hit = config.state_rule(name)
         if hit is None:
             continue
@@ -135,7 +139,7 @@ def _read_rules(config: RuleTables, model: nn.Module, world_size: int, problems:
         logger.warning("state rules that match no parameter or buffer: %s", unused)
 
     mods: dict[str, _Module] = {}
-    for name, module in model.named_modules():
+    for name, module in bare_modules(model):
         m = _Module(name, module)
         for tname, t in list(module._parameters.items()) + list(module._buffers.items()):
             if t is not None and id(t) in rule_of:
