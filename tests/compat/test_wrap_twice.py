@@ -92,3 +92,11 @@ def test_consume_true_moves_the_weights_as_tensorshard_does(gen):
         tp.tensor_parallel(module, ["cpu", "cpu"])
     with pytest.raises(TypeError, match="consume must be True .* or False .*; got 'yes'"):
         tp.tensor_parallel(Net(), ["cpu", "cpu"], consume="yes")
+
+
+def test_a_split_model_is_still_refused_before_anything_is_copied():
+    model = tp.tensor_parallel(Net(), ["cpu", "cpu"])
+    with pytest.raises(TypeError, match="is already split over 2 device"):
+        tp.tensor_parallel(model, ["cpu", "cpu"])
+    with pytest.raises(TypeError, match="is already split over 2 device"):
+        tp.TensorParallel(model, ["cpu", "cpu", "cpu"])

@@ -27,10 +27,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..engines.resplit import refuse_split_twice
+
 
 def split_keeping(module: nn.Module, split: Callable[[nn.Module], nn.Module]) -> nn.Module:
     """``split(borrowing copy of module)``, then every tensor of the result that shares storage with
     `module` gets its own (see the module doc). `module` is left as it was, also if splitting fails."""
+    refuse_split_twice(module)  # before copying: a split model's copy would be a whole second split
     tensors = list(itertools.chain(module.parameters(), module.buffers()))
     borrowing = copy.deepcopy(module, memo={id(t): t for t in tensors})  # new modules, the same tensors
     result = split(borrowing)
@@ -44,6 +47,7 @@ def split_keeping(module: nn.Module, split: Callable[[nn.Module], nn.Module]) ->
 
 def split_copy(module: nn.Module, split: Callable[[nn.Module], nn.Module]) -> nn.Module:
     """For engines that split in place (torchrun): split a deep copy."""
+    refuse_split_twice(module)
     return split(copy.deepcopy(module))
 
 
