@@ -89,7 +89,7 @@ def preset_config(model_config: Any, world_size: int) -> Config | None:
         for rel, where in _entries(models).items():
             tables.add(rel, where)
         config = Config(tables.state, tables.inputs, tables.outputs, tables.attrs)
-        for model in models[1:] or models:  # the rules must translate back for the classes they were made from
+        for model in models[1:] or models:  # the rules translate back (a head class holds the base model's modules)
             config.to_plan(model, world_size)
     except (_NoRule, UntranslatableConfig) as e:
         logger.warning(
@@ -101,23 +101,20 @@ def preset_config(model_config: Any, world_size: int) -> Config | None:
 
 
 def _meta_models(model_config: Any) -> list[nn.Module]:
-    """The model type's classes, built on the meta device: the base model, and the head classes named in the
-    config's ``architectures`` (else the causal or sequence-to-sequence LM, whichever exists)."""
+    """The model type's classes, built on the meta device: the base model, then the head classes named in the
+    config's ``architectures`` (else the causal or the sequence-to-sequence LM, whichever exists)."""
     transformers = sys.modules["transformers"]  # a transformers config means it is imported
     named = [getattr(transformers, n, None) for n in getattr(model_config, "architectures", None) or []]
-    named = [c for c in named if isinstance(c, type)]
-    autos = [transformers.AutoModel] + ([] if named else [transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM])
-    models, heads = [], 0
+    named = [cls for cls in named if isinstance(cls, type)]
     with torch.device("meta"):
-        for cls in autos + named:
-            if cls in autos[1:] and heads:
-                continue
+        models = [transformers.AutoModel.from_config(copy.deepcopy(model_config))]
+        models += [cls(copy.deepcopy(model_config)) for cls in named]
+        for auto in [] if named else [transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM]:
             try:
-                model = (cls.from_config if cls in autos else cls)(copy.deepcopy(model_config))
+                models.append(auto.from_config(copy.deepcopy(model_config)))
+                break
             except ValueError:  # this auto class has no model for the config's type
                 continue
-            heads += cls is not transformers.AutoModel
-            models.append(model)
     return models
 
 
