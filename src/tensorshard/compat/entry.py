@@ -59,7 +59,7 @@ def tensor_parallel(
         sharded_param_names: which of those to partition, by the unsplit model's parameter names.
         consume: False (the original's behaviour): `module` stays as it was, and the split model holds its own
             copies of the weights. True (tensorshard's): the weights move into the split model, which saves
-            one copy of them; `module` is left empty, on the meta device.
+            one copy of them; `module` is left empty, on the meta device (under torchrun: split in place).
         kwargs: output_device, output_device_index, and tensorshard's options (timeout, debug, check).
     """
     if distributed is None:
