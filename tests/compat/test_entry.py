@@ -29,7 +29,7 @@ def test_pretrained_model_class_is_sharded_by_default_and_generates_as_the_unspl
     assert "model.norm.weight" in model.zero_splits  # sharded=True, the original's default, also in eval()
     inputs = torch.randint(1, VOCAB, (2, 5), generator=gen)
     assert torch.equal(model.generate(inputs, max_new_tokens=6), ref.generate(inputs, max_new_tokens=6))
-    with pytest.raises(TypeError, match="splits a transformers PreTrainedModel; got Linear"):
+    with pytest.raises(TypeError, match="splits a transformers PreTrainedModel, or a PeftModel around one; got Linear"):
         tp.TensorParallelPreTrainedModel(nn.Linear(4, 4), ["cpu", "cpu"])
     plain = tp.tensor_parallel(Net(), ["cpu", "cpu"], tensor_parallel_config=CONFIG)
     assert not isinstance(plain, tp.TensorParallelPreTrainedModel) and isinstance(plain, tp.TensorParallel)

@@ -10,29 +10,25 @@ heads miss their KV heads, for one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from ..plans.sharding import shard_plan
 from ..plans.plan import Plan
-from .actions import read_action
-
-if TYPE_CHECKING:  # for annotations only: config.py imports this module
-    from .config import Config
+from .bare import adapted, bare_tensors
+from .rules import RuleTables, read_action
 
 
 class UntranslatableConfig(ValueError):
     """A tensor_parallel config with rules tensorshard cannot run as written; the message lists them."""
 
 
-def check_against_config(config: Config, model: nn.Module, plan: Plan, world: int) -> None:
+def check_against_config(config: RuleTables, model: nn.Module, plan: Plan, world: int) -> None:
     """Each split tensor: the rows tensorshard gives every device == the rows the config's action gives."""
-    layout = shard_plan(model, plan, world)
+    layout = shard_plan(model, adapted(model, plan), world)
     problems = []
     seen: set[int] = set()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, t in bare_tensors(model):
         hit = config.state_rule(name)
         if hit is None or id(t) in seen:
             continue

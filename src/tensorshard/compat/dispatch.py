@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 import tensorshard as ts
-from .actions import read_action
+from ..checkpoint import infer_sharded_device_map, save_tensor_parallel  # noqa: F401 - the original's dispatch module held them
 from .config import Config
+from .rules import pattern_text, read_action
 
 
 def convert_state_dict(
@@ -55,7 +56,7 @@ def convert_state_dict(
             hit = tensor_parallel_config.state_rule(name)
             rule = read_action(hit[1], world_size) if hit else None
             if isinstance(rule, str):
-                raise ValueError(f"convert_state_dict: state_rules[{hit[0]!r}] (matches {name}): {rule}")
+                raise ValueError(f"convert_state_dict: state_rules[{pattern_text(hit[0])!r}] (matches {name}): {rule}")
             if rule is not None and rule.kind == "split":
                 local = rule.action(world_size)(tensor, rank)
             else:  # whole on every device, each with its own copy

@@ -7,11 +7,12 @@
     Sharded(model)  /  model.apply_sharding()                                      # ZeRO-3, after splitting
 
 What they return are tensorshard's own models: a `tensorshard.TensorParallel`, or for a transformers
-model an instance of its own class that is also one (``isinstance(m, TensorParallel)`` and
-``isinstance(m, TensorParallelPreTrainedModel)`` hold, as with the original). Under torchrun the module
-itself comes back, not the original's ``(module, names)`` tuple. A `Config` is translated for the device
-count when the engine resolves the plan, before the model changes (translate.py); a tensorshard `Plan` is
-accepted as is.
+model (or a PeftModel around one) an instance of its own class that is also one (``isinstance(m,
+TensorParallel)`` and ``isinstance(m, TensorParallelPreTrainedModel)`` hold, as with the original). Under
+torchrun the split module comes back, not the original's ``(module, names)`` tuple. A `Config` is translated
+for the device count when the engine resolves the plan, before the model changes (translate.py); a
+tensorshard `Plan` is accepted as is. The module given stays usable, as with the original, unless
+``consume=True`` (keep.py says what that costs).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from torch import nn
 
 import tensorshard as ts
 from ..devices import resolve_devices
+from ..layers import is_peft_model, is_transformers_model
 from .config import Config
+from .keep import split_copy, split_keeping
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,8 @@ def tensor_parallel(
     distributed: bool | None = None,
     sharded: bool | None = None,
     sharded_param_names: Collection[str] | None = None,
+    *,
+    consume: bool = False,
     **kwargs: Any,
 ) -> nn.Module:
     """Split `module`, tensor-parallel, as ``tensor_parallel.tensor_parallel`` did.
@@ -52,13 +57,19 @@ def tensor_parallel(
             (train mode, trainable parameters, 2+ devices), off for ``eval()`` models and models on the meta
             device (call ``model.apply_sharding()`` once the weights are loaded).
         sharded_param_names: which of those to partition, by the unsplit model's parameter names.
+        consume: False (the original's behaviour): `module` stays as it was, and the split model holds its own
+            copies of the weights. True (tensorshard's): the weights move into the split model, which saves
+            one copy of them; `module` is left empty, on the meta device (under torchrun: split in place).
         kwargs: output_device, output_device_index, and tensorshard's options (timeout, debug, check).
     """
     if distributed is None:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     if distributed:  # a Config is translated for the job's world size by the torchrun engine
-        return ts.tensor_parallel(module, device_ids, plan=tensor_parallel_config, distributed=True, sharded=sharded, **kwargs)
-    return _split(module, device_ids, tensor_parallel_config, sharded, sharded_param_names, **kwargs)
+        def split(m: nn.Module) -> nn.Module:
+            return ts.tensor_parallel(m, device_ids, plan=tensor_parallel_config, distributed=True, sharded=sharded, **kwargs)
+
+        return split(module) if _consume(consume) else split_copy(module, split)
+    return _split(module, device_ids, tensor_parallel_config, sharded, sharded_param_names, consume=consume, **kwargs)
 
 
 class _Alias(type):
@@ -76,7 +87,8 @@ class TensorParallel(metaclass=_Alias):
 
     ``delay_init`` (shards kept on the CPU until the first call) and ``distributed`` (the original's choice of
     collectives inside the wrapper) are accepted and have no effect: shards are built on their devices, and
-    the collectives are the engine's own. Returns a `tensorshard.TensorParallel`.
+    the collectives are the engine's own. ``consume=True`` moves the weights instead of copying them (see
+    `tensor_parallel`). Returns a `tensorshard.TensorParallel`.
     """
 
     @staticmethod
@@ -103,14 +115,15 @@ class TensorParallel(metaclass=_Alias):
 
 
 class TensorParallelPreTrainedModel(metaclass=_Alias):
-    """``TensorParallelPreTrainedModel(model, device_ids, ...)``: a transformers model split with the original's
-    defaults (ZeRO-3 on). The result is an instance of the model's own class too (``generate``,
-    ``save_pretrained``), with its parameters under ``module_shards.N`` (the original's ``wrapped_model.``
-    level does not exist)."""
+    """``TensorParallelPreTrainedModel(model, device_ids, ...)``: a transformers model, or a PeftModel around one
+    (LoRA added first, then split), split with the original's defaults (ZeRO-3 on). The result is an instance
+    of the model's own class too (``generate``, ``save_pretrained``; a PeftModel's adapter format), with its
+    parameters under ``module_shards.N``; ``model.wrapped_model`` is the model itself (the original's
+    ``wrapped_model.`` level does not exist)."""
 
     @staticmethod
-    def _is_one(cls: type) -> bool:  # a split transformers model (without importing transformers here)
-        return issubclass(cls, ts.TensorParallel) and _is_transformers_class(cls)
+    def _is_one(cls: type) -> bool:  # a split transformers or PEFT model (without importing either here)
+        return issubclass(cls, ts.TensorParallel) and (_is_transformers_class(cls) or _is_peft_class(cls))
 
     def __new__(
         cls,
@@ -123,10 +136,10 @@ class TensorParallelPreTrainedModel(metaclass=_Alias):
         sharded_param_names: Collection[str] | None = None,
         **kwargs: Any,
     ):
-        if not _is_transformers_class(type(module)):
+        if not (is_transformers_model(module) or (is_peft_model(module) and is_transformers_model(module.get_base_model()))):
             raise TypeError(
-                f"TensorParallelPreTrainedModel splits a transformers PreTrainedModel; got {type(module).__name__}. "
-                "Use TensorParallel(...) or tensor_parallel(...) for other modules."
+                f"TensorParallelPreTrainedModel splits a transformers PreTrainedModel, or a PeftModel around one; got "
+                f"{type(module).__name__}. Use TensorParallel(...) or tensor_parallel(...) for other modules."
             )
         kwargs.pop("delay_init", None)
         kwargs.pop("distributed", None)
@@ -164,9 +177,10 @@ def original_names(names: Collection[str] | None) -> list[str] | None:
 
 
 def _split(module, device_ids, config, sharded, names, *, output_device=None, output_device_index=None,
-           engine=None, **kwargs) -> nn.Module:
+           engine=None, consume=False, **kwargs) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(f"tensor_parallel() splits an nn.Module; got {type(module).__name__}")
+    consume = _consume(consume)
     kwargs.pop("delay_init", None)
     devices = resolve_devices(device_ids)
     if output_device is not None and output_device_index is not None:
@@ -187,14 +201,32 @@ def _split(module, device_ids, config, sharded, names, *, output_device=None, ou
         sharded, names = False, None
     # A Config is translated for the device count when the engine resolves the plan, before the model changes.
     options = dict(output_device=output_device, plan=config, sharded=sharded, sharded_param_names=names, **kwargs)
-    if engine is not None:  # the class: a plain TensorParallel even for a transformers model, as the original
-        return engine(module, devices, **{**options, "sharded": bool(sharded)})
-    return ts.tensor_parallel(module, devices, **options)
+
+    def split(m: nn.Module) -> nn.Module:
+        if engine is not None:  # the class: a plain TensorParallel even for a transformers model, as the original
+            return engine(m, devices, **{**options, "sharded": bool(sharded)})
+        return ts.tensor_parallel(m, devices, **options)
+
+    return split(module) if consume else split_keeping(module, split)
+
+
+def _consume(consume: Any) -> bool:
+    if not isinstance(consume, bool):
+        raise TypeError(
+            f"consume must be True (the weights move into the split model) or False (the module stays as it was, "
+            f"the original's behaviour); got {consume!r}"
+        )
+    return consume
 
 
 def _is_transformers_class(cls: type) -> bool:
     transformers = sys.modules.get("transformers")  # a model of it means it is imported
     return transformers is not None and issubclass(cls, transformers.PreTrainedModel)
+
+
+def _is_peft_class(cls: type) -> bool:
+    peft = sys.modules.get("peft")
+    return peft is not None and issubclass(cls, peft.PeftModel)
 
 
 def _on_meta(module: nn.Module) -> bool:

@@ -13,6 +13,12 @@ with collectives whose backward is exact. The translation reads the rules per mo
       Conv1D 0, Conv 1), bias "scale"d         module                     "split -1" is implied (whole inputs)
     Embedding split 1 (embedding dim)          "gather -1"                EmbeddingParallel(split="embedding")
     Embedding split 0 (vocabulary)             "sum"                      EmbeddingParallel(split="vocab")
+    Embedding split 1                          none (the output stays     ShardParams(params={"weight": 1},
+                                               split, as T5's per-head      input="split", output="split")
+                                               position bias)
+    a tensor of a module that is not a layer,  -                          ShardParams(..., input="split",
+      tied to a split layer's (BERT's                                       output="split"): it only holds it
+      cls.predictions.bias), split alike
 
 SplitInChunks / SplitInGroupedChunks cut on chunk boundaries: the layer's blocks become head units
 (``blocks=("q",)``, ``("q", "q", "q")`` for grouped q|k|v), and its parent module gets a `Heads` entry with
@@ -27,6 +33,9 @@ keeps each device's cache itself), splits of modules other than Linear / Conv1D 
 row layer whose partial output no "sum" covers (or two do), a "sum" over nothing split, "gather" or
 "split" anywhere else than above, "scale" on anything but a row layer's bias.
 
+A PEFT model is read without its adapters, each adapted layer under its own name (bare.py); the plan's
+entries for those layers become the layer's and its adapters' when the plan is resolved.
+
 Finally the plan is checked against the config itself (check.py).
 """
 
@@ -36,19 +45,19 @@ import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from ..layers import CONV, EMBEDDING, layer_kind
 from ..partition import HeadGroups
 from ..plans.plan import Plan, match_pattern
-from ..styles import ColwiseParallel, EmbeddingParallel, Heads, HeadsWithValues, PerDeviceValues, RowwiseParallel, Style
-from .actions import Rule, read_action
+from ..styles import (
+    ColwiseParallel, EmbeddingParallel, Heads, HeadsWithValues, PerDeviceValues, RowwiseParallel, ShardParams, Style,
+)
+from .bare import bare_modules, bare_tensors
 from .check import UntranslatableConfig, check_against_config
-
-if TYPE_CHECKING:  # for annotations only: config.py imports this module
-    from .config import Config
+from .rules import Rule, RuleTables, pattern_text, read_action
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +72,11 @@ class _Module:
     inputs: dict[Any, Any] = field(default_factory=dict)
     outputs: dict[Any, Any] = field(default_factory=dict)
     attrs: dict[str, Any] = field(default_factory=dict)
-    role: str = ""  # "column" | "row" | "vocab" | "embedding" once classified
+    role: str = ""  # "column" | "row" | "vocab" | "embedding" | "split output" | "holder" once classified
     units: int = 0  # head units per block, for chunked splits
 
 
-def translate(config: Config, model: nn.Module, world_size: int) -> Plan:
+def translate(config: RuleTables, model: nn.Module, world_size: int) -> Plan:
     if not isinstance(model, nn.Module):
         raise TypeError(f"translate a config for an nn.Module; got {type(model).__name__}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -78,8 +87,11 @@ def translate(config: Config, model: nn.Module, world_size: int) -> Plan:
         _raise(problems)
         return Plan()
     styles: dict[str, Style] = {}
+    layer_tensors = {id(t) for m in mods.values() if layer_kind(m.module) for _, t in _own_tensors(m.module)}
     for m in mods.values():
-        if m.tensors:
+        if m.tensors and layer_kind(m.module) is None and _only_ties(m, layer_tensors):
+            styles[m.name] = _holder(m)
+        elif m.tensors:
             style = _layer_style(m, problems)
             if style is not None:
                 styles[m.name] = style
@@ -106,12 +118,12 @@ def _raise(problems: list[str]) -> None:
 # --- reading the rules -------------------------------------------------------------------------------------
 
 
-def _read_rules(config: Config, model: nn.Module, world_size: int, problems: list[str]) -> dict[str, _Module]:
+def _read_rules(config: RuleTables, model: nn.Module, world_size: int, problems: list[str]) -> dict[str, _Module]:
     # A tensor's rule comes from its first name, as the original matches named_parameters() (tied weights
     # appear once): an output head tied to the embedding follows the embedding's rule.
     rule_of: dict[int, Rule] = {}
     used: set[str] = set()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, t in bare_tensors(model):  # a PEFT model's layers under their own names (bare.py)
         hit = config.state_rule(name)
         if hit is None:
             continue
@@ -119,15 +131,15 @@ def _read_rules(config: Config, model: nn.Module, world_size: int, problems: lis
         used.add(pattern)
         rule = read_action(action, world_size)
         if isinstance(rule, str):
-            problems.append(f"state_rules[{pattern!r}] (matches {name}): {rule}")
+            problems.append(f"state_rules[{pattern_text(pattern)!r}] (matches {name}): {rule}")
             continue
         rule_of[id(t)] = rule
-    unused = [p for p in config.state_rules if p not in used]
+    unused = [pattern_text(p) for p in config.state_rules if p not in used]
     if unused:
         logger.warning("state rules that match no parameter or buffer: %s", unused)
 
     mods: dict[str, _Module] = {}
-    for name, module in model.named_modules():
+    for name, module in bare_modules(model):
         m = _Module(name, module)
         for tname, t in list(module._parameters.items()) + list(module._buffers.items()):
             if t is not None and id(t) in rule_of:
@@ -209,6 +221,24 @@ def _output(m: _Module) -> tuple[Any, str | None, int | None]:
     return (out0, *_parse(out0)) if out0 is not None else (None, None, None)
 
 
+def _own_tensors(module: nn.Module) -> list[tuple[str, Any]]:
+    return [(n, t) for n, t in list(module._parameters.items()) + list(module._buffers.items()) if t is not None]
+
+
+def _only_ties(m: _Module, layer_tensors: set[int]) -> bool:
+    """Every split tensor of this module (not a layer) is also a tensor of a layer the rules split: a holder
+    such as BERT's ``cls.predictions``, whose bias is its decoder's bias."""
+    own = dict(_own_tensors(m.module))
+    return all(r.kind == "split" and r.chunk == 1 and r.groups == 1 and id(own[n]) in layer_tensors for n, r in m.tensors.items())
+
+
+def _holder(m: _Module) -> Style:
+    """A module that only holds tensors of split layers: its copies are split alike, and its forward (the
+    layer's, inside) needs no collective of its own."""
+    m.role = "holder"
+    return ShardParams(params={n: r.dim for n, r in m.tensors.items()}, input="split", output="split")
+
+
 def _embedding(m: _Module, weight: Rule, dim: int, where: str, problems: list[str]) -> Style | None:
     out0, out_kind, out_dim = _output(m)
     if weight.chunk != 1 or weight.groups != 1 or m.inputs:
@@ -220,7 +250,10 @@ def _embedding(m: _Module, weight: Rule, dim: int, where: str, problems: list[st
     if dim == 0 and out_kind == "sum":
         m.role = "vocab"
         return EmbeddingParallel(split="vocab")
-    need = "'gather -1' on its output" if dim == 1 else "'sum' on its output"
+    if dim == 1 and out0 is None:  # each device looks up its own columns (T5's per-head position bias)
+        m.role = "split output"
+        return ShardParams(params={"weight": 1}, input="split", output="split")
+    need = "'gather -1' on its output (or no output rule: its output stays split)" if dim == 1 else "'sum' on its output"
     problems.append(f"{where}: weight {weight.text} needs {need}; got {_text(out0) if out0 is not None else 'none'}")
     return None
 

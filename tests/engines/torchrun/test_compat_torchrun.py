@@ -47,3 +47,22 @@ def config_task() -> tuple[float, float, bool]:
 def test_a_config_under_torchrun_returns_the_split_module(pool2):
     for out_err, grad_err, split in pool2.run(config_task):
         assert split and out_err < 1e-5 and grad_err < 1e-5
+
+
+def keep_task() -> tuple[bool, bool, float, bool]:
+    import tensorshard.compat as tp
+
+    torch.manual_seed(0)
+    module = Transformer(n_heads=8, n_kv_heads=2)
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    want = module(ids)
+    model = tp.tensor_parallel(module)  # the original left the module as it was; so does compat
+    kept = not any(isinstance(p, DTensor) for p in module.parameters()) and torch.equal(module(ids), want)
+    split = isinstance(model.layers[0].attn.wq.weight, DTensor)
+    consumed = tp.tensor_parallel(module, consume=True)  # tensorshard's way: split in place
+    return kept, split, rel_err(model(ids), want), consumed is module
+
+
+def test_under_torchrun_the_module_stays_as_it_was_unless_consumed(pool2):
+    for kept, split, err, in_place in pool2.run(keep_task):
+        assert kept and split and err < 1e-5 and in_place

@@ -64,3 +64,33 @@ def test_a_filled_recurrent_cache_is_refused_with_what_to_do(gen):
     with pytest.raises(ValueError, match=r"cache layer 0 is a \w+, which holds no per-head keys and values.*Start the split "
                        r"model from an empty cache"):
         model(ids[:, -1:], cache_params=state)
+
+
+def test_an_encoder_decoder_cache_is_divided_in_both_halves(gen):
+    ref = tiny_model("t5")  # 9 heads, in self-attention and cross-attention alike
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu", "cpu"])
+    enc = torch.randint(1, VOCAB, (2, 6), generator=gen)
+    with torch.no_grad():
+        first = ref(input_ids=enc, decoder_input_ids=enc[:, :2], use_cache=True)
+        past, ref_past = first.past_key_values, copy.deepcopy(first.past_key_values)
+        step, encoded = enc[:, 2:3], (first.encoder_last_hidden_state,)
+        want = ref(encoder_outputs=encoded, decoder_input_ids=step, past_key_values=ref_past).logits
+        assert rel_err(model(encoder_outputs=encoded, decoder_input_ids=step, past_key_values=past).logits, want) < 1e-5
+    caches = rank_caches(past)
+    for half, tokens in (("self_attention_cache", 3), ("cross_attention_cache", 6)):
+        shapes = [tuple(getattr(c, half).layers[1].keys.shape) for c in caches]
+        assert shapes == [(2, 5, tokens, 8), (2, 4, tokens, 8)]  # 9 heads: 5 + 4, the encoder's 6 tokens kept
+    assert all(c.is_updated == {0: True, 1: True} for c in caches)  # the cross-attention is not recomputed
+
+
+def test_a_cross_attention_half_of_another_geometry_is_refused(gen):
+    ref = tiny_model("t5")
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu", "cpu"])
+    enc = torch.randint(1, VOCAB, (1, 4), generator=gen)
+    with torch.no_grad():
+        past = ref(input_ids=enc, decoder_input_ids=enc[:, :2], use_cache=True).past_key_values
+    layer = past.cross_attention_cache.layers[0]
+    layer.keys, layer.values = layer.keys[:, :6], layer.values[:, :6]  # 6 heads: another model's
+    with pytest.raises(ValueError, match=r"cross-attention cache layer 0 has keys of shape \(1, 6, 4, 8\); "
+                       r"encoder.block.0.layer.0.SelfAttention has 9.* KV heads .*Start the split model from an empty"):
+        model(input_ids=enc, decoder_input_ids=enc[:, 2:3], past_key_values=past)

@@ -56,7 +56,7 @@ from .shard_attributes import record_per_device
 from .shard_backward import ShardGraphs, join_outputs
 from .unsplit_state import is_unsplit, load_unsplit
 from .workers import ThreadState, WorkerPool
-from .zero import WHERE as zero_where, choose_params, shard_replicated
+from .zero import WHERE as zero_where, ZeroSharding, choose_params, shard_replicated
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +206,18 @@ class TensorParallel(nn.Module):
             )
         _check_loaded(self)
         return shard_replicated(self, choose_params(self.module_shards[0], self.splits, self.world_size, sharded_param_names))
+
+    @property
+    def sharding_manager(self) -> ZeroSharding | None:
+        """What ZeRO-3 partitions (`apply_sharding`, ``sharded=True``), or None when it is off."""
+        zero = getattr(self, "zero_splits", None)
+        return ZeroSharding(tuple(zero), self.world_size) if zero else None
+
+    @property
+    def wrapped_model(self) -> "TensorParallel":
+        """The model itself: the original's TensorParallelPreTrainedModel held its TensorParallel under this name;
+        here the split model is both (``model.wrapped_model.module_shards`` still reads the shards)."""
+        return self
 
     @property
     def world_size(self) -> int:

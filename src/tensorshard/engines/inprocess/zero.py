@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -40,6 +41,15 @@ from ...partition import Partition, split_evenly
 logger = logging.getLogger(__name__)
 
 WHERE = "zero-3"
+
+
+@dataclass(frozen=True)
+class ZeroSharding:
+    """What ZeRO-3 partitions on a split model (``model.sharding_manager``, the tensor_parallel package's name):
+    the parameters, by the unsplit model's names, over `world_size` devices."""
+
+    sharded_param_names: tuple[str, ...]
+    world_size: int
 
 
 def default_sharded(module: nn.Module, world_size: int) -> bool:
