@@ -16,27 +16,13 @@ import torch
 from torch import nn
 
 from .. import quant
-from ..comm.base import Comm, NoComm
+from ..comm.base import NoComm
 from ..partition import HeadGroups, Partition
-from ..styles.base import ShardContext, Splits, Style
 from ..styles.heads import Heads
 from .direct_reads import direct_reads
+from .module_shard import ModuleShard
 from .plan import Plan
 from .validate import check_layouts
-
-
-@dataclass
-class ModuleShard:
-    """What the plan does to one module."""
-
-    name: str
-    pattern: str
-    style: Style
-    heads: HeadGroups | None
-    splits: Splits
-
-    def context(self, rank: int, world_size: int, comm: Comm) -> ShardContext:
-        return ShardContext(rank=rank, world_size=world_size, name=self.name, comm=comm, heads=self.heads)
 
 
 @dataclass

@@ -31,7 +31,6 @@ import bisect
 import logging
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -41,9 +40,7 @@ from ..styles.column import ColwiseParallel
 from ..styles.heads import Heads
 from ..styles.row import RowwiseParallel
 from ..styles.shard_params import ShardParams
-
-if TYPE_CHECKING:
-    from .sharding import ModuleShard
+from .module_shard import ModuleShard
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +61,7 @@ class _Layer:
     style: str = ""
 
 
-def check_layouts(module: nn.Module, modules: dict[str, "ModuleShard"], world_size: int) -> None:
+def check_layouts(module: nn.Module, modules: dict[str, ModuleShard], world_size: int) -> None:
     """Raise ValueError if the plan's split layers disagree with each other (see the module docstring)."""
     if world_size == 1:
         return
@@ -91,7 +88,7 @@ def check_layouts(module: nn.Module, modules: dict[str, "ModuleShard"], world_si
 # --- the layers ---------------------------------------------------------------------------------------
 
 
-def _layers(names: list[str], by_name: dict[str, nn.Module], modules: dict[str, "ModuleShard"]) -> list[_Layer]:
+def _layers(names: list[str], by_name: dict[str, nn.Module], modules: dict[str, ModuleShard]) -> list[_Layer]:
     out = []
     for index, name in enumerate(names):
         ms = modules.get(name)
@@ -150,7 +147,7 @@ def _first_reader(c: _Layer, scopes: dict[str, tuple[int, int, bool]], readers: 
 # --- 1. Heads attributes ------------------------------------------------------------------------------
 
 
-def _check_heads_attrs(by_name: dict[str, nn.Module], modules: dict[str, "ModuleShard"]) -> None:
+def _check_heads_attrs(by_name: dict[str, nn.Module], modules: dict[str, ModuleShard]) -> None:
     seen: set = set()
     for name, ms in modules.items():
         style = ms.style
@@ -208,7 +205,7 @@ def _warn_unmapped_counts(name: str, module: nn.Module, style: Heads, heads: Hea
 # --- 2. head boundaries inside a Heads module ---------------------------------------------------------
 
 
-def _check_head_alignment(layers: list[_Layer], modules: dict[str, "ModuleShard"], world: int) -> None:
+def _check_head_alignment(layers: list[_Layer], modules: dict[str, ModuleShard], world: int) -> None:
     owners = {id(ms.heads): name for name, ms in modules.items() if isinstance(ms.style, Heads)}
     by_owner: dict[str, list[_Layer]] = {}
     for l in layers:

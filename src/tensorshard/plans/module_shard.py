@@ -1,0 +1,24 @@
+"""`ModuleShard`: what a plan does to one module (its style, head groups and tensor splits), shared by
+plans/sharding.py, which builds them, and plans/validate.py, which checks neighbouring ones agree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..comm.base import Comm
+from ..partition import HeadGroups
+from ..styles.base import ShardContext, Splits, Style
+
+
+@dataclass
+class ModuleShard:
+    """What the plan does to one module."""
+
+    name: str
+    pattern: str
+    style: Style
+    heads: HeadGroups | None
+    splits: Splits
+
+    def context(self, rank: int, world_size: int, comm: Comm) -> ShardContext:
+        return ShardContext(rank=rank, world_size=world_size, name=self.name, comm=comm, heads=self.heads)
