@@ -165,3 +165,21 @@ def test_a_shard_whose_step_fails_names_its_device_and_the_next_step_runs(monkey
     before = bad.clone()
     opt.step()
     assert not torch.equal(bad, before)
+
+
+def test_the_shard_timeline_sees_every_call_and_each_shards_waits():
+    import tensorshard as tp
+
+    model, _ = twins(2, False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with tp.shard_timeline() as timeline:
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    summary = timeline.summary()
+    assert summary["calls"] == 3  # the forward call, the backward pass, the optimizer step
+    assert len(summary["busy"]) == 2 and all(b > 0 for b in summary["busy"])
+    assert 0 <= summary["one_running"] <= summary["wall"]
+    assert len(timeline.waits) > 0  # a shard waited at a collective at least once
+    with tp.shard_timeline() as idle:
+        pass
+    assert idle.summary()["calls"] == 0

@@ -9,6 +9,8 @@ place and save_pretrained's options. Activation checkpointing under the Trainer:
 from __future__ import annotations
 
 import copy
+import sys
+import threading
 
 import pytest
 import torch
@@ -60,10 +62,21 @@ def lora(model):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_trainer_trains_evaluates_saves_and_resumes(tmp_path, n):
+def test_trainer_trains_evaluates_saves_and_resumes(tmp_path, n, monkeypatch):
     original = tiny()
     want = train(copy.deepcopy(original), tmp_path / "unsplit")
+    stepped = set()  # the threads that ran the Trainer's AdamW update on some parameters
+    adam = sys.modules[torch.optim.Adam.__module__]
+
+    def recording(params, *args, _update=adam.adam, **kwargs):
+        if params:
+            stepped.add(threading.current_thread().name)
+        return _update(params, *args, **kwargs)
+
+    monkeypatch.setattr(adam, "adam", recording)
     got = train(tp.tensor_parallel(copy.deepcopy(original), ["cpu"] * n), tmp_path / "split")
+    # the Trainer's own optimizer stepped every device's parameters in that device's thread (default_step.py)
+    assert stepped == {threading.current_thread().name, *(f"tensorshard-{r}" for r in range(1, n))}
     assert close(got[0], want[0]) and close(got[1], want[1])
     ids = dataset(1)[0]["input_ids"][None]
     for folder in ("checkpoint-2", "final"):  # checkpoints are plain transformers checkpoints
