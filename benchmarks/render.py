@@ -132,6 +132,16 @@ def missed_section(speed: dict | None) -> list[str]:
 # --- main -------------------------------------------------------------------------------------------------------
 
 
+def gpu_section(results: Path) -> list[str]:
+    """benchmarks/gpu.py's section (results/gpu.md), measured on a CUDA machine; a note where none was yet."""
+    measured = results / "gpu.md"
+    if measured.exists():
+        return measured.read_text().rstrip().splitlines() + [""]
+    return ["## GPU: the engine's overhead at one shard", "", "Not measured yet: `python benchmarks/gpu.py` on a CUDA "
+            "machine writes this section (forward, training step and decoding of a 1.1B-parameter bf16 Llama, unsplit "
+            "against one shard and all visible GPUs, and the memory per GPU).", ""]
+
+
 def render(results: Path, out: Path, plots_dir: Path) -> str:
     memory, comm, speed = load(results, "memory"), load(results, "comm"), load(results, "speed")
     scaling = load(results, "scaling")
@@ -151,7 +161,7 @@ def render(results: Path, out: Path, plots_dir: Path) -> str:
     if note:
         lines += [note, ""]
     lines += targets_section(speed) + memory_section(memory, plots) + comm_section(comm, plots)
-    lines += speed_section(speed, plots) + scaling_section(scaling, plots) + missed_section(speed)
+    lines += speed_section(speed, plots) + scaling_section(scaling, plots) + missed_section(speed) + gpu_section(results)
     jobs = [j for x in (memory, comm, speed) if x for j in x.get("jobs", [])]
     if jobs:
         lines += ["## The run", "", f"{len(jobs)} jobs, {sum(j['seconds'] for j in jobs) / 60:.1f} minutes in all "

@@ -24,6 +24,8 @@ import copy
 import importlib.util
 import tempfile
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,6 +179,16 @@ def run_demo(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new
     return runs
 
 
+@contextmanager
+def _peft_reads_a_deprecated_property():
+    """PEFT's PeftModel (0.21.2, the newest) reads transformers' `is_gradient_checkpointing`, deprecated in
+    transformers 5 for `is_activation_checkpointing`: a FutureWarning about PEFT's code, not the caller's, that
+    no argument avoids. Silenced here, that warning only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def run_lora(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new_tokens: int, steps: int,
              adapter_dir: Path, lr: float = 2e-3, out=print) -> list[Run]:
     """LoRA fine-tuning, split and unsplit: the same losses; the adapter saved by the last split model in
@@ -186,7 +198,9 @@ def run_lora(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     torch.manual_seed(0)
-    adapted = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM")
+    with _peft_reads_a_deprecated_property():
+        adapted = get_peft_model(copy.deepcopy(model), config)
     trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     out(f"\nLoRA fine-tuning (PEFT, r=8 on {', '.join(targets)}: {trainable:,} trainable parameters)")
     ids, text_ids = chat_ids(tokenizer, prompt), tokenizer(TEXT, return_tensors="pt")["input_ids"]
@@ -201,13 +215,18 @@ def run_lora(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new
     _print_losses(out, runs, steps, lr, text_ids.shape[1])
     if split is None:
         return runs
-    split.save_pretrained(adapter_dir)  # PEFT's format, unsplit names and shapes
+    # PEFT's format, unsplit names and shapes. save_embedding_layers=False: the adapter targets no embedding and
+    # the vocabulary is unchanged; left to "auto", PEFT looks for the base model's config.json in its folder (the
+    # GGUF package has none), then on the Hugging Face Hub, and warns that it could not find one.
+    split.save_pretrained(adapter_dir, save_embedding_layers=False)
     size = sum(f.stat().st_size for f in adapter_dir.iterdir() if f.is_file())
     out(f"\nSaved the adapter of the {runs[-1].label} model to {adapter_dir} ({size / 2**20:.1f} MiB: "
         f"{', '.join(sorted(f.name for f in adapter_dir.iterdir()))})")
     answer(split, ids, max_new_tokens, runs[-1])
     loaded = Run("unsplit + adapter (plain PEFT)", [str(model.device)])
-    answer(PeftModel.from_pretrained(copy.deepcopy(model), adapter_dir).eval(), ids, max_new_tokens, loaded)
+    with _peft_reads_a_deprecated_property():
+        reloaded = PeftModel.from_pretrained(copy.deepcopy(model), adapter_dir).eval()
+    answer(reloaded, ids, max_new_tokens, loaded)
     out(f"\nPrompt: {prompt}\n[unsplit SmolLM2 + the saved adapter, loaded with PeftModel.from_pretrained]")
     _print_answer(out, loaded, tokenizer)
     same = torch.equal(loaded.tokens, runs[-1].tokens)

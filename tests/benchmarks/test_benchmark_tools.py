@@ -101,3 +101,44 @@ def test_overhead_targets_compare_one_device_with_the_unsplit_model():
     assert target.check(_speed(1.0, 1.02, 0.5))["met"] is True
     assert target.check(_speed(1.0, 1.05, 0.5))["met"] is False
     assert target.check({"train": [], "infer": []})["value"] is None  # a failed run is reported, not judged
+
+
+# --- benchmarks/gpu.py (measured on a CUDA machine; here its refusal and its report) ------------------------
+
+
+def _gpu_bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says where no GPU is visible")
+def test_gpu_benchmark_says_it_needs_a_gpu():
+    with pytest.raises(SystemExit, match=r"benchmarks/gpu.py measures on a GPU, and none is visible here \(torch "):
+        _gpu_bench().main([])
+
+
+def test_gpu_section_reports_ratios_and_memory_and_replaces_itself():
+    gpu = _gpu_bench()
+    task = lambda unsplit, shard, peak: {  # noqa: E731
+        "unsplit": {"median_s": unsplit, "min_s": unsplit, "peak_above_weights": {"cuda:0": peak}},
+        "1 shard": {"median_s": shard, "min_s": shard, "peak_above_weights": {"cuda:0": peak + 2**29}},
+    }
+    run = {
+        "meta": {"date": "2026-11-26", "gpus": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "torch": "2.13.0", "cuda": "13.0",
+                 "transformers": "5.24.0", "python": "3.11.7", "size": "1b", "dtype": "bfloat16", "batch": 4, "seq": 512,
+                 "prompt": 32, "new_tokens": 64, "repeats": 10, "parameters": 1.1e9},
+        "result": {"weights": {"unsplit": {"cuda:0": 2**31}, "1 shard": {"cuda:0": 2**31}},
+                   "tasks": {"forward": task(0.100, 0.103, 2**30), "train": task(0.400, 0.396, 2**32), "decode": task(0.02, 0.0202, 0)}},
+    }
+    body = gpu.section(run)
+    assert "on NVIDIA H100 80GB HBM3 (1 visible), torch 2.13.0" in body
+    assert "| forward (ms) | 100.00 | 103.00 | 1.03x |" in body
+    assert "| training step (ms) | 400.00 | 396.00 | 0.99x |" in body
+    assert "| decoding (ms per token) | 20.00 | 20.20 | 1.01x |" in body
+    assert "| weights | 2.00 | 2.00 |" in body and "| train peak above weights | 4.00 | 4.50 |" in body
+    page = "# Benchmarks\n\n## 3. Speed on CPU\n\ntimes\n\n## The run\n\njobs\n"
+    once = gpu.replace_section(page, body)
+    assert once.index(gpu.TITLE) < once.index("## The run") and "## 3. Speed on CPU\n\ntimes\n" in once
+    assert gpu.replace_section(once, body) == once  # measured again: the section is replaced, not added

@@ -286,6 +286,7 @@ def test_docs_examples_run(capsys):
         exec(compile(block, str(DOCS), "exec"), {})
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_inputs_on_another_device_are_moved(gen):
     ref = FeedForward(8, 16)

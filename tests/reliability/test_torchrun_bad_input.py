@@ -49,10 +49,17 @@ def outside_torchrun(monkeypatch):
         monkeypatch.delenv(key, raising=False)
 
 
-def under_torchrun_as(rank: int):
+def under_torchrun_as(rank: int, local_world: int | None = None):
+    """torchrun's variables for `rank` of 4 processes on one node (no process group is made: refused before)."""
+
     def setup(monkeypatch):
-        monkeypatch.setenv("RANK", str(rank))
-        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 4, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
+        for key, value in env.items():
+            monkeypatch.setenv(key, str(value))
+        if local_world is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
         fake_gpus(monkeypatch)
 
     return setup
@@ -71,6 +78,11 @@ LOCAL = [
     Case("gpu-missing-for-local-rank", distributed(), ValueError,
          "rank 3 (LOCAL_RANK=3) has no GPU: 2 cuda device(s) are visible (cuda:0..cuda:1). Start at most 2 process(es) per node (torchrun --nproc_per_node=2)",
          setup=under_torchrun_as(3)),
+    Case("gpus-fewer-than-local-processes", distributed(), ValueError,
+         "rank 0 (LOCAL_RANK=0): this node runs 4 processes (LOCAL_WORLD_SIZE) but 2 cuda device(s) are visible, and "
+         "NCCL needs a GPU per process. Start at most 2 process(es) per node (torchrun --nproc_per_node=2), make more "
+         "GPUs visible (CUDA_VISIBLE_DEVICES), or pass device_ids=['cpu'] to run every rank on the CPU with gloo",
+         setup=under_torchrun_as(0, local_world=4)),
     Case("device-ids-gpu-does-not-exist", distributed(device_ids=["cuda:5"]), ValueError,
          "device_ids[0] 'cuda:5' does not exist: 2 cuda device(s) are visible (cuda:0..cuda:1)", setup=fake_gpus),
     Case("device-ids-several", distributed(device_ids=["cpu", "cpu"]), ValueError,
@@ -161,6 +173,7 @@ def test_torchrun_rejected_on_every_rank(index, pool2):
         assert case.excerpt in message, message
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_inputs_on_another_device_are_moved(monkeypatch):
     """One process, a 1-rank CUDA mesh: CPU inputs are moved to the rank's GPU (as DDP and FSDP2 do)."""

@@ -181,6 +181,7 @@ def test_a_shard_stalling_in_backward_times_out_naming_the_collective(gen):
     assert all(rel_err(grads[k], p.grad) < 1e-5 for k, p in ref.named_parameters())
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_train(gen):
     # Each GPU's autograd thread runs its shard's backward nodes; the boundary runs the output device's shard.
@@ -193,6 +194,7 @@ def test_two_gpus_train(gen):
     assert rel_err(gathered_grads(model)["w2.weight"], ref.w2.weight.grad) < 1e-5
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_debug_mode_on_one_gpu_trains_without_deadlock(gen):
     # Debug mode puts every shard on the first GPU: their backward runs as one graph spanning the shards.

@@ -61,6 +61,26 @@ def test_weights_come_from_rank_zero(pool2):
     assert max(pool2.run(weights_from_rank_zero_task)) < 1e-6
 
 
+def gloo_group_with_a_gpu_task() -> tuple[str, str, float]:
+    """A gloo job on a machine with one GPU (simulated where there is none; the pool's ranks outnumber it):
+    tensor_parallel(distributed=True) follows the group's backend to the CPU, not cuda:LOCAL_RANK."""
+    saved = torch.cuda.is_available, torch.cuda.device_count
+    torch.cuda.is_available, torch.cuda.device_count = (lambda: True), (lambda: 1)
+    try:
+        torch.manual_seed(0)
+        ref = FeedForward(16, 32)
+        model = tp.tensor_parallel(copy.deepcopy(ref), plan=plans.FEED_FORWARD, distributed=True)
+    finally:
+        torch.cuda.is_available, torch.cuda.device_count = saved
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    return model.tensorshard.mesh.device_type, model.w1.weight.device.type, rel_err(model(x), ref(x))
+
+
+def test_distributed_flag_in_a_gloo_group_stays_on_the_cpu_where_gpus_are_visible(pool3):
+    for mesh_type, weight_device, err in pool3.run(gloo_group_with_a_gpu_task):
+        assert (mesh_type, weight_device) == ("cpu", "cpu") and err < 1e-5
+
+
 def errors_task() -> str:
     world = dist.get_world_size()
     mesh2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("data_parallel", "tensor_parallel"))
