@@ -40,6 +40,7 @@ from ...plans.sharding import ModuleShard, direct_tensors
 from ...styles.base import ShardContext
 from ...styles.ia3 import ia3_layer_problem
 from ...styles.lora import is_dora, lora_layer_problem
+from .zero import shard_added
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ def adopt_late_modules(model) -> None:
         _rename_moved(model, adoption)
         _make_one_adapter(model, adoption)
     _attach(model, adoption)
+    shard_added(model, _zero_candidates(model, adoption))
     partial = getattr(model._group, "partial_grads", None)
     if partial is not None:
         partial.install(model.module_shards)  # whole tensors with partial gradients: summed once per backward pass
@@ -305,6 +307,20 @@ def _attach(model, adoption: _Adoption) -> None:
             module = shard.get_submodule(name)
             module.__dict__.pop("forward", None)  # a modules_to_save copy runs its own forward, not the original's
             style.attach(module, splits, ShardContext(rank=rank, world_size=world, name=where, comm=comm, heads=heads))
+
+
+def _zero_candidates(model, adoption: _Adoption) -> list[str]:
+    """The new tensors ZeRO-3 partitions, as it would have at split time when training (zero.py): trainable
+    whole parameters with at least as many rows as devices. Gradient clipping over ``model.parameters()`` (the
+    Trainer's) then counts each of their elements once."""
+    world = len(model.module_shards)
+    shard = model.module_shards[0]
+    out = []
+    for name, split in adoption.splits.items():
+        t = _tensor(shard, name)
+        if split is None and isinstance(t, nn.Parameter) and t.requires_grad and t.dim() >= 1 and t.shape[0] >= world:
+            out.append(name)
+    return out
 
 
 def _consistent_dropout(model, adoption: _Adoption) -> None:
