@@ -50,6 +50,7 @@ from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import WEIGHT_FILES, gathered_state_dict, save_pretrained_options
 from ...engines.inprocess import TensorParallel
 from ...layers import is_transformers_model
+from .adapters import SplitAdapters
 from .cache import shard_cache
 from .unsplit_cache import split_filled_cache
 
@@ -77,7 +78,7 @@ def split_class(model_class: type) -> type:
     for method in _ENCODER_METHODS:
         if callable(getattr(model_class, method, None)):
             methods[method] = _on_every_shard(method, getattr(model_class, method))
-    return type(name, (TransformersTensorParallel, model_class), methods)
+    return type(name, (SplitAdapters, TransformersTensorParallel, model_class), methods)  # adapters.py: add/load_adapter
 
 
 _ENCODER_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
