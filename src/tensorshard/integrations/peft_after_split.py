@@ -55,6 +55,7 @@ from ..engines.inprocess import TensorParallel
 from ..comm.dtensor import mesh_device
 from ..engines.inprocess.late_adapters import adopt_late_modules
 from ..engines.torchrun.late_adapters import adopt_late_adapters
+from ..engines.torchrun.local_views import building_views
 from ..layers import is_peft_model
 from ..plans.adapters import is_adapter_tensor
 
@@ -100,7 +101,10 @@ def _is_tuner(module: nn.Module, peft) -> bool:
 
 
 def _is_split(module: object) -> bool:
-    return isinstance(module, TensorParallel) or (isinstance(module, nn.Module) and is_parallelized(module))
+    """A split model itself (a PEFT tuner forwards unknown attributes, `tensorshard` included, to its model)."""
+    if isinstance(module, TensorParallel):
+        return True
+    return isinstance(module, nn.Module) and "tensorshard" in vars(module) and is_parallelized(module)
 
 
 def _refuse_unsupported_tuner(tuner: nn.Module, split: nn.Module) -> None:
@@ -111,6 +115,8 @@ def _refuse_unsupported_tuner(tuner: nn.Module, split: nn.Module) -> None:
             "either order): only LoRA (also rsLoRA, DoRA and modules_to_save) and IA3 layers do. Use one of those, "
             "or train this adapter on the unsplit model"
         )
+    if not isinstance(split, TensorParallel):
+        building_views(split, split.tensorshard)  # PEFT builds its layers on this rank's plain slices
 
 
 def _adopt(split: nn.Module) -> None:
@@ -190,6 +196,7 @@ class AroundSplit:
                 write_into_folder(target, functools.partial(peft_save, state_dict=state, **kwargs), replaces=ADAPTER_FILES)
             logger.info("saved the adapter of %s to %s (%d tensors)", type(self).__name__, target, len(state))
             return
+        adopt_late_adapters(split)
         job = TorchrunJob()
 
         def check() -> None:
@@ -241,6 +248,7 @@ class AroundSplit:
         with self._whole_model():
             split = self._split_model()
             if not isinstance(split, TensorParallel):
+                adopt_late_adapters(split)
                 state_dict = _local_for_torchrun(split, state_dict)
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
@@ -248,8 +256,10 @@ class AroundSplit:
         """PEFT's ``add_adapter``, into every device's layers; the split model then adopts it (or refuses it,
         leaving the model as it was)."""
         with self._whole_model():
-            super().add_adapter(adapter_name, peft_config, *args, **kwargs)
             split = self._split_model()
+            if not isinstance(split, TensorParallel):
+                building_views(split, split.tensorshard)  # PEFT builds its layers on this rank's plain slices
+            super().add_adapter(adapter_name, peft_config, *args, **kwargs)
             try:
                 adopt_late_modules(split) if isinstance(split, TensorParallel) else adopt_late_adapters(split)
             except NotImplementedError:

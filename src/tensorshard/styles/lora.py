@@ -50,7 +50,7 @@ from .column import tie_ranges
 def lora_layer_problem(module: nn.Module) -> str | None:
     """Why this PEFT LoRA layer cannot follow a split base layer, or None when it can (vanilla LoRA, Linear)."""
     if not (hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "base_layer")):
-        return f"{type(module).__name__} is not a LoRA layer"
+        return f"{type(module).__module__}.{type(module).__name__} is not a LoRA or IA3 layer"
     if getattr(module, "lora_embedding_A", None):
         return "LoRA on an embedding (lora_embedding_A/B)"
     factors = list(module.lora_A.values()) + list(module.lora_B.values())

@@ -38,8 +38,7 @@ from ...plans.adapters import adapter_entries, base_kind, is_adapter_layer, is_m
 from ...plans.plan import Plan
 from ...plans.sharding import ModuleShard, direct_tensors
 from ...styles.base import ShardContext
-from ...styles.ia3 import ia3_layer_problem
-from ...styles.lora import is_dora, lora_layer_problem
+from ...styles.lora import is_dora
 from .zero import shard_added
 
 logger = logging.getLogger(__name__)
@@ -168,13 +167,7 @@ def _plan_wrapper(model, modules: dict[str, nn.Module], w: _Wrapper, adoption: _
     if w.moved == "original_module":
         _plan_copies(w, modules, moved, layout, zero, adoption)
         return
-    problem = ia3_layer_problem(wrapper) if hasattr(wrapper, "ia3_l") else lora_layer_problem(wrapper)
-    if problem is not None:
-        raise NotImplementedError(
-            f"{w.name}: {problem} was added after splitting and cannot follow the split of its layer. Use LoRA, "
-            "DoRA or IA3 on nn.Linear layers, or add the adapter to the unsplit model before tensor_parallel()"
-        )
-    if w.base is None:  # a layer the plan keeps whole: so is its adapter
+    if w.base is None or not w.base.splits:  # a layer the plan keeps whole: so is its adapter (PEFT's forward)
         if f"{moved}.weight" in zero and getattr(wrapper, "lora_magnitude_vector", None):
             raise NotImplementedError(
                 f"{w.name}: DoRA on a layer whose weight ZeRO-3 partitions (its row norms need the whole weight). "
@@ -182,14 +175,8 @@ def _plan_wrapper(model, modules: dict[str, nn.Module], w: _Wrapper, adoption: _
             )
         adoption.splits.update({t: None for t in own})
         return
-    kind = base_kind(w.base.style)
     part = w.base.splits.get("weight", (None, None))[1]
-    if kind is None or part is None:
-        raise NotImplementedError(
-            f"{w.name} is split by {w.base.style.describe()}; an adapter added after splitting cannot follow that "
-            "split. Leave it out of the adapter's target_modules, or add the adapter before tensor_parallel()"
-        )
-    styles = Plan(adapter_entries(w.name, wrapper, w.base.style))
+    styles = Plan(adapter_entries(w.name, wrapper, w.base.style))  # refuses what cannot follow the split
     for t, owner in own.items():
         style = styles.match(owner)[1] if styles.match(owner) is not None else None
         splits = style.beside(modules[owner], part) if style is not None else {}

@@ -43,6 +43,12 @@ ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_conf
 
 def tensor_parallel_peft(module: nn.Module, device_ids=None, **kwargs) -> "PeftTensorParallel":
     """Split a PeftModel; the result is also an instance of its class (see the module docstring)."""
+    if any(getattr(c, "is_prompt_learning", False) for c in module.peft_config.values()):
+        raise NotImplementedError(
+            f"a {type(module).__name__} with a prompt-learning method (prompt tuning, prefix tuning, P-tuning): its "
+            "prompt encoder works on the whole vocabulary's embeddings, which a split model holds in slices. Use "
+            "LoRA, DoRA or IA3 on a split model, or train the prompt on the unsplit one"
+        )
     return peft_split_class(type(module))(module, device_ids, **kwargs)
 
 
