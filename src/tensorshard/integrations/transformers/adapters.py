@@ -19,12 +19,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
 from torch import nn
+
+try:  # optional (tensorshard[peft]); this module is loaded with transformers, which PEFT builds on
+    import peft
+except ImportError:  # pragma: no cover - without PEFT these methods say how to install it
+    peft = None
 
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import gathered_state_dict, save_pretrained_options
@@ -42,7 +46,7 @@ class SplitAdapters:
     def add_adapter(self, adapter_config, adapter_name: str | None = None) -> None:
         """transformers' ``add_adapter``: PEFT's layers in every device's shard, then adopted (or refused, leaving
         the model as it was); the new adapter becomes the active one."""
-        peft = _peft()
+        _require_peft()
         name = adapter_name or "default"
         if not isinstance(adapter_config, peft.PeftConfig):
             raise TypeError(f"adapter_config should be an instance of PeftConfig. Got {type(adapter_config)} instead.")
@@ -72,7 +76,7 @@ class SplitAdapters:
         for unsupported in ("hotswap", "device_map", "max_memory", "offload_folder", "offload_index"):
             if kwargs.get(unsupported):
                 raise NotImplementedError(f"load_adapter({unsupported}=...) on a split model; leave it out")
-        peft = _peft()
+        _require_peft()
         name = adapter_name or "default"
         if peft_model_id is None and (adapter_state_dict is None or peft_config is None):
             raise ValueError("load_adapter needs a folder (peft_model_id) or both adapter_state_dict and peft_config")
@@ -99,7 +103,7 @@ class SplitAdapters:
         for such a model; else the unsplit model."""
         if not getattr(self, "_hf_peft_config_loaded", False):
             return super().save_pretrained(save_directory, **kwargs)
-        peft = _peft()
+        _require_peft()
         adopt_late_modules(self)
         kwargs, given = save_pretrained_options(kwargs)
         target = Path(save_directory)
@@ -142,8 +146,8 @@ class SplitAdapters:
             view.__dict__.update(saved)
 
 
-def _peft():
-    peft = sys.modules.get("peft")
+
+def _require_peft():
     if peft is None:
-        import peft  # deferred: an optional dependency, needed only for adapters
+        raise ImportError("loading or adding adapters needs PEFT: pip install 'tensorshard[peft]'")
     return peft

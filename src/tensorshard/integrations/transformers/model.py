@@ -49,6 +49,7 @@ from transformers.cache_utils import Cache
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import WEIGHT_FILES, gathered_state_dict, save_pretrained_options
 from ...engines.inprocess import TensorParallel
+from ...engines.inprocess.late_adapters import module_count
 from ...layers import is_transformers_model
 from .adapters import SplitAdapters
 from .cache import shard_cache
@@ -333,7 +334,7 @@ def _with_shards(view: TensorParallel, parts: list[nn.Module]) -> TensorParallel
     (modules added after splitting are refused there)."""
     view.module_shards = nn.ModuleList(parts)
     view._module_names = {n for n, _ in parts[0].named_modules()}
-    view._module_count = len(view._module_names)
+    view._module_count = module_count(view)
     return view
 
 
