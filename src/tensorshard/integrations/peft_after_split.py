@@ -276,18 +276,18 @@ class AroundSplit:
         """PEFT's ``merge_adapter`` on every device's slices (B_d A beside a column-parallel layer, B A_d beside a
         row-parallel one: exactly each device's slice of the merged weight)."""
         split = self._split_model()
-        if isinstance(split, TensorParallel):
-            for shard in split.module_shards:
-                problem = unmergeable(shard, split.splits)
-                if problem:
-                    raise NotImplementedError(
-                        f"merge_adapter() on a model split over {split.labels}: {problem}. Merge in the unsplit model "
-                        "instead (save the adapter, load it there, merge_and_unload)")
-        else:
-            problem = unmergeable(split, split.tensorshard.splits)
+        with whole_adapter_tensors(split):
+            roots = list(split.module_shards) if isinstance(split, TensorParallel) else [split]
+            splits = split.splits if isinstance(split, TensorParallel) else split.tensorshard.splits
+            problem = next((p for p in (unmergeable(root, splits) for root in roots) if p), None)
             if problem:
-                raise NotImplementedError(f"merge_adapter() on a parallelized model: {problem}. Merge in the unsplit model")
-        super().merge_adapter(*args, **kwargs)
+                raise NotImplementedError(f"merge_adapter() on a split model: {problem}. Merge in the unsplit model "
+                                          "instead (save the adapter, load it there, merge_and_unload)")
+            self.base_model.merge_adapter(*args, **kwargs)  # the tuner's (PeftModel forwards it)
+
+    def unmerge_adapter(self, *args: Any, **kwargs: Any) -> None:
+        with whole_adapter_tensors(self._split_model()):
+            self.base_model.unmerge_adapter(*args, **kwargs)
 
     def _refuse_restructuring(self, method: str):
         raise NotImplementedError(
@@ -326,6 +326,30 @@ def _local_for_torchrun(root: nn.Module, state_dict):
         local = value if split is None else split[1].take(value, split[0], state.comm.rank)
         out[key] = layout.to_dtensor(local.to(mesh_device(state.mesh)).contiguous(), state.mesh)
     return out
+
+
+@contextlib.contextmanager
+def whole_adapter_tensors(split: nn.Module):
+    """Inside the block, every device of an in-process split model holds whole copies of the adapter tensors that
+    ZeRO-3 keeps in row pieces (PEFT's merge multiplies whole factors); nothing to do under torchrun."""
+    names = [n for n in getattr(split, "zero_splits", None) or {} if is_adapter_tensor(n)]
+    if not isinstance(split, TensorParallel) or not names:
+        yield
+        return
+    whole = dict(gathered_state_dict(split, only=names.__contains__))
+    held = []
+    try:
+        for shard in split.module_shards:
+            for name, tensor in whole.items():
+                owner, attr = name.rsplit(".", 1)
+                module = shard.get_submodule(owner)
+                piece = module._parameters[attr]
+                held.append((module, attr, piece))
+                module._parameters[attr] = nn.Parameter(tensor.to(piece.device), requires_grad=False)
+        yield
+    finally:
+        for module, attr, piece in held:
+            module._parameters[attr] = piece
 
 
 def unmergeable(root: nn.Module, splits: dict) -> str | None:

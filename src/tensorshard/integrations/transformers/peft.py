@@ -29,7 +29,7 @@ from torch import nn
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import gathered_state_dict, save_pretrained_options
 from ...plans.adapters import is_adapter_tensor
-from ..peft_after_split import ADAPTER_FILES, unmergeable
+from ..peft_after_split import ADAPTER_FILES, unmergeable, whole_adapter_tensors
 from .wrapped import WrapperTensorParallel
 
 logger = logging.getLogger(__name__)
@@ -134,49 +134,10 @@ class PeftTensorParallel(WrapperTensorParallel):
             for shard in self.module_shards:
                 action(shard)
 
-    @contextlib.contextmanager
     def _whole_factors(self):
-        """Every device sees whole copies of the adapter factors ZeRO-3 keeps in row pieces (``sharded``, the
+        """Every device sees whole copies of the adapter tensors ZeRO-3 keeps in row pieces (``sharded``, the
         default for trainable whole tensors): PEFT's merge multiplies whole factors."""
-        names = [n for n in getattr(self, "zero_splits", {}) if is_adapter_tensor(n)]
-        whole = dict(gathered_state_dict(self, only=names.__contains__)) if names else {}
-        held = []
-        try:
-            for shard in self.module_shards:
-                for name, tensor in whole.items():
-                    owner, attr = name.rsplit(".", 1)
-                    module = shard.get_submodule(owner)
-                    piece = module._parameters[attr]
-                    held.append((module, attr, piece))
-                    module._parameters[attr] = nn.Parameter(tensor.to(piece.device), requires_grad=False)
-            yield
-        finally:
-            for module, attr, piece in held:
-                module._parameters[attr] = piece
-
-    def enable_adapter_layers(self) -> None:
-        for shard in self.module_shards:
-            shard.base_model.enable_adapter_layers()
-
-    def disable_adapter_layers(self) -> None:
-        for shard in self.module_shards:
-            shard.base_model.disable_adapter_layers()
-
-    @contextlib.contextmanager
-    def disable_adapter(self):
-        """Runs the base model without the adapters inside the block (PEFT's ``disable_adapter``), on every device."""
-        with contextlib.ExitStack() as stack:
-            for shard in self.module_shards:
-                stack.enter_context(shard.disable_adapter())
-            yield
-
-    def set_adapter(self, adapter_name: str, inference_mode: bool = False) -> None:
-        """Makes `adapter_name` the active adapter on every device (trainable unless `inference_mode`)."""
-        if adapter_name not in self.peft_config:
-            raise ValueError(f"set_adapter({adapter_name!r}): this model holds the adapter(s) {sorted(self.peft_config)}")
-        for shard in self.module_shards:
-            shard.set_adapter(adapter_name, inference_mode=inference_mode)
-        self._peft.active_adapter = adapter_name
+        return whole_adapter_tensors(self)
 
     def _refuse_restructuring(self, method: str):
         raise NotImplementedError(
