@@ -116,6 +116,9 @@ def _plan_adoption(model) -> _Adoption:
             if wrapper is None or wrapper[1]:
                 stray.append(tname)
                 continue
+            if mod._parameters.get(attr) is not None and mod._parameters[attr].is_meta:
+                raise NotImplementedError(f"{tname} is on the meta device (low_cpu_mem_usage=True?): add adapters to a "
+                                          "split model with real tensors (low_cpu_mem_usage=False)")
             if wrapper[0] not in adoption.wrappers:  # adopted before, and given another adapter since
                 adoption.wrappers[wrapper[0]] = _Wrapper(wrapper[0], False, _moved_attr(modules[wrapper[0]]))
             adoption.tensors[tname] = (owner, wrapper[0])
