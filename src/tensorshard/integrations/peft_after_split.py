@@ -51,8 +51,8 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from ..checkpoint.atomic import write_into_folder
 from ..checkpoint.gather import gathered_state_dict, save_pretrained_options
 from ..checkpoint.torchrun import TorchrunJob, is_parallelized
-from ..engines.inprocess import TensorParallel
 from ..comm.dtensor import mesh_device
+from ..engines.inprocess import TensorParallel
 from ..engines.inprocess.late_adapters import adopt_late_modules
 from ..engines.torchrun.late_adapters import adopt_late_adapters
 from ..engines.torchrun.local_views import building_views
@@ -82,7 +82,7 @@ def _on_registration(module: nn.Module, name: str, submodule: nn.Module | None) 
     if peft is None:
         return None
     if name == "model" and _is_tuner(module, peft) and _is_split(submodule):
-        _refuse_unsupported_tuner(module, submodule)
+        _before_injection(module, submodule)
     elif name == "base_model" and is_peft_model(module):
         if _is_split(submodule):
             raise NotImplementedError(
@@ -107,7 +107,9 @@ def _is_split(module: object) -> bool:
     return isinstance(module, nn.Module) and "tensorshard" in vars(module) and is_parallelized(module)
 
 
-def _refuse_unsupported_tuner(tuner: nn.Module, split: nn.Module) -> None:
+def _before_injection(tuner: nn.Module, split: nn.Module) -> None:
+    """A PEFT tuner is about to wrap the layers of `split`: refuse a method that cannot follow the split; under
+    torchrun, let PEFT build on this rank's plain slices (engines/torchrun/local_views.py)."""
     kind = type(tuner).__name__
     if kind not in SUPPORTED_TUNERS:
         raise NotImplementedError(
