@@ -60,6 +60,18 @@ def has_adapters(module: nn.Module) -> bool:
     return any(is_adapter_layer(m) or is_modules_to_save(m) for m in module.modules())
 
 
+def refuse_prompt_learning(module: nn.Module) -> None:
+    """A PeftModel with a prompt-learning method (prompt tuning, prefix tuning, P-tuning) cannot be split: its
+    prompt encoder works on the whole vocabulary's embeddings, which a split model holds in slices."""
+    configs = getattr(module, "peft_config", None)
+    if isinstance(configs, dict) and any(getattr(c, "is_prompt_learning", False) for c in configs.values()):
+        raise NotImplementedError(
+            f"a {type(module).__name__} with a prompt-learning method (prompt tuning, prefix tuning, P-tuning): its "
+            "prompt encoder works on the whole vocabulary's embeddings, which a split model holds in slices. Use "
+            "LoRA, DoRA or IA3 on a split model, or train the prompt on the unsplit one"
+        )
+
+
 def adapt_plan(module: nn.Module, plan: Plan) -> Plan:
     """`plan` with every entry that names a PEFT wrapper rewritten for the wrapper (see the module doc)."""
     wrappers = {n: m for n, m in module.named_modules() if is_adapter_layer(m) or is_modules_to_save(m)}

@@ -145,9 +145,15 @@ def test_peft_methods_in_both_orders_under_torchrun(pool2, pool3, world, method,
 
 
 def refused_task() -> tuple[str, bool]:
-    from peft import LoHaConfig, get_peft_model
+    from peft import LoHaConfig, PromptTuningConfig, TaskType, get_peft_model
     from support import tiny_llama
 
+    prompt = get_peft_model(tiny_llama.build(), PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
+    try:
+        tp.parallelize(prompt, world_mesh())
+        return "prompt tuning accepted", False
+    except NotImplementedError as e:
+        assert "prompt-learning" in str(e)
     model = tp.parallelize(tiny_llama.build(), world_mesh())
     ids = torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -162,6 +168,7 @@ def refused_task() -> tuple[str, bool]:
 
 
 def test_unsupported_adapter_after_parallelize_is_refused_before_anything_changes(pool2):
+    """Prompt tuning when parallelizing; LoHa when PEFT adds it to a parallelized model, which stays as it was."""
     for message, unchanged in pool2.run(refused_task):
         assert "LoHa adapters cannot follow the split" in message and unchanged
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import gathered_state_dict, save_pretrained_options
-from ...plans.adapters import is_adapter_tensor
+from ...plans.adapters import is_adapter_tensor, refuse_prompt_learning
 from ..peft_after_split import ADAPTER_FILES, unmergeable, whole_adapter_tensors
 from .wrapped import WrapperTensorParallel
 
@@ -36,12 +36,7 @@ logger = logging.getLogger(__name__)
 
 def tensor_parallel_peft(module: nn.Module, device_ids=None, **kwargs) -> "PeftTensorParallel":
     """Split a PeftModel; the result is also an instance of its class (see the module docstring)."""
-    if any(getattr(c, "is_prompt_learning", False) for c in module.peft_config.values()):
-        raise NotImplementedError(
-            f"a {type(module).__name__} with a prompt-learning method (prompt tuning, prefix tuning, P-tuning): its "
-            "prompt encoder works on the whole vocabulary's embeddings, which a split model holds in slices. Use "
-            "LoRA, DoRA or IA3 on a split model, or train the prompt on the unsplit one"
-        )
+    refuse_prompt_learning(module)  # before anything is built (plans/adapters.py)
     return peft_split_class(type(module))(module, device_ids, **kwargs)
 
 
