@@ -11,7 +11,6 @@ from support.helpers import rel_err
 from support.quantized_models import load
 
 peft = pytest.importorskip("peft")
-from tensorshard.integrations.transformers import save_adapter  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,7 +66,7 @@ def test_qlora_then_split_trains_like_unsplit_and_saves_peft_format(llama_dir, g
 
 def test_split_then_qlora_trains_like_unsplit(llama_dir, gen, tmp_path):
     model = qlora(tp.tensor_parallel(nf4(llama_dir), ["cpu"] * 2, sharded=False))
-    save_adapter(model, tmp_path / "adapter")  # the starting adapter, in PEFT's format, for the unsplit reference
+    model.save_pretrained(tmp_path / "adapter")  # the starting adapter, in PEFT's format, for the unsplit reference
     ref = peft.PeftModel.from_pretrained(nf4(llama_dir), tmp_path / "adapter", is_trainable=True)
     for got, want in train_both(model, ref, gen):
         assert got == pytest.approx(want, rel=1e-4)

@@ -14,7 +14,7 @@ from typing import Callable
 
 from torch import nn
 
-from .adapters import adapt_plan, has_adapters
+from .adapters import adapt_plan, has_adapters, refuse_prompt_learning
 from .plan import Plan, match_pattern
 from .ties import follow_ties
 
@@ -46,6 +46,7 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
 
     `check`: self-check the plan numerically before splitting (inference/selfcheck.py). None: only inferred plans.
     """
+    refuse_prompt_learning(module)  # a PEFT method no plan can split (adapters.py)
     if plan is None:
         resolved = _inferred("auto_plan")(module, world_size, check=check)
         return adapt_plan(module, resolved) if has_adapters(module) else resolved

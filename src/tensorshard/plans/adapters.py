@@ -14,10 +14,14 @@ model names the wrapper. `adapt_plan` rewrites each such entry, before anything 
     "lm_head": ColwiseParallel(gather_output=True)  ->  "lm_head.original_module" and "lm_head.modules_to_save.*"
                                                         both ColwiseParallel(gather_output=True)
 
-Adapters on layers the plan leaves whole stay whole. An adapter that cannot follow its layer's split (DoRA
-and other LoRA variants, LoRA on an embedding or on a gathered output head, other PEFT tuners such as IA3)
-is refused with an error naming the layer and the fix, before the model changes. PEFT is never imported:
-its wrappers are recognised by their attributes.
+DoRA adds ``"...lora_magnitude_vector.*": LoraMagnitude(...)`` (split with the output beside a column layer,
+whole beside a row layer); an IA3 layer becomes ``Ia3Parallel`` on the layer, the base's style on
+``.base_layer`` and ``Ia3Scale`` on its ``ia3_l`` vectors (styles/ia3.py).
+
+Adapters on layers the plan leaves whole stay whole. An adapter that cannot follow its layer's split (LoRA
+variants other than DoRA, LoRA on an embedding or on a gathered output head, other PEFT tuners such as
+LoHa or VeRA) is refused with an error naming the layer and the fix, before the model changes. PEFT is never
+imported: its wrappers are recognised by their attributes.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import logging
 from torch import nn
 
 from ..styles import ColwiseParallel, Replicate, RowwiseParallel, Style
-from ..styles.lora import LoraFactor, LoraParallel, lora_layer_problem
+from ..styles.ia3 import Ia3Parallel, Ia3Scale, ia3_layer_problem
+from ..styles.lora import LoraFactor, LoraMagnitude, LoraParallel, lora_layer_problem
 from .plan import Plan, match_pattern
 
 logger = logging.getLogger(__name__)
@@ -46,12 +51,25 @@ def is_modules_to_save(module: nn.Module) -> bool:
 
 
 def is_adapter_tensor(name: str) -> bool:
-    """A tensor PEFT saves for an adapter (by its state-dict name): LoRA factors, modules_to_save copies."""
-    return "lora_" in name or ".modules_to_save." in name
+    """A tensor PEFT saves for an adapter (by its state-dict name): LoRA factors and DoRA magnitudes, IA3
+    vectors, modules_to_save copies."""
+    return "lora_" in name or ".ia3_l." in name or ".modules_to_save." in name
 
 
 def has_adapters(module: nn.Module) -> bool:
     return any(is_adapter_layer(m) or is_modules_to_save(m) for m in module.modules())
+
+
+def refuse_prompt_learning(module: nn.Module) -> None:
+    """A PeftModel with a prompt-learning method (prompt tuning, prefix tuning, P-tuning) cannot be split: its
+    prompt encoder works on the whole vocabulary's embeddings, which a split model holds in slices."""
+    configs = getattr(module, "peft_config", None)
+    if isinstance(configs, dict) and any(getattr(c, "is_prompt_learning", False) for c in configs.values()):
+        raise NotImplementedError(
+            f"a {type(module).__name__} with a prompt-learning method (prompt tuning, prefix tuning, P-tuning): its "
+            "prompt encoder works on the whole vocabulary's embeddings, which a split model holds in slices. Use "
+            "LoRA, DoRA or IA3 on a split model, or train the prompt on the unsplit one"
+        )
 
 
 def adapt_plan(module: nn.Module, plan: Plan) -> Plan:
@@ -73,7 +91,7 @@ def adapt_plan(module: nn.Module, plan: Plan) -> Plan:
             targets = wrapped  # exact names for the wrappers, the pattern for the rest
         for target in targets:
             first = next(n for n in wrapped if match_pattern(target, n))
-            entries |= _rewrite(target, wrappers[first], style)
+            entries |= adapter_entries(target, wrappers[first], style)
         if targets is wrapped:
             entries[pattern] = style
     adapted = Plan(entries)
@@ -81,31 +99,64 @@ def adapt_plan(module: nn.Module, plan: Plan) -> Plan:
     return adapted
 
 
-def _kind(module: nn.Module) -> str:
-    return "modules_to_save" if is_modules_to_save(module) else type(module).__name__
+def _kind(module: nn.Module) -> tuple:
+    """What decides a wrapper's entries: wrappers named by one glob must agree on it."""
+    if is_modules_to_save(module):
+        return ("modules_to_save",)
+    dora = tuple(sorted(getattr(module, "lora_magnitude_vector", None) or {}))
+    return (type(module).__module__, type(module).__name__, getattr(module, "is_feedforward", None), dora)
 
 
-def _rewrite(name: str, wrapper: nn.Module, style: Style) -> dict[str, Style]:
-    """The entries that replace `name: style` when `name` is a PEFT wrapper."""
+def adapter_entries(name: str, wrapper: nn.Module, style: Style) -> dict[str, Style]:
+    """The entries that replace `name: style` when `name` is a PEFT wrapper (raises NotImplementedError, naming
+    the layer and the fix, for an adapter that cannot follow the split)."""
     if is_modules_to_save(wrapper):
         return {f"{name}.original_module": style, f"{name}.modules_to_save.*": style}
-    problem = lora_layer_problem(wrapper)
-    base = _base_kind(style)
+    ia3 = is_ia3_layer(wrapper)
+    problem = ia3_layer_problem(wrapper) if ia3 else lora_layer_problem(wrapper)
+    base = base_kind(style)
     if problem is None and base is None:
-        problem = f"LoRA on a layer split by {style.describe()} (supported: ColwiseParallel without gather_output, RowwiseParallel)"
+        problem = (f"{'IA3' if ia3 else 'LoRA'} on a layer split by {style.describe()} (supported: ColwiseParallel "
+                   "without gather_output, RowwiseParallel)")
     if problem is not None:
         raise NotImplementedError(
             f"{name} ({type(wrapper).__module__}.{type(wrapper).__name__}): {problem} cannot follow the plan's split "
             f"of this layer ({style.describe()}). Leave the layer out of the adapter (target_modules / exclude_modules), "
-            "use plain LoRA on nn.Linear layers, or keep the layer whole in the plan (tp.Replicate())"
+            "use LoRA, DoRA or IA3 on nn.Linear layers, or keep the layer whole in the plan (tp.Replicate())"
         )
+    if ia3:
+        split = ia3_scale_split(base, wrapper.is_feedforward)
+        return {
+            name: Ia3Parallel(base=base),
+            f"{name}.base_layer": style,
+            f"{name}.ia3_l": Ia3Scale(split=split, blocks=None if split == "whole" else style.blocks),
+        }
     a, b = factor_styles(base, style.blocks)
-    return {
+    entries = {
         name: LoraParallel(base=base),
         f"{name}.base_layer": style,
         f"{name}.lora_A.*": a,
         f"{name}.lora_B.*": b,
     }
+    if getattr(wrapper, "lora_magnitude_vector", None):  # DoRA
+        entries[f"{name}.lora_magnitude_vector.*"] = magnitude_style(base, style.blocks)
+    return entries
+
+
+def is_ia3_layer(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "ia3_l", None), nn.ParameterDict)
+
+
+def ia3_scale_split(base: str, feedforward: bool) -> str:
+    """How an IA3 vector splits beside a `base` layer: with the features it scales (styles/ia3.py)."""
+    if base == "column":
+        return "whole" if feedforward else "output"
+    return "input" if feedforward else "whole"
+
+
+def magnitude_style(base: str, blocks=None) -> LoraMagnitude:
+    """DoRA's magnitude beside a `base` ("column" or "row") layer split by `blocks`."""
+    return LoraMagnitude(split="output", blocks=blocks) if base == "column" else LoraMagnitude(split="whole")
 
 
 def factor_styles(base: str, blocks=None) -> tuple[LoraFactor, LoraFactor]:
@@ -115,7 +166,8 @@ def factor_styles(base: str, blocks=None) -> tuple[LoraFactor, LoraFactor]:
     return LoraFactor(split="input", blocks=blocks), LoraFactor(split="whole")
 
 
-def _base_kind(style: Style) -> str | None:
+def base_kind(style: Style) -> str | None:
+    """"column" or "row" for the splits an adapter can follow, else None."""
     if type(style) is ColwiseParallel and not style.gather_output:
         return "column"
     if type(style) is RowwiseParallel:

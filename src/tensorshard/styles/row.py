@@ -50,9 +50,11 @@ class RowwiseParallel(Style):
         setattr(module, kind.in_attr, local)
         comm, name = ctx.comm, ctx.name
 
-        def forward(x: torch.Tensor, *, add_before_reduce: torch.Tensor | None = None) -> torch.Tensor:
-            # add_before_reduce: another partial sum of the same output (a LoRA adapter's, styles/lora.py),
-            # summed over the devices in the same all-reduce
+        def forward(x: torch.Tensor, *, add_before_reduce=None, before_matmul=None) -> torch.Tensor:
+            # Hooks for an adapter wrapped around this layer (styles/lora.py, styles/ia3.py), both given this
+            # device's input slice: before_matmul(x_r) rescales it (IA3); add_before_reduce is another partial
+            # sum of the same output (LoRA's, DoRA's), or a function of x_r returning one, summed over the
+            # devices in the same all-reduce.
             fdim = feature_dim(kind.feature_dim, x)
             if x.shape[fdim] != local:
                 if x.shape[fdim] != part.size:
@@ -62,7 +64,11 @@ class RowwiseParallel(Style):
                         "before it is probably split differently; check the plan's blocks."
                     )
                 x = comm.split(x, fdim, part, where=name)  # a whole input: keep this device's slice
+            if before_matmul is not None:
+                x = before_matmul(x)
             y = kind.matmul(module, x, module.weight)
+            if callable(add_before_reduce):
+                add_before_reduce = add_before_reduce(x)
             if add_before_reduce is not None:
                 y = y + add_before_reduce.to(y.dtype)
             y = comm.all_reduce(y, where=name)

@@ -1,7 +1,9 @@
-"""PEFT LoRA under torchrun: a PeftModel parallelized with the inner model's preset, prefixed, every adapter
+"""PEFT under torchrun: a PeftModel parallelized with the inner model's preset, prefixed, every adapter
 following its base layer's split; it trains like the unsplit PeftModel (losses after three AdamW steps
 within 1e-4 relative) with the bare model's collectives plus one bucketed all-reduce of partial gradients
-per backward pass."""
+per backward pass. LoRA, rsLoRA, DoRA, IA3 and LoRA with modules_to_save, added before or after
+`parallelize` or loaded onto a parallelized base, all through PEFT's own API; what cannot follow the split
+is refused before anything changes."""
 
 import copy
 
@@ -62,22 +64,113 @@ def test_lora_trains_like_unsplit(pool2, pool3, world):
         assert sum("partial gradients" in w for w in where) == 1
 
 
-def late_lora_task() -> str:
+METHODS = ("lora", "rslora", "dora", "ia3", "lora+lm_head")
+
+
+def peft_config(method: str):
+    from peft import IA3Config, LoraConfig
+
+    if method == "ia3":  # up_proj and down_proj scaled by their inputs, the others by their outputs
+        return IA3Config(target_modules=TARGETS, feedforward_modules=["up_proj", "down_proj"], init_ia3_weights=False)
+    options = {"rslora": {"use_rslora": True}, "dora": {"use_dora": True}, "lora+lm_head": {"modules_to_save": ["lm_head"]}}
+    return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False, **options.get(method, {}))
+
+
+def methods_task(method: str, folder: str) -> dict:
+    """One PEFT method in both orders and loaded onto a parallelized base, through PEFT's own API; each against
+    the unsplit PeftModel holding the same adapter. Every saved adapter is read back by plain PEFT, unsplit."""
+    import torch.distributed as dist
+    from peft import PeftModel, get_peft_model
     from support import tiny_llama
-    from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(tp.parallelize(tiny_llama.build(), world_mesh()), LoraConfig(r=4, target_modules=["q_proj"]))
     ids = torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    main = dist.get_rank() == 0
+
+    def err(model, ref) -> float:
+        with torch.no_grad():
+            want = ref(input_ids=ids).logits
+            return ((model(input_ids=ids).logits - want).norm() / want.norm()).item()
+
+    def plain(path: str):
+        dist.barrier()  # rank 0 wrote it
+        return PeftModel.from_pretrained(tiny_llama.build(), path, is_trainable=True)
+
+    out = {}
+    torch.manual_seed(1)
+    made = get_peft_model(tiny_llama.build(), peft_config(method))  # an adapter made unsplit
+    if main:
+        made.save_pretrained(f"{folder}/made")
+    reference = plain(f"{folder}/made")
+    loaded = PeftModel.from_pretrained(tp.parallelize(tiny_llama.build(), world_mesh()), f"{folder}/made", is_trainable=True)
+    pairs = {
+        "adapter then split": (tp.parallelize(copy.deepcopy(made), world_mesh()), copy.deepcopy(made)),
+        "loaded onto a split base": (loaded, reference),
+    }
+    torch.manual_seed(1)
+    late = get_peft_model(tp.parallelize(tiny_llama.build(), world_mesh()), peft_config(method))
+    late.save_pretrained(f"{folder}/late")  # every rank calls it; rank 0 writes
+    pairs["split then adapter"] = (late, plain(f"{folder}/late"))
+    models = [m for pair in pairs.values() for m in pair]
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
+    out["logits"] = {route: err(model, ref) for route, (model, ref) in pairs.items()}
+    losses = []
+    for step in range(3):
+        row = []
+        for m, opt in zip(models, optimizers):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            row.append(loss.item())
+        losses.append(row)
+    out["losses"] = {route: [(row[2 * i], row[2 * i + 1]) for row in losses] for i, route in enumerate(pairs)}
+    out["saved"] = {}
+    for route, (model, _) in pairs.items():  # after training: PEFT's format, the split model's logits
+        model.save_pretrained(f"{folder}/{route}")
+        out["saved"][route] = err(model, plain(f"{folder}/{route}"))
+    return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_peft_methods_in_both_orders_under_torchrun(pool2, pool3, world, method, tmp_path):
+    """At 3 ranks the tiny Llama's 2 KV heads are replicated: the adapters' rows for them stay consistent."""
+    pool = pool2 if world == 2 else pool3
+    for result in pool.run(methods_task, method, str(tmp_path)):
+        assert max(result["logits"].values()) < 1e-5, result["logits"]
+        for route, losses in result["losses"].items():
+            for got, want in losses:
+                assert abs(got - want) <= 1e-4 * abs(want), (route, losses)
+        assert max(result["saved"].values()) < 1e-5, result["saved"]
+
+
+def refused_task() -> tuple[str, bool]:
+    from peft import LoHaConfig, PromptTuningConfig, TaskType, get_peft_model
+    from support import tiny_llama
+
+    prompt = get_peft_model(tiny_llama.build(), PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
     try:
-        model(input_ids=ids)
+        tp.parallelize(prompt, world_mesh())
+        return "prompt tuning accepted", False
     except NotImplementedError as e:
-        return str(e)
-    return "ran"
+        assert "prompt-learning" in str(e)
+    model = tp.parallelize(tiny_llama.build(), world_mesh())
+    ids = torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    try:
+        get_peft_model(model, LoHaConfig(r=4, target_modules=["q_proj"]))
+        message = "accepted"
+    except NotImplementedError as e:
+        message = str(e)
+    with torch.no_grad():
+        return message, torch.equal(model(input_ids=ids).logits, before)
 
 
-def test_lora_added_after_parallelize_is_refused(pool2):
-    for message in pool2.run(late_lora_task):
-        assert "add adapters first" in message
+def test_unsupported_adapter_after_parallelize_is_refused_before_anything_changes(pool2):
+    """Prompt tuning when parallelizing; LoHa when PEFT adds it to a parallelized model, which stays as it was."""
+    for message, unchanged in pool2.run(refused_task):
+        assert "LoHa adapters cannot follow the split" in message and unchanged
 
 
 def save_task(folder: str) -> str:

@@ -97,8 +97,6 @@ def test_lora_with_gradient_checkpointing_matches_the_unsplit_model(order, reent
     their sums when their blocks are recomputed in backward: three AdamW steps track the unsplit run."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from tensorshard.integrations.transformers import save_adapter
-
     def lora(model):
         torch.manual_seed(1)  # init_lora_weights=False: B is random too, so the adapter matters from the first step
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -112,7 +110,7 @@ def test_lora_with_gradient_checkpointing_matches_the_unsplit_model(order, reent
         model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2)
     else:  # the adapters follow the split; the unsplit run loads the same adapter
         model = lora(tp.tensor_parallel(copy.deepcopy(base), ["cpu"] * 2))
-        save_adapter(model, tmp_path / "adapter")
+        model.save_pretrained(tmp_path / "adapter")  # PEFT's own, on the PeftModel around the split model
         ref = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "adapter", is_trainable=True)
     optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, ref)]
     for step in range(3):

@@ -9,6 +9,7 @@ place and save_pretrained's options. Activation checkpointing under the Trainer:
 from __future__ import annotations
 
 import copy
+import shutil
 import sys
 import threading
 
@@ -121,3 +122,36 @@ def test_save_pretrained_accepts_transformers_options(tmp_path):
     x = dataset(1)[0]["input_ids"][None]
     with torch.no_grad():
         assert rel_err(AutoModelForCausalLM.from_pretrained(tmp_path)(x).logits, original(x).logits) < 1e-5
+
+
+def test_trainer_with_an_adapter_added_after_splitting_saves_reloads_and_resumes(tmp_path):
+    """The order people write: split, get_peft_model, Trainer with a checkpoint every step. The run logs the unsplit
+    PeftModel's losses (and gradient norms: clipping is on); each checkpoint is PEFT's format, loaded by plain PEFT
+    into an unsplit base with the unsplit run's outputs; a fresh split model resumed from a checkpoint
+    (resume_from_checkpoint=True) logs the losses the uninterrupted run had."""
+    def late():
+        torch.manual_seed(1)
+        return lora(tp.tensor_parallel(tiny(), ["cpu"] * 2))  # a train-mode split: ZeRO-3 on, as by default
+
+    def run(model, folder, resume=None):
+        args = TrainingArguments(output_dir=str(folder), use_cpu=True, max_steps=3, per_device_train_batch_size=2,
+                                 learning_rate=1e-2, save_steps=1, logging_steps=1, report_to=[])
+        trainer = Trainer(model=model, args=args, train_dataset=dataset())
+        trainer.train(resume_from_checkpoint=resume)
+        return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+    model = late()
+    model.save_pretrained(tmp_path / "start")  # the adapter the split model adopted, for the unsplit run
+    want = run(PeftModel.from_pretrained(tiny(), tmp_path / "start", is_trainable=True), tmp_path / "unsplit")
+    got = run(model, tmp_path / "split")
+    assert close([loss for loss, _ in got], [loss for loss, _ in want])
+    assert close([norm for _, norm in got], [norm for _, norm in want])
+    ids = dataset(1)[0]["input_ids"][None]
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            loaded = PeftModel.from_pretrained(tiny(), tmp_path / "split" / f"checkpoint-{step}").eval()
+            expected = PeftModel.from_pretrained(tiny(), tmp_path / "unsplit" / f"checkpoint-{step}").eval()
+            assert rel_err(loaded(input_ids=ids).logits, expected(input_ids=ids).logits) < 1e-4  # after training
+    shutil.rmtree(tmp_path / "split" / "checkpoint-3")  # resume from the newest left, checkpoint-2
+    resumed = run(late(), tmp_path / "split", resume=True)
+    assert close([loss for loss, _ in resumed], [loss for loss, _ in want])

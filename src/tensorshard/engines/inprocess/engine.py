@@ -50,7 +50,7 @@ from ..split_report import report_split
 from .boundary import gather_outputs, replicate_inputs, to_device
 from .copies import deep_copy, refuse_pickle
 from .grad_norm import clip_grad_norm_
-from .late_adapters import adopt_late_modules, refuse_parent_state_dict
+from .late_adapters import adopt_late_modules, module_count
 from .rollback import Released, restore
 from .shard_attributes import record_per_device
 from .shard_backward import ShardGraphs, join_outputs
@@ -162,8 +162,8 @@ class TensorParallel(nn.Module):
         guard_configurations(self.module_shards, f"over {world} device(s)")  # one configuration (shared_config.py)
         self._placement = placement
         self._module_names = {n for n, _ in self.module_shards[0].named_modules()}  # to spot adapters added later
-        self._module_count = len(self._module_names)
-        self._late_adapters = False
+        self._module_count = module_count(self)
+        self._layout_modules = dict(layout.modules)  # each split module's style and head groups, for those adapters
         self._register_load_state_dict_pre_hook(_load_unsplit, with_module=True)
         # The wrapper takes the module's own mode; every submodule of the shards keeps the mode it had (a
         # train-mode wrapper around an eval-mode model, as get_peft_model returns, keeps its dropout off).
@@ -297,15 +297,14 @@ class TensorParallel(nn.Module):
     def state_dict(self, *args, **kwargs):
         """The shards' state (keys ``module_shards.N...``; ``tp.save_tensor_parallel(model)`` gives the unsplit
         one). ``load_state_dict`` takes either form (unsplit names: each device keeps its slice), as
-        transformers' Trainer uses it to resume. A parent module asking (a PeftModel) is refused if adapters
-        were added after splitting (late_adapters.py)."""
-        if kwargs.get("prefix", args[1] if len(args) > 1 else ""):
-            refuse_parent_state_dict(self)
+        transformers' Trainer uses it to resume. Adapters added since splitting are adopted first (late_adapters.py)."""
+        adopt_late_modules(self)
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads the shards' state (keys ``module_shards.N...``, as `state_dict()` writes it) or the unsplit
         model's state dict (its own names and shapes): each tensor is sliced for every device."""
+        adopt_late_modules(self)
         if is_unsplit(state_dict):
             return load_unsplit(self, state_dict, strict=strict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
@@ -342,8 +341,9 @@ class TensorParallel(nn.Module):
                 zero.hook(part, rank, list(range(len(zero.partitions))), zero_where)
         view.module_shards = nn.ModuleList(parts)
         install_partial_grads(view)
+        view._layout_modules = {k[len(prefix):]: v for k, v in self._layout_modules.items() if k.startswith(prefix)}
         view._module_names = {n for n, _ in parts[0].named_modules()}
-        view._module_count = len(view._module_names)
+        view._module_count = module_count(view)
         view.training = parts[0].training
         return view
 
@@ -482,6 +482,7 @@ def _check_loaded(model: TensorParallel) -> None:
 def _load_unsplit(model: TensorParallel, state_dict: dict, prefix: str, *_args) -> None:
     """Load-state-dict pre-hook: entries with the unsplit model's names become each device's slice, under its
     shard's name (both forms may be mixed; shard names load as they are)."""
+    adopt_late_modules(model)  # a parent loading PEFT adapters it added since splitting: their splits first
     zero = getattr(model, "zero_splits", None) or {}
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "module_shards.")]:
         name = key[len(prefix):]

@@ -1,25 +1,30 @@
-"""Adapters added to a model after it was split: adopted so they follow the split, or refused.
+"""Adapters added to a model after it was split: adopted so that they follow the split, or refused.
 
     model = tp.tensor_parallel(model, devices)
     model = get_peft_model(model, LoraConfig(...))          # or PeftModel.from_pretrained(model, "adapter/")
 
-PEFT then wraps the layers of every shard separately: each device's LoRA layer gets its own random
-factors, sized from the split base layer, and PEFT's forward would neither share A (column-parallel base)
-nor sum the partial results (row-parallel base). Before the next forward call, state_dict() or
-load_state_dict() of the split model, `adopt_late_modules` finds such modules and applies the styles the
-plan would have given them had they existed before splitting (styles/lora.py): the factors that stay whole
-take shard 0's values on every device, the split ones keep each device's slice. From then on the model
-trains exactly like an unsplit model holding the same (gathered) adapter.
+PEFT then wraps the layers of every shard separately: each device's adapter layer gets its own random
+tensors, sized from its split base layer, and PEFT's forward would neither share the whole tensors nor sum
+the partial results. `adopt_late_modules` finds what PEFT added (LoRA, DoRA and IA3 layers, a new adapter
+in an existing layer, modules_to_save copies) and gives it what the plan would have given it had it existed
+before splitting (plans/adapters.py): the same styles and the same split of every tensor, with values that
+form one adapter. A tensor that stays whole takes the first device's values everywhere; a split tensor
+keeps each device's slice (a row several devices hold, of a replicated KV head, takes its first holder's);
+a DoRA magnitude is recomputed from the adopted factors as PEFT initialises it, ||W + s B A|| per output
+row (summed over the devices beside a row-parallel layer). From then on the model trains exactly like an
+unsplit model holding the same (gathered) adapter, and `splits` knows the adapter's tensors by their unsplit
+names, so gathered saves and unsplit loads work (integrations/peft_after_split.py: PEFT's own
+``save_pretrained`` and ``load_adapter``).
 
-Saving: PEFT finds adapter tensors by module name, and here those names are the shards'
-(``module_shards.N...``): its ``save_pretrained`` would write an adapter no unsplit model loads, so a
-parent's ``state_dict()`` is refused with the fix. ``tensorshard.integrations.transformers.save_adapter`` writes
-PEFT's format with the unsplit names and shapes. For the same reason ``PeftModel.from_pretrained(split_model,
-...)`` is refused: load the adapter before splitting.
-
-Refused, with the fix: any other module added after splitting (``modules_to_save`` copies would run
-the original's forward; unknown layers cannot be split consistently), and LoRA variants the styles do not
-support. Adding adapters before splitting is the cheaper path: saving then gathers only the adapter.
+It runs when PEFT hands the split model to a PeftModel (integrations/peft_after_split.py), when transformers'
+``add_adapter`` / ``load_adapter`` of a split model return, and otherwise before the next forward call,
+state_dict() or load_state_dict(). What was added, and how it must be split, comes from plans/late_adapters.py,
+which checks everything before anything changes: what cannot follow the split (a LoRA variant other than
+DoRA, another PEFT method's layer, an adapter on a layer split some other way, modules_to_save on a module
+ZeRO-3 partitions, any other module added to the shards) is refused with the fix, and PEFT's additions are
+taken out again, leaving the split model as it was. The adapter's whole trainable tensors are then
+partitioned ZeRO-3 style (zero.py), as they would be in a PeftModel split in training mode, so gradient
+clipping over ``model.parameters()`` (the Trainer's) counts each element once.
 """
 
 from __future__ import annotations
@@ -29,113 +34,164 @@ import logging
 import torch
 from torch import nn
 
+from ...comm.dropout import ShardDropout, ThreadPeers, may_drop
 from ...comm.threads import ThreadComm
-from ...plans.adapters import factor_styles, is_adapter_layer
+from ...plans.adapters import base_kind
+from ...plans.late_adapters import (
+    LateAdapters,
+    Wrapper,
+    check_local_sizes,
+    count_modules_and_tensors,
+    plan_late_adapters,
+    rename_modules,
+    take_out_late_adapters,
+)
 from ...styles.base import ShardContext
-from ...styles.lora import LoraParallel, lora_layer_problem
+from ...styles.lora import is_dora
+from .zero import shard_added
 
 logger = logging.getLogger(__name__)
 
 
 def module_count(model) -> int:
-    return sum(1 for _ in model.module_shards[0].modules())
+    """Modules and tensors of the first shard: a change means something was added since the last look."""
+    return count_modules_and_tensors(model.module_shards[0])
 
 
 def adopt_late_modules(model) -> None:
-    """Adopt adapters added to `model`'s shards since splitting (see the module docstring); cheap when none were."""
+    """Adopt what was added to `model`'s shards since splitting (see the module docstring); cheap when nothing was."""
     if module_count(model) == model._module_count:
         return
-    shards = list(model.module_shards)
-    known = model._module_names
-    added = [n for n, _ in shards[0].named_modules() if n not in known]
-    new = set(added)  # PEFT puts its layer at the wrapped layer's name, which moves to .base_layer
-    layers = [n for n, m in shards[0].named_modules() if is_adapter_layer(m) and f"{n}.base_layer" in new]
-    stray = [n for n in added if not any(n == x or n.startswith(x + ".") for x in layers)]
-    if stray:
-        raise NotImplementedError(
-            f"modules were added to this split {type(model).__name__} after splitting ({stray[0]}"
-            f"{f' and {len(stray) - 1} more' if len(stray) > 1 else ''}): only LoRA adapters can be added to a split "
-            "model. Add them to the unsplit model before tensor_parallel() (get_peft_model(model, config), then split)"
-        )
-    plans = {n: _plan_for(model, n, shards[0].get_submodule(n)) for n in layers}  # every check before any change
+    try:
+        late = _plan(model)  # every check, before any change
+    except NotImplementedError:
+        take_out_late_modules(model)
+        raise
     with torch.no_grad():
-        for name, (base, part) in plans.items():
-            _adopt(model, name, base, part)
+        _rename_moved(model, late)
+        _make_one_adapter(model, late)
+    _attach(model, late)
+    shard_added(model, _zero_candidates(model, late))
     partial = getattr(model._group, "partial_grads", None)
     if partial is not None:
-        partial.install(model.module_shards)  # the whole factors' gradients: summed once per backward pass
-    model._module_names = {n for n, _ in shards[0].named_modules()}
+        partial.install(model.module_shards)  # whole tensors with partial gradients: summed once per backward pass
+    _consistent_dropout(model, late)
+    model._module_names = {n for n, _ in model.module_shards[0].named_modules()}
     model._module_count = module_count(model)
-    model._late_adapters = True
-    logger.info("adopted %d adapter layer(s) added after splitting; they follow their base layers' splits", len(layers))
+    if late.tensors:
+        logger.info("adopted %d adapter tensor(s) in %d layer(s) added after splitting; they follow their layers' "
+                    "splits", len(late.tensors), len(late.wrappers))
 
 
-def _plan_for(model, name: str, layer: nn.Module):
-    """(base kind or None for a whole layer, partition) for the adapter layer at `name`, or a clear error."""
-    problem = lora_layer_problem(layer)
-    if problem is not None:
-        raise NotImplementedError(
-            f"{name}: {problem} was added after splitting and cannot follow the split of its layer. Use plain LoRA, "
-            "or add the adapter to the unsplit model before tensor_parallel()"
-        )
-    split = model.splits.get(f"{name}.weight")
-    if split is None:
-        return None, None
-    dim, part = split
-    style = model.plan.match(name)
-    kind = "column" if dim == 0 and not getattr(style[1], "gather_output", False) else "row" if dim == 1 else None
-    if kind is None or part.overlapping:
-        raise NotImplementedError(
-            f"{name} is split by {style[1].describe() if style else 'the plan'}; a LoRA adapter added after splitting "
-            "cannot follow that split. Leave it out of target_modules, or add the adapter before tensor_parallel()"
-        )
-    return kind, part
+def take_out_late_modules(model) -> None:
+    """Undo what PEFT added to the shards since the last adoption; the split model is left as it was."""
+    for shard in model.module_shards:
+        take_out_late_adapters(shard, model._module_names, model.splits)
+    model._module_count = module_count(model)
 
 
-def _adopt(model, name: str, base: str | None, part) -> None:
+def _plan(model) -> LateAdapters:
+    zero = getattr(model, "zero_splits", None) or {}
+    late = plan_late_adapters(model.module_shards[0], known=model._module_names, splits=model.splits,
+                              modules=model._layout_modules, zero=zero.__contains__, engine="before tensor_parallel()")
     shards = list(model.module_shards)
-    world = len(shards)
-    layers = [s.get_submodule(name) for s in shards]
-    whole = (lambda f: True) if base is None else (lambda f: f == ("lora_A" if base == "column" else "lora_B"))
-    for factor in ("lora_A", "lora_B"):
-        if whole(factor):  # the same values on every device: shard 0's
-            for layer in layers[1:]:
-                for adapter, module in getattr(layer, factor).items():
-                    for p, src in zip(module.parameters(), getattr(layers[0], factor)[adapter].parameters()):
-                        p.copy_(src.to(p.device))
-    # The split model's original names: the base layer's tensors moved under .base_layer; the factors' splits.
-    for attr in ("weight", "bias"):
-        if f"{name}.{attr}" in model.splits:
-            model.splits[f"{name}.base_layer.{attr}"] = model.splits.pop(f"{name}.{attr}")
-    for adapter in layers[0].lora_A:
-        a, b = f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"
-        model.splits[a] = (1, part) if base == "row" else None
-        model.splits[b] = (0, part) if base == "column" else None
-        if layers[0].lora_B[adapter].bias is not None:
-            model.splits[b.removesuffix("weight") + "bias"] = model.splits[b]
-    if base is None or world == 1:
+    check_local_sizes(late, lambda name: [(r, _tensor(s, name).shape[late.splits[name][0]]) for r, s in enumerate(shards)])
+    return late
+
+
+def _rename_moved(model, late: LateAdapters) -> None:
+    """The wrapped modules' tensors, plan records and ZeRO-3 partitions under their new names; the new tensors' splits."""
+    model.splits = {late.moved_name(n): s for n, s in model.splits.items()}
+    zero = getattr(model, "zero_splits", None)
+    if zero:
+        model.zero_splits = {late.moved_name(n): s for n, s in zero.items()}
+    rename_modules(model._layout_modules, late)
+    model.splits.update(late.splits)
+
+
+def _make_one_adapter(model, late: LateAdapters) -> None:
+    """Values that form one adapter: whole tensors from the first device, replicated rows from their first holder,
+    DoRA magnitudes recomputed from the adopted factors."""
+    shards = list(model.module_shards)
+    first = model._placement[0]
+    for name, split in late.splits.items():
+        local = [_tensor(s, name) for s in shards]
+        if split is None:
+            for t in local[1:]:
+                t.copy_(local[0].to(t.device))
+        elif split[1].overlapping:
+            dim, part = split
+            whole = part.assemble([t.to(first) for t in local], dim)
+            for rank, t in enumerate(local):
+                t.copy_(part.take(whole, dim, rank).to(t.device))
+    for w in late.wrappers.values():
+        if w.moved == "base_layer" and w.base is not None and w.base.splits:  # (beside a whole layer: the first's)
+            _recompute_magnitudes(model, w, late)
+
+
+def _recompute_magnitudes(model, w: Wrapper, late: LateAdapters) -> None:
+    """PEFT's DoRA initialisation, m = ||W + s B A|| per output row, on the adopted factors (summed over the
+    devices' column slices beside a row-parallel layer)."""
+    layers = [s.get_submodule(w.name) for s in model.module_shards]
+    new = {owner for owner, wr in late.tensors.values() if wr == w.name}
+    for adapter in list(getattr(layers[0], "lora_magnitude_vector", None) or {}):
+        if f"{w.name}.lora_magnitude_vector.{adapter}" not in new or not is_dora(layers[0], adapter):
+            continue
+        squares = []
+        for layer in layers:
+            weight = layer.get_base_layer().weight
+            weight = weight.T if layer.fan_in_fan_out else weight
+            delta = layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight
+            squares.append((weight.float() + layer.scaling[adapter] * delta.float()).pow(2).sum(dim=1))
+        if base_kind(w.base.style) == "row":  # each device holds part of every row
+            total = sum(s.to(squares[0].device) for s in squares)
+            squares = [total.to(s.device) for s in squares]
+        for layer, sq in zip(layers, squares):
+            m = layer.lora_magnitude_vector[adapter].weight
+            m.copy_(sq.sqrt().to(m.dtype))
+
+
+def _attach(model, late: LateAdapters) -> None:
+    world = len(model.module_shards)
+    if world == 1:
         return
-    styles = dict(zip(("lora_A", "lora_B"), factor_styles(base)))
-    for rank, layer in enumerate(layers):
+    for rank, shard in enumerate(model.module_shards):
         comm = ThreadComm(model._group, rank)
-        for factor, style in styles.items():
-            for adapter, module in getattr(layer, factor).items():
-                where = f"{name}.{factor}.{adapter}"
-                ctx = ShardContext(rank=rank, world_size=world, name=where, comm=comm)
-                splits = {} if style.split.startswith("whole") else {"weight": (0 if factor == "lora_B" else 1, part)}
-                style.attach(module, splits, ctx)
-        LoraParallel(base=base).attach(layer, {}, ShardContext(rank=rank, world_size=world, name=name, comm=comm))
+        for name, (style, splits, heads, where) in late.attach.items():
+            module = shard.get_submodule(name)
+            module.__dict__.pop("forward", None)  # a modules_to_save copy runs its own forward, not the original's
+            style.attach(module, splits, ShardContext(rank=rank, world_size=world, name=where, comm=comm, heads=heads))
 
 
-def refuse_parent_state_dict(model) -> None:
-    """A parent module (the PeftModel around the split model) asks for the state dict: PEFT would name the
-    adapter's tensors after each device's shard (``module_shards.N...``), which no unsplit model loads."""
-    adopt_late_modules(model)
-    if model._late_adapters:
-        raise NotImplementedError(
-            "PEFT cannot save or load the adapter of a model split before the adapter was added: it names the "
-            "tensors after each device's shard (module_shards.N...), which an unsplit model would not load. Save it "
-            "with tensorshard.integrations.transformers.save_adapter(peft_model, folder) (PEFT's format, unsplit names), and "
-            "add adapters before splitting from now on: tp.tensor_parallel(get_peft_model(model, config), devices) "
-            "or tp.tensor_parallel(PeftModel.from_pretrained(model, folder), devices)"
-        )
+def _zero_candidates(model, late: LateAdapters) -> list[str]:
+    """The new tensors ZeRO-3 partitions, as it would at split time when training (zero.py): trainable whole
+    parameters with at least as many rows as devices."""
+    world = len(model.module_shards)
+    shard = model.module_shards[0]
+    out = []
+    for name, split in late.splits.items():
+        t = _tensor(shard, name)
+        if split is None and isinstance(t, nn.Parameter) and t.requires_grad and t.dim() >= 1 and t.shape[0] >= world:
+            out.append(name)
+    return out
+
+
+def _consistent_dropout(model, late: LateAdapters) -> None:
+    """Adapters with dropout draw one mask per replicated activation on every device (comm/dropout.py)."""
+    if len(model.module_shards) == 1:
+        return
+    wrappers = [[s.get_submodule(n) for s in model.module_shards] for n in late.wrappers]
+    if not any(may_drop(ws[0]) for ws in wrappers):
+        return
+    if model._dropout is None:
+        model._dropout = ShardDropout(ThreadPeers(model._group))
+        model._dropout.install(model.module_shards)
+        return
+    for ws in wrappers:
+        model._dropout.install(ws)
+
+
+def _tensor(module: nn.Module, name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    mod = module.get_submodule(owner) if owner else module
+    return mod._parameters[attr] if attr in mod._parameters else mod._buffers[attr]

@@ -122,7 +122,39 @@ def shard_replicated(model, chosen: Sequence[str]) -> list[str]:
         return []
     if getattr(model, "zero_splits", None):
         raise RuntimeError("this model is already ZeRO-3 partitioned")
+    state, tied = _partition(model, chosen)
+    everything = list(range(len(state.partitions)))
+    for rank, shard in enumerate(model.module_shards):
+        state.hook(shard, rank, everything, WHERE)
+    _hook_modules(model, state, everything)
+    first = dict(model.module_shards[0].named_parameters(remove_duplicate=False))
+    saved = sum(p.numel() for names_ in tied for p in [first[names_[0]]]) * (world - 1) // world
+    logger.info(
+        "ZeRO-3: %d replicated parameter(s) partitioned over %d devices (~%d elements fewer per device)",
+        len(tied), world, saved,
+    )
+    return [n for names_ in tied for n in names_]
 
+
+def shard_added(model, chosen: Sequence[str]) -> list[str]:
+    """ZeRO-3 for parameters added to a split model after splitting (PEFT adapters adopted late), whatever
+    `sharded` was: gathered in one more all-gather at the start of every forward call, before the hooks
+    installed since splitting run (partial gradients read the gathered tensors). Returns the names partitioned."""
+    if model.world_size == 1 or not chosen:
+        return []
+    known = len(model._zero.partitions) if getattr(model, "_zero", None) is not None else 0
+    state, tied = _partition(model, chosen)
+    added = list(range(known, len(state.partitions)))
+    for rank, shard in enumerate(model.module_shards):
+        state.hook(shard, rank, added, WHERE, first=True)
+    _hook_modules(model, state, added)
+    logger.info("ZeRO-3: %d parameter(s) added after splitting partitioned over %d devices", len(tied), model.world_size)
+    return [n for names_ in tied for n in names_]
+
+
+def _partition(model, chosen: Sequence[str]) -> tuple["_ZeroState", list[list[str]]]:
+    """Partition the parameters `chosen` along dim 0 on every shard; their gathering state (the model's, extended)."""
+    world = model.world_size
     # Group names by tensor (tied weights appear under several names, all of which get the slice).
     shards = list(model.module_shards)
     first = dict(shards[0].named_parameters(remove_duplicate=False))
@@ -153,25 +185,26 @@ def shard_replicated(model, chosen: Sequence[str]) -> list[str]:
                 module._parameters[attr] = new
             slots[rank].append(owners)
 
-    state = _ZeroState(model, slots, partitions)
-    everything = list(range(len(partitions)))
-    for rank, shard in enumerate(shards):
-        state.hook(shard, rank, everything, WHERE)
-        if model._group.own_graphs:
-            # A block recomputed in backward (activation checkpointing) runs its modules outside the call of the
-            # whole shard: each module holding partitioned parameters then gathers its own.
-            for name, module in shard.named_modules():
-                mine = [i for i, owners in enumerate(slots[rank]) if any(m is module for m, _ in owners)]
-                if mine:
-                    state.hook(module, rank, mine, f"{WHERE} {name} (recomputed)")
-    model.zero_splits = zero_splits
-    model._zero = state
-    saved = sum(p.numel() for names_ in tied for p in [first[names_[0]]]) * (world - 1) // world
-    logger.info(
-        "ZeRO-3: %d replicated parameter(s) partitioned over %d devices (~%d elements fewer per device)",
-        len(tied), world, saved,
-    )
-    return [n for names_ in tied for n in names_]
+    state = getattr(model, "_zero", None)
+    if state is None:
+        state = model._zero = _ZeroState(model, [[] for _ in range(world)], [])
+    for rank in range(world):
+        state.slots[rank].extend(slots[rank])
+    state.partitions.extend(partitions)
+    model.zero_splits = {**(getattr(model, "zero_splits", None) or {}), **zero_splits}
+    return state, tied
+
+
+def _hook_modules(model, state: "_ZeroState", indices: list[int]) -> None:
+    """A block recomputed in backward (activation checkpointing) runs its modules outside the call of the whole
+    shard: each module holding partitioned parameters then gathers its own."""
+    if not model._group.own_graphs:
+        return
+    for rank, shard in enumerate(model.module_shards):
+        for name, module in shard.named_modules():
+            mine = [i for i in indices if any(m is module for m, _ in state.slots[rank][i])]
+            if mine:
+                state.hook(module, rank, mine, f"{WHERE} {name} (recomputed)")
 
 
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -191,10 +224,10 @@ class _ZeroState:
         self.slots = slots
         self.partitions = partitions
         self.gathered: list[set[int]] = [set() for _ in slots]  # rank -> indices of the parameters gathered now
-        self.saved: list[dict[int, list[nn.Parameter]]] = [{} for _ in slots]  # rank -> id(scope) -> its slices
+        self.saved: list[dict[tuple, list[nn.Parameter]]] = [{} for _ in slots]  # rank -> scope -> its slices
 
-    def hook(self, module: nn.Module, rank: int, indices: list[int], where: str) -> None:
-        module.register_forward_pre_hook(lambda mod, args: self._gather_scope(mod, rank, indices, where))
+    def hook(self, module: nn.Module, rank: int, indices: list[int], where: str, *, first: bool = False) -> None:
+        module.register_forward_pre_hook(lambda mod, args: self._gather_scope(mod, rank, indices, where), prepend=first)
         module.register_forward_hook(lambda mod, args, out: self._release_scope(mod, rank, indices), always_call=True)
 
     def _gather_scope(self, module: nn.Module, rank: int, indices: list[int], where: str) -> None:
@@ -209,11 +242,11 @@ class _ZeroState:
         for param_owners, full in zip(owners, fulls):
             for mod, attr in param_owners:
                 mod._parameters[attr] = full  # a non-leaf tensor for this call; backward reaches the slice
-        self.saved[rank][id(module)] = slices
+        self.saved[rank][(id(module), indices[0])] = slices  # a module may hold two scopes (split time, added later)
         self.gathered[rank].update(indices)
 
     def _release_scope(self, module: nn.Module, rank: int, indices: list[int]) -> None:
-        slices = self.saved[rank].pop(id(module), None)
+        slices = self.saved[rank].pop((id(module), indices[0]), None)
         if slices is None:
             return
         for i, p in zip(indices, slices):

@@ -32,7 +32,7 @@ import inspect
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -52,15 +52,16 @@ from ...comm.timeout import resolve_timeout
 from ...devices import as_device
 from ...partition import Partition
 from ...plans import resolve_plan
-from ...plans.adapters import is_adapter_layer
 from ...plans.plan import Plan
-from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
+from ...plans.sharding import ModuleShard, ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine, run_after_split
 from ...styles.base import original_forward, wrap_forward
 from ..resplit import refuse_split_twice
 from ..shared_config import guard as guard_configurations
 from ..split_report import report_split
 from .data import check_same_inputs
+from .late_adapters import adopt_late_adapters, module_count
+from .local_views import swap_adapter_layers, swap_local_views
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,10 @@ class TorchrunState:
     splits: dict[str, tuple[int, Partition] | None]  # original state-dict name -> split
     layouts: dict[str, Layout]  # state-dict name -> how this rank stores it
     checks_left: int = 0
+    modules: dict[str, ModuleShard] = field(default_factory=dict)  # what the plan did to each module (late adapters)
+    module_names: set[str] = field(default_factory=set)  # the module's names, to spot adapters added later
+    module_count: int = 0
+    building: list = field(default_factory=list)  # stand-ins while PEFT adds adapters (local_views.building_views)
 
 
 def parallelize(
@@ -142,7 +147,7 @@ def parallelize(
     comm = DistComm(device_mesh, timeout)
     _check_same_plan(plan, comm)  # first: a plan error below would otherwise stop only the ranks that have it
     sharded = shard_plan(module, plan, world)  # raises on any plan error; the model is untouched
-    state = TorchrunState(plan, device_mesh, comm, sharded.slice_map(module), {}, check_inputs)
+    state = TorchrunState(plan, device_mesh, comm, sharded.slice_map(module), {}, check_inputs, dict(sharded.modules))
     source = None if src_data_rank is None else dist.get_global_rank(comm.group, src_data_rank)
     try:
         held = _distribute(module, sharded, state, mesh_device(device_mesh), source)
@@ -151,13 +156,16 @@ def parallelize(
             for name, ms in sharded.modules.items():
                 ms.style.attach(by_name[name], ms.splits, ms.context(rank, world, comm))
         for mod, tensors in held.items():
-            _swap_local_views(mod, tensors, state)  # after attach: outermost, and partial grads are known
+            swap_local_views(mod, tensors, state)  # after attach: outermost, and partial grads are known
+        swap_adapter_layers(module, state)  # PEFT layers read their base weight (DoRA), their vectors (IA3)
     except BaseException as e:
         comm.guard.report(e, f"parallelize({type(module).__name__})")  # the others stop waiting for this rank
         raise
     guard_configurations([module], f"over {world} rank(s)")  # fields that size the split stay (shared_config.py)
     _wrap_root(module, state)
     module.tensorshard = state
+    state.module_names = {n for n, _ in module.named_modules()}
+    state.module_count = module_count(module)
     run_after_split(module)  # e.g. a transformers model's save_pretrained gathers (checkpoint/gather.py)
 
     if dist.get_rank() == 0:
@@ -232,39 +240,6 @@ def _local_tensor(t, kind: str, split, layout: Layout, state: TorchrunState, dev
     return nn.Parameter(layout.to_dtensor(local, state.mesh), requires_grad=t.requires_grad)
 
 
-def _swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state: TorchrunState) -> None:
-    """Make `mod`'s forward see the local tensors of its DTensor parameters/buffers."""
-
-    comm, mesh = state.comm, state.mesh
-    entries = [
-        ("_parameters" if kind == "param" else "_buffers", name, layout, (id(mod), name) in comm.partial)
-        for (kind, name), layout in held.items()
-    ]
-    inner = mod.forward
-
-    def forward(*args, **kwargs):
-        saved = []
-        for table_name, name, layout, partial in entries:
-            table = getattr(mod, table_name)
-            t = table.get(name)
-            if not isinstance(t, DTensor) or t.device_mesh != mesh:
-                continue  # already local (a re-entrant call), or not a tensor of this mesh
-            local = layout.view(t.to_local())
-            if partial:
-                # FSDP2 reads a managed module's gradients right after its backward: reduce on the spot.
-                on_the_spot = getattr(mod, "_is_fsdp_managed_module", False)
-                local = comm.defer_grad(local, t, on_the_spot=on_the_spot, where=f"{type(mod).__name__}.{name}")
-            saved.append((table, name, t))
-            table[name] = local
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            for table, name, t in saved:
-                table[name] = t
-
-    wrap_forward(mod, forward)
-
-
 def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     """Around the root forward: the per-call collective cache, inputs moved to this rank's device, the first
     calls' identical-input check, and a failure report to the other ranks when the forward raises."""
@@ -277,7 +252,6 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     comm = state.comm
     device = mesh_device(state.mesh)
     where = f"the forward of {type(root).__name__}"
-    known = {"count": sum(1 for _ in root.modules()), "adapters": {n for n, m in root.named_modules() if is_adapter_layer(m)}}
     # dropout in training: one mask per replicated activation on every rank (comm/dropout.py); the last few
     # calls' keys are kept for blocks that activation checkpointing recomputes in backward
     dropout = ShardDropout(DistPeers(comm), keep=8) if comm.world_size > 1 and may_drop(root) else None
@@ -289,9 +263,7 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
         comm.begin_call()
         outermost["depth"] += 1
         try:
-            if sum(1 for _ in root.modules()) != known["count"]:
-                _refuse_late_adapters(root, known["adapters"])
-                known["count"] = sum(1 for _ in root.modules())
+            adopt_late_adapters(root)  # PEFT adapters added since parallelize follow the split (late_adapters.py)
             args, kwargs = _inputs_on(device, args, kwargs, signature)
             if state.checks_left > 0 and comm.world_size > 1:
                 state.checks_left -= 1
@@ -309,17 +281,6 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
             comm.end_call()
 
     wrap_forward(root, forward)
-
-
-def _refuse_late_adapters(root: nn.Module, planned: set[str]) -> None:
-    """PEFT adapters added after parallelize would run unaware of the split (each rank's factors sized from its
-    slices, no collective): refused. The in-process engine adopts them (engines/inprocess/late_adapters.py)."""
-    late = next((n for n, m in root.named_modules() if is_adapter_layer(m) and n not in planned), None)
-    if late is not None:
-        raise NotImplementedError(
-            f"{late}: a PEFT adapter was added after parallelize(); under torchrun add adapters first: "
-            "tp.parallelize(get_peft_model(model, config), mesh) (or PeftModel.from_pretrained(model, folder) first)"
-        )
 
 
 def _inputs_on(device: torch.device, args: tuple, kwargs: dict, signature) -> tuple[tuple, dict]:

@@ -10,7 +10,7 @@ from ...layers import is_peft_model
 from .cache import ShardedCache, rank_caches
 from .model import TransformersTensorParallel, is_transformers_model, split_class, tensor_parallel_pretrained
 from .split_logits import assemble_logits_once
-from .peft import PeftTensorParallel, save_adapter, tensor_parallel_peft
+from .peft import PeftTensorParallel, tensor_parallel_peft
 from .wrapped import WrapperTensorParallel
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "WrapperTensorParallel",
     "is_transformers_model",
     "rank_caches",
-    "save_adapter",
     "split_class",
     "tensor_parallel_pretrained",
     "tensor_parallel_transformers",

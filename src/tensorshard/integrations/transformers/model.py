@@ -50,8 +50,10 @@ from transformers.cache_utils import Cache
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import WEIGHT_FILES, gathered_state_dict, save_pretrained_options
 from ...engines.inprocess import TensorParallel
+from ...engines.inprocess.late_adapters import module_count
 from ...engines.inprocess.shard_attributes import set_everywhere
 from ...layers import is_transformers_model
+from .adapters import SplitAdapters
 from .cache import shard_cache
 from .unsplit_cache import split_filled_cache
 
@@ -79,7 +81,7 @@ def split_class(model_class: type) -> type:
     for method in _ENCODER_METHODS:
         if callable(getattr(model_class, method, None)):
             methods[method] = _on_every_shard(method, getattr(model_class, method))
-    return type(name, (TransformersTensorParallel, model_class), methods)
+    return type(name, (SplitAdapters, TransformersTensorParallel, model_class), methods)  # adapters.py: add/load_adapter
 
 
 _ENCODER_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
@@ -373,7 +375,7 @@ def _with_shards(view: TensorParallel, parts: list[nn.Module]) -> TensorParallel
     (modules added after splitting are refused there)."""
     view.module_shards = nn.ModuleList(parts)
     view._module_names = {n for n, _ in parts[0].named_modules()}
-    view._module_count = len(view._module_names)
+    view._module_count = module_count(view)
     return view
 
 

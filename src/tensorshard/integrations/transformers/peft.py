@@ -21,28 +21,22 @@ import functools
 import inspect
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
 from torch import nn
 
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import gathered_state_dict, save_pretrained_options
-from ...engines.inprocess import TensorParallel
-from ...engines.inprocess.late_adapters import adopt_late_modules
-from ...layers import is_peft_model
-from ...plans.adapters import is_adapter_tensor
+from ...plans.adapters import is_adapter_tensor, refuse_prompt_learning
+from ..peft_after_split import ADAPTER_FILES, unmergeable, whole_adapter_tensors
 from .wrapped import WrapperTensorParallel
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")
-
-
 def tensor_parallel_peft(module: nn.Module, device_ids=None, **kwargs) -> "PeftTensorParallel":
     """Split a PeftModel; the result is also an instance of its class (see the module docstring)."""
+    refuse_prompt_learning(module)  # before anything is built (plans/adapters.py)
     return peft_split_class(type(module))(module, device_ids, **kwargs)
 
 
@@ -96,7 +90,7 @@ class PeftTensorParallel(WrapperTensorParallel):
         ``merge_adapter`` does; ``unmerge_adapter()`` takes them out again."""
         with self._whole_factors():
             for shard in self.module_shards:
-                problem = unmergeable(shard)
+                problem = unmergeable(shard, self.splits)
                 if problem:
                     raise NotImplementedError(f"merge_adapter() on a model split over {self.labels}: {problem}. Merge in "
                                               "the unsplit model instead (save the adapter, load it there, merge_and_unload)")
@@ -135,49 +129,10 @@ class PeftTensorParallel(WrapperTensorParallel):
             for shard in self.module_shards:
                 action(shard)
 
-    @contextlib.contextmanager
     def _whole_factors(self):
-        """Every device sees whole copies of the adapter factors ZeRO-3 keeps in row pieces (``sharded``, the
+        """Every device sees whole copies of the adapter tensors ZeRO-3 keeps in row pieces (``sharded``, the
         default for trainable whole tensors): PEFT's merge multiplies whole factors."""
-        names = [n for n in getattr(self, "zero_splits", {}) if is_adapter_tensor(n)]
-        whole = dict(gathered_state_dict(self, only=names.__contains__)) if names else {}
-        held = []
-        try:
-            for shard in self.module_shards:
-                for name, tensor in whole.items():
-                    owner, attr = name.rsplit(".", 1)
-                    module = shard.get_submodule(owner)
-                    piece = module._parameters[attr]
-                    held.append((module, attr, piece))
-                    module._parameters[attr] = nn.Parameter(tensor.to(piece.device), requires_grad=False)
-            yield
-        finally:
-            for module, attr, piece in held:
-                module._parameters[attr] = piece
-
-    def enable_adapter_layers(self) -> None:
-        for shard in self.module_shards:
-            shard.base_model.enable_adapter_layers()
-
-    def disable_adapter_layers(self) -> None:
-        for shard in self.module_shards:
-            shard.base_model.disable_adapter_layers()
-
-    @contextlib.contextmanager
-    def disable_adapter(self):
-        """Runs the base model without the adapters inside the block (PEFT's ``disable_adapter``), on every device."""
-        with contextlib.ExitStack() as stack:
-            for shard in self.module_shards:
-                stack.enter_context(shard.disable_adapter())
-            yield
-
-    def set_adapter(self, adapter_name: str, inference_mode: bool = False) -> None:
-        """Makes `adapter_name` the active adapter on every device (trainable unless `inference_mode`)."""
-        if adapter_name not in self.peft_config:
-            raise ValueError(f"set_adapter({adapter_name!r}): this model holds the adapter(s) {sorted(self.peft_config)}")
-        for shard in self.module_shards:
-            shard.set_adapter(adapter_name, inference_mode=inference_mode)
-        self._peft.active_adapter = adapter_name
+        return whole_adapter_tensors(self)
 
     def _refuse_restructuring(self, method: str):
         raise NotImplementedError(
@@ -206,31 +161,30 @@ class PeftTensorParallel(WrapperTensorParallel):
         return self.inner_model
 
     def load_adapter(self, model_id: str | os.PathLike, adapter_name: str = "default", is_trainable: bool = False, **kwargs: Any):
-        """Load saved weights (a local folder in PEFT's format) into adapter `adapter_name`, which this model
-        already holds (Trainer's resume_from_checkpoint): each device takes its slice. A new adapter cannot be
-        added to a split model: load it before splitting."""
+        """PEFT's ``load_adapter`` into adapter `adapter_name`, which this model already holds (Trainer's
+        resume_from_checkpoint): PEFT names and converts the saved tensors on the unsplit PeftModel this model was
+        split from (kept, empty, on the meta device), and what it loads goes to this model, each device taking its
+        slices. A new adapter cannot be added to a model split with its adapters: load it before splitting."""
         if adapter_name not in self.peft_config:
             raise NotImplementedError(
                 f"load_adapter({adapter_name!r}): this split model holds the adapter(s) {sorted(self.peft_config)}; a new "
                 "one cannot be added after splitting. Load it into the unsplit model before tensor_parallel()"
             )
-        peft = sys.modules["peft"]  # loaded by whoever made this PeftModel; never imported here
-        tuner = peft.mapping.PEFT_TYPE_TO_TUNER_MAPPING[self.peft_config[adapter_name].peft_type]
-        ours = [n for n in self.splits if is_adapter_tensor(n) and f".{adapter_name}." in n]
-        by_saved_name = {  # PEFT's own naming: no adapter name; a modules_to_save copy under the module's name
-            n.replace(f".modules_to_save.{adapter_name}.", ".") if ".modules_to_save." in n
-            else tuner._remove_adapter_name_from_key(n, adapter_name): n
-            for n in ours
-        }
-        saved = peft.utils.load_peft_weights(str(model_id), device="cpu")
-        unknown = sorted(set(saved) - set(by_saved_name))
-        if unknown:
-            raise ValueError(f"{model_id}: {len(unknown)} saved tensor(s) have no place in this model, e.g. {unknown[0]}")
-        self.load_state_dict({by_saved_name[k]: v for k, v in saved.items()}, strict=False)
+        split = self
+
+        def load_state_dict(state_dict, strict: bool = True, assign: bool = False):
+            return split.load_state_dict(state_dict, strict=False)  # unsplit names: each device takes its slice
+
+        self._peft.__dict__["load_state_dict"] = load_state_dict
+        try:
+            result = type(self._peft).load_adapter(self._peft, model_id, adapter_name, is_trainable=is_trainable, **kwargs)
+        finally:
+            del self._peft.__dict__["load_state_dict"]
         if not is_trainable:
             for name, p in self.named_parameters():
-                if f".{adapter_name}." in name:
+                if f".{adapter_name}." in name or name.endswith(f".{adapter_name}"):
                     p.requires_grad_(False)
+        return result
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """PEFT's adapter format (adapter_config.json, adapter_model.safetensors) with unsplit names and
@@ -244,44 +198,3 @@ class PeftTensorParallel(WrapperTensorParallel):
         peft_save = functools.partial(type(self._peft).save_pretrained, self._peft, state_dict=state, **kwargs)
         write_into_folder(target, peft_save, replaces=ADAPTER_FILES)
         logger.info("saved the adapter of the split %s to %s (%d tensors)", type(self._peft).__name__, target, len(state))
-
-
-def unmergeable(shard: nn.Module) -> str | None:
-    """Why PEFT's merge would be wrong on this shard's slices, or None: a base weight that is quantized (the
-    merge would requantize a slice) or held in ZeRO-3 pieces (its local tensor is not the adapter's slice)."""
-    for name, module in shard.named_modules():
-        if not (hasattr(module, "lora_A") and hasattr(module, "get_base_layer")):
-            continue
-        weight = getattr(module.get_base_layer(), "weight", None)
-        if weight is None or not weight.is_floating_point():
-            return f"{name} wraps a quantized layer (merging would requantize a slice)"
-        for adapter, A in module.lora_A.items():
-            rows, cols = module.lora_B[adapter].weight.shape[0], A.weight.shape[1]
-            expected = (cols, rows) if getattr(module, "fan_in_fan_out", False) else (rows, cols)
-            if tuple(weight.shape) != expected:
-                return f"{name}'s weight is held in ZeRO-3 pieces (sharded_param_names), not as the adapter's slice"
-    return None
-
-
-def save_adapter(peft_model: nn.Module, save_directory: str | os.PathLike, *, adapter_name: str = "default") -> None:
-    """Write PEFT's adapter format (adapter_config.json, adapter_model.safetensors; unsplit names and shapes)
-    for a PeftModel wrapped around an already split model (``get_peft_model(split_model, config)``), whose
-    own ``save_pretrained`` is refused (engines/inprocess/late_adapters.py). Plain PEFT loads the folder into an
-    unsplit model. A PeftModel split as a whole (adapter added first) saves with ``save_pretrained``."""
-    split = peft_model.get_base_model()
-    if not isinstance(split, TensorParallel):
-        raise TypeError(f"save_adapter expects a PeftModel around a split model; its base model is a {type(split).__name__}")
-    adopt_late_modules(split)
-    marker = f".{adapter_name}."
-    state = {
-        "base_model.model." + name.replace(marker, "."): tensor.contiguous()
-        for name, tensor in gathered_state_dict(split, only=lambda n: is_adapter_tensor(n) and marker in n)
-    }
-    if not state:
-        raise ValueError(f"the model holds no tensors of adapter {adapter_name!r}")
-
-    def write(folder: Path) -> None:
-        peft_model.peft_config[adapter_name].save_pretrained(folder)
-        save_file(state, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-
-    write_into_folder(Path(save_directory), write, replaces=ADAPTER_FILES)

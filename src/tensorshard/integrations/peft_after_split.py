@@ -1,0 +1,378 @@
+"""PEFT's own API around a model that was split first: the order people write when they load a model the
+tensor-parallel way and then fine-tune it.
+
+    split = tp.tensor_parallel(AutoModelForCausalLM.from_pretrained(...), devices)   # or tp.parallelize(..., mesh)
+    model = get_peft_model(split, LoraConfig(...))             # a PeftModel, as PEFT builds it
+    model.save_pretrained("adapter/")                          # PEFT's format: unsplit names and shapes
+    model = PeftModel.from_pretrained(split, "adapter/")       # an adapter made on an unsplit model: each
+                                                               # device takes its slices
+    Trainer(model=model, args=TrainingArguments(save_steps=...), ...).train(resume_from_checkpoint=True)
+
+PEFT builds its PeftModel around the split model and wraps every device's layers (in one process: each
+shard's, named ``module_shards.N...``; under torchrun: this rank's, with the unsplit names). Nothing in
+PEFT calls back into tensorshard, so a module-registration hook (torch's global
+``register_module_module_registration_hook``, installed when tensorshard is imported; it looks at nothing
+but PEFT objects taking a split model) steps in at two moments:
+
+1. A PEFT tuner (LoraModel, IA3Model, ...) takes a split model as its ``model``, before PEFT wraps any layer:
+   a method that cannot follow a split (LoHa, VeRA, ... anything but LoRA, DoRA and IA3) is refused here,
+   before anything changes.
+2. A PeftModel takes that tuner as its ``base_model``, once every layer is wrapped: the split model adopts
+   the adapters (engines/inprocess/late_adapters.py, engines/torchrun/late_adapters.py: the styles, splits
+   and values they would have had if added before splitting; what cannot follow is refused and taken out
+   again), and the PeftModel's class becomes `AroundSplit` over PEFT's own, so that its methods that read or
+   write the adapter by name work on the split model. A prompt-learning method (prompt tuning, prefix tuning,
+   P-tuning) takes the split model itself as ``base_model``: refused, as its encoder reads the whole
+   vocabulary's embedding, which the split model does not hold in one piece.
+
+`AroundSplit` runs PEFT's own ``save_pretrained`` and ``load_adapter`` (so PEFT names, selects and converts
+the tensors as it would for an unsplit model), with two differences: the adapter's tensors are gathered
+(only the adapter's, one at a time: never the frozen base weights), and, in one process, PEFT looks at the
+first device's shard, whose module names are the unsplit model's, while tensors loaded into it go to the
+split model, which gives each device its slices. ``transformers.Trainer`` checkpoints, ``save_model`` and
+``resume_from_checkpoint`` go through these two methods. Methods that rebuild the module tree
+(``merge_and_unload``, ``unload``, ``add_weighted_adapter``) are refused as for a PeftModel split whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
+
+from ..checkpoint.atomic import write_into_folder
+from ..checkpoint.gather import gathered_state_dict, save_pretrained_options
+from ..checkpoint.torchrun import TorchrunJob, is_parallelized
+from ..comm.dtensor import mesh_device
+from ..engines.inprocess import TensorParallel
+from ..engines.inprocess.late_adapters import adopt_late_modules
+from ..engines.torchrun.late_adapters import adopt_late_adapters
+from ..engines.torchrun.local_views import building_views
+from ..layers import is_peft_model
+from ..plans.adapters import is_adapter_tensor
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")
+PREFIX = "base_model.model."  # where a PeftModel keeps the model it adapts
+SUPPORTED_TUNERS = ("LoraModel", "IA3Model")  # the PEFT methods whose layers follow a split (styles/lora.py, ia3.py)
+
+_hook = None
+
+
+def install() -> None:
+    """Register the module-registration hook (once per process)."""
+    global _hook
+    if _hook is None:
+        _hook = register_module_module_registration_hook(_on_registration)
+
+
+def _on_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    if submodule is None or name not in ("model", "base_model"):
+        return None
+    peft = sys.modules.get("peft")
+    if peft is None:
+        return None
+    if name == "model" and _is_tuner(module, peft) and _is_split(submodule):
+        _before_injection(module, submodule)
+    elif name == "base_model" and is_peft_model(module):
+        if _is_split(submodule):
+            raise NotImplementedError(
+                f"{type(module).__name__} with a prompt-learning method (prompt tuning, prefix tuning, P-tuning) "
+                "around a split model: its prompt encoder reads the whole vocabulary's embeddings, which the split "
+                "model holds in slices. Use LoRA, DoRA or IA3 on a split model, or train the prompt on an unsplit one"
+            )
+        if _is_tuner(submodule, peft) and _is_split(getattr(submodule, "model", None)):
+            _adopt(submodule.model)
+            module.__class__ = around_split_class(type(module))
+    return None
+
+
+def _is_tuner(module: nn.Module, peft) -> bool:
+    return isinstance(module, peft.tuners.tuners_utils.BaseTuner)
+
+
+def _is_split(module: object) -> bool:
+    """A split model itself (a PEFT tuner forwards unknown attributes, `tensorshard` included, to its model)."""
+    if isinstance(module, TensorParallel):
+        return True
+    return isinstance(module, nn.Module) and "tensorshard" in vars(module) and is_parallelized(module)
+
+
+def _before_injection(tuner: nn.Module, split: nn.Module) -> None:
+    """A PEFT tuner is about to wrap the layers of `split`: refuse a method that cannot follow the split; under
+    torchrun, let PEFT build on this rank's plain slices (engines/torchrun/local_views.py)."""
+    kind = type(tuner).__name__
+    if kind not in SUPPORTED_TUNERS:
+        raise NotImplementedError(
+            f"{kind.removesuffix('Model')} adapters cannot follow the split of a model split by tensorshard (in "
+            "either order): only LoRA (also rsLoRA, DoRA and modules_to_save) and IA3 layers do. Use one of those, "
+            "or train this adapter on the unsplit model"
+        )
+    if not isinstance(split, TensorParallel):
+        building_views(split, split.tensorshard)  # PEFT builds its layers on this rank's plain slices
+
+
+def _adopt(split: nn.Module) -> None:
+    """The split model adopts the adapters PEFT just added; a refusal leaves it as it was."""
+    try:
+        if isinstance(split, TensorParallel):
+            adopt_late_modules(split)
+        else:
+            adopt_late_adapters(split)
+    except NotImplementedError:
+        split.__dict__.pop("peft_config", None)  # set on it by PEFT's tuner
+        raise
+
+
+@functools.lru_cache(maxsize=None)
+def around_split_class(peft_class: type) -> type:
+    """``<PeftClass>AroundSplit``: `AroundSplit` first in the MRO, then PEFT's own class."""
+    return type(f"{peft_class.__name__}AroundSplit", (AroundSplit, peft_class), {"__module__": __name__})
+
+
+class AroundSplit:
+    """What a PeftModel around a split model does differently (see the module docstring)."""
+
+    def _split_model(self) -> nn.Module:
+        return self.base_model._modules["model"] if "_viewing" not in self.__dict__ else self.__dict__["_viewing"]
+
+    @contextlib.contextmanager
+    def _unsplit_view(self):
+        """PEFT looks at the first device's shard instead of the split model: the unsplit model's module names
+        (in one process; under torchrun the model keeps them already)."""
+        split = self._split_model()
+        if not isinstance(split, TensorParallel) or "_viewing" in self.__dict__:
+            yield
+            return
+        tuner = self.base_model
+        self.__dict__["_viewing"] = split
+        tuner._modules["model"] = split.module_shards[0]
+        try:
+            yield
+        finally:
+            tuner._modules["model"] = split
+            del self.__dict__["_viewing"]
+
+    @contextlib.contextmanager
+    def _whole_model(self):
+        """The split model back in its place, inside an `_unsplit_view`."""
+        split = self.__dict__.get("_viewing")
+        if split is None:
+            yield
+            return
+        view = self.base_model._modules["model"]
+        self.base_model._modules["model"] = split
+        try:
+            yield
+        finally:
+            self.base_model._modules["model"] = view
+
+    # -- saving ------------------------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """PEFT's adapter format (adapter_config.json, adapter_model.safetensors) with unsplit names and shapes,
+        written by PEFT's own ``save_pretrained`` into a temporary folder moved into place; PEFT's options
+        (``selected_adapters``, ``safe_serialization``, ``is_main_process``, ...) pass through. Under torchrun
+        every process calls it; the first process writes."""
+        kwargs, given = save_pretrained_options(kwargs)
+        if given is not None and any("module_shards." in k for k in given):
+            given = None  # the split model's own state dict: gather it
+        target = Path(save_directory)
+        split = self._split_model()
+        peft_save = super().save_pretrained
+        if isinstance(split, TensorParallel):
+            adopt_late_modules(split)
+            if target.exists() and not target.is_dir():
+                raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
+            state = given if given is not None else _gathered_adapter(split)
+            with self._unsplit_view():
+                write_into_folder(target, functools.partial(peft_save, state_dict=state, **kwargs), replaces=ADAPTER_FILES)
+            logger.info("saved the adapter of %s to %s (%d tensors)", type(self).__name__, target, len(state))
+            return
+        adopt_late_adapters(split)
+        job = TorchrunJob()
+
+        def check() -> None:
+            if target.exists() and not target.is_dir():
+                raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
+
+        job.agree("checking the folder", check)
+        state = given if given is not None else _gathered_adapter(split)  # collective: every rank gathers
+
+        def write() -> None:
+            if job.coordinator:
+                write_into_folder(target, functools.partial(peft_save, state_dict=state, **kwargs), replaces=ADAPTER_FILES)
+
+        job.agree("writing the adapter", write)
+
+    # -- loading -----------------------------------------------------------------------------------------
+
+    def load_adapter(self, model_id: str | os.PathLike, adapter_name: str, is_trainable: bool = False, **kwargs: Any):
+        """PEFT's ``load_adapter``: a PEFT adapter (made on an unsplit model, or saved from a split one) into
+        adapter `adapter_name`, a new one or one this model holds (Trainer's resume); each device takes its
+        slices of the saved tensors."""
+        if kwargs.get("low_cpu_mem_usage"):
+            raise NotImplementedError("load_adapter(low_cpu_mem_usage=True) into a split model: leave it False (the "
+                                      "adapter is created on every device, then each takes its slice of the saved one)")
+        split = self._split_model()
+        if adapter_name not in self.peft_config:  # PEFT's own steps for a new adapter; add_adapter adopts it
+            peft = sys.modules["peft"]
+            hub = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "subfolder", "local_files_only") if k in kwargs}
+            config = peft.PeftConfig.from_pretrained(model_id, **hub)
+            self._check_new_adapter_config(config, is_trainable=is_trainable)
+            config.inference_mode = not is_trainable
+            self.add_adapter(adapter_name, config, autocast_adapter_dtype=kwargs.get("autocast_adapter_dtype", True))
+            if is_trainable:
+                self.set_requires_grad(adapter_name)
+        with self._unsplit_view():
+            result = super().load_adapter(model_id, adapter_name, is_trainable=is_trainable, **kwargs)
+        # What PEFT just did to the first shard only (in the view), for every device:
+        if hasattr(self.base_model, "_cast_adapter_dtype"):
+            self.base_model._cast_adapter_dtype(adapter_name=adapter_name,
+                                                autocast_adapter_dtype=kwargs.get("autocast_adapter_dtype", True))
+        if not is_trainable:
+            self.eval()
+        logger.info("loaded adapter %r from %s into the split %s", adapter_name, model_id, type(split).__name__)
+        return result
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As for any module; inside PEFT's load (where PEFT looks at the first shard), into the split model:
+        unsplit names are sliced for every device (the split model's load pre-hook)."""
+        with self._whole_model():
+            split = self._split_model()
+            if not isinstance(split, TensorParallel):
+                adopt_late_adapters(split)
+                state_dict = _local_for_torchrun(split, state_dict)
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def add_adapter(self, adapter_name: str, peft_config, *args: Any, **kwargs: Any) -> None:
+        """PEFT's ``add_adapter``, into every device's layers; the split model then adopts it (or refuses it,
+        leaving the model as it was)."""
+        with self._whole_model():
+            split = self._split_model()
+            if not isinstance(split, TensorParallel):
+                building_views(split, split.tensorshard)  # PEFT builds its layers on this rank's plain slices
+            super().add_adapter(adapter_name, peft_config, *args, **kwargs)
+            try:
+                adopt_late_modules(split) if isinstance(split, TensorParallel) else adopt_late_adapters(split)
+            except NotImplementedError:
+                self.peft_config.pop(adapter_name, None)
+                raise
+
+    def set_requires_grad(self, *args: Any, **kwargs: Any) -> None:
+        with self._whole_model():
+            super().set_requires_grad(*args, **kwargs)
+
+    # -- merging and restructuring -------------------------------------------------------------------------
+
+    def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
+        """PEFT's ``merge_adapter`` on every device's slices (B_d A beside a column-parallel layer, B A_d beside a
+        row-parallel one: exactly each device's slice of the merged weight)."""
+        split = self._split_model()
+        with whole_adapter_tensors(split):
+            roots = list(split.module_shards) if isinstance(split, TensorParallel) else [split]
+            splits = split.splits if isinstance(split, TensorParallel) else split.tensorshard.splits
+            problem = next((p for p in (unmergeable(root, splits) for root in roots) if p), None)
+            if problem:
+                raise NotImplementedError(f"merge_adapter() on a split model: {problem}. Merge in the unsplit model "
+                                          "instead (save the adapter, load it there, merge_and_unload)")
+            self.base_model.merge_adapter(*args, **kwargs)  # the tuner's (PeftModel forwards it)
+
+    def unmerge_adapter(self, *args: Any, **kwargs: Any) -> None:
+        with whole_adapter_tensors(self._split_model()):
+            self.base_model.unmerge_adapter(*args, **kwargs)
+
+    def _refuse_restructuring(self, method: str):
+        raise NotImplementedError(
+            f"{method}() on a PeftModel around a split model: it rebuilds the module tree, which the split's layout "
+            "describes. Save the adapter (model.save_pretrained(folder)), load it into the unsplit model "
+            "(PeftModel.from_pretrained(base, folder)) and call it there, then split the result; or call "
+            "merge_adapter(), which merges in place on every device"
+        )
+
+    def merge_and_unload(self, *args: Any, **kwargs: Any):
+        self._refuse_restructuring("merge_and_unload")
+
+    def unload(self, *args: Any, **kwargs: Any):
+        self._refuse_restructuring("unload")
+
+    def add_weighted_adapter(self, *args: Any, **kwargs: Any):
+        self._refuse_restructuring("add_weighted_adapter")
+
+
+def _gathered_adapter(split: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, whole, under the PeftModel's names (collective under torchrun)."""
+    return {PREFIX + name: tensor.contiguous() for name, tensor in gathered_state_dict(split, only=is_adapter_tensor)}
+
+
+def _local_for_torchrun(root: nn.Module, state_dict):
+    """Whole tensors headed for the parameters of a parallelized model: this rank's slices, as the DTensors
+    the parameters are (a tensor already a DTensor passes as it is)."""
+    state = root.tensorshard
+    out = dict(state_dict)
+    for key, value in state_dict.items():
+        name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        layout = state.layouts.get(name)
+        if layout is None or type(value).__name__ == "DTensor":
+            continue
+        split = state.splits.get(name)
+        local = value if split is None else split[1].take(value, split[0], state.comm.rank)
+        out[key] = layout.to_dtensor(local.to(mesh_device(state.mesh)).contiguous(), state.mesh)
+    return out
+
+
+@contextlib.contextmanager
+def whole_adapter_tensors(split: nn.Module):
+    """Inside the block, every device of an in-process split model holds whole copies of the adapter tensors that
+    ZeRO-3 keeps in row pieces (PEFT's merge multiplies whole factors); nothing to do under torchrun."""
+    names = [n for n in getattr(split, "zero_splits", None) or {} if is_adapter_tensor(n)]
+    if not isinstance(split, TensorParallel) or not names:
+        yield
+        return
+    whole = dict(gathered_state_dict(split, only=names.__contains__))
+    held = []
+    try:
+        for shard in split.module_shards:
+            for name, tensor in whole.items():
+                owner, attr = name.rsplit(".", 1)
+                module = shard.get_submodule(owner)
+                piece = module._parameters[attr]
+                held.append((module, attr, piece))
+                module._parameters[attr] = nn.Parameter(tensor.to(piece.device), requires_grad=False)
+        yield
+    finally:
+        for module, attr, piece in held:
+            module._parameters[attr] = piece
+
+
+def unmergeable(root: nn.Module, splits: dict) -> str | None:
+    """Why PEFT's merge would be wrong on this device's slices, or None: a base weight that is quantized (the
+    merge would requantize a slice) or held in ZeRO-3 pieces (its local tensor is not the adapter's slice), or
+    DoRA beside a row-parallel layer (its row norms span every device). `splits`: the split model's."""
+    for name, module in root.named_modules():
+        if not (hasattr(module, "lora_A") and hasattr(module, "get_base_layer")):
+            continue
+        weight = getattr(module.get_base_layer(), "weight", None)
+        if weight is None or not weight.is_floating_point():
+            return f"{name} wraps a quantized layer (merging would requantize a slice)"
+        split = splits.get(f"{name}.base_layer.weight")
+        in_dim = 0 if getattr(module, "fan_in_fan_out", False) else 1
+        if getattr(module, "lora_magnitude_vector", None) and split is not None and split[0] == in_dim:
+            return f"{name} holds DoRA beside a row-parallel layer (its row norms span every device)"
+        if hasattr(weight, "to_local"):
+            continue  # under torchrun: no ZeRO-3 pieces
+        for adapter, A in module.lora_A.items():
+            rows, cols = module.lora_B[adapter].weight.shape[0], A.weight.shape[1]
+            expected = (cols, rows) if getattr(module, "fan_in_fan_out", False) else (rows, cols)
+            if tuple(weight.shape) != expected:
+                return f"{name}'s weight is held in ZeRO-3 pieces (sharded_param_names), not as the adapter's slice"
+    return None

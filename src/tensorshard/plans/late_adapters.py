@@ -1,0 +1,231 @@
+"""What PEFT added to a model after it was split, and how the plan splits it: the part both engines share.
+
+    split = tp.tensor_parallel(model, devices)       # or tp.parallelize(model, mesh)
+    model = get_peft_model(split, LoraConfig(...))   # PEFT wraps each device's layers, sized from their slices
+
+`plan_late_adapters(root, ...)` reads one device's module tree (in one process the first shard, under torchrun
+this rank's module) and finds PEFT's additions since the last look: wrappers put in place of a layer (a LoRA
+or IA3 layer keeps the layer as ``.base_layer``, a modules_to_save wrapper as ``.original_module``) and new
+adapters in wrappers adopted before. For each new tensor it answers what `adapt_plan` (adapters.py) would
+have, had the adapter existed before splitting: its split, beside the partition of the wrapped layer (the
+styles' ``beside``), and which styles to attach where. A modules_to_save copy is split like the module it
+copies. It only reads: everything that cannot follow the split is refused here, with the fix, and
+`take_out_late_adapters` removes PEFT's additions again so the model is left as it was. The engines do the
+rest (engines/*/late_adapters.py): rename, make the values one adapter, attach, and their own bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import nn
+
+from .adapters import adapter_entries, is_adapter_layer, is_modules_to_save
+from .plan import Plan
+from .sharding import ModuleShard, direct_tensors
+
+
+@dataclass
+class Wrapper:
+    """One PEFT wrapper with something new inside, and what the plan did to the layer it wraps."""
+
+    name: str
+    fresh: bool  # PEFT put it there since the last adoption (else: an adopted one that gained an adapter)
+    moved: str  # where the wrapped module went: "base_layer", or "original_module" (modules_to_save)
+    base: ModuleShard | None = None  # what the plan did to the wrapped layer (None: left whole)
+
+
+@dataclass
+class LateAdapters:
+    """PEFT's additions to a split model, and how they follow the split."""
+
+    wrappers: dict[str, Wrapper] = field(default_factory=dict)
+    tensors: dict[str, tuple[str, str]] = field(default_factory=dict)  # new tensor -> (owner module, wrapper)
+    splits: dict[str, tuple | None] = field(default_factory=dict)  # new tensor -> split (None: whole)
+    # module -> (style, its splits, the head groups of its layer, the name its collectives go by)
+    attach: dict[str, tuple] = field(default_factory=dict)
+
+    def moved_name(self, name: str) -> str:
+        """A name of the split model as it is once the fresh wrappers' wrapped modules have moved into them."""
+        return moved_name(name, self.wrappers)
+
+
+def count_modules_and_tensors(root: nn.Module) -> int:
+    """Modules and tensors below `root`: a change means something was added since the last look."""
+    return sum(1 + len(m._parameters) + len(m._buffers) for m in root.modules())
+
+
+def plan_late_adapters(
+    root: nn.Module,
+    *,
+    known: set[str],
+    splits: dict,
+    modules: dict[str, ModuleShard],
+    zero: Callable[[str], bool] = lambda name: False,
+    engine: str = "before tensor_parallel()",
+) -> LateAdapters:
+    """PEFT's additions to `root` (one device's module tree) and how they follow the split.
+
+    Args:
+        known: the module names `root` had at the last look; `splits`: its tensors' splits by name; `modules`:
+            what the plan did to each module (`ShardedModel.modules`, kept by the engine); `zero`: whether a
+            tensor is held in ZeRO-3 pieces; `engine`: where to add the adapter instead, for messages.
+    """
+    named = dict(root.named_modules())
+    late = LateAdapters()
+    for name, module in named.items():
+        moved = _moved_attr(module)
+        if moved is not None and f"{name}.{moved}" not in known:
+            late.wrappers[name] = Wrapper(name, True, moved)
+    renamed = {moved_name(n, late.wrappers) for n in splits}
+    stray = []
+    for owner, mod in named.items():
+        for _, attr, t in direct_tensors(mod):
+            tname = f"{owner}.{attr}" if owner else attr
+            if tname in renamed:
+                continue
+            wrapper = _wrapper_of(owner, named)
+            if wrapper is None or wrapper[1]:
+                stray.append(tname)
+                continue
+            if t.is_meta:
+                raise NotImplementedError(f"{tname} is on the meta device (low_cpu_mem_usage=True?): add adapters to a "
+                                          "split model with real tensors (low_cpu_mem_usage=False)")
+            if wrapper[0] not in late.wrappers:  # adopted before, and given another adapter since
+                late.wrappers[wrapper[0]] = Wrapper(wrapper[0], False, _moved_attr(named[wrapper[0]]))
+            late.tensors[tname] = (owner, wrapper[0])
+    stray += [n for n in named if n not in known and _wrapper_of(n, named) is None]
+    if stray:
+        raise NotImplementedError(
+            f"{stray[0]}{f' and {len(stray) - 1} more' if len(stray) > 1 else ''} were added to the split model after "
+            "splitting: only PEFT adapters (LoRA, DoRA, IA3, modules_to_save) can be added to a split model. Add "
+            f"other modules {engine}"
+        )
+    for w in late.wrappers.values():
+        _plan_wrapper(named, modules, zero, w, late, engine)
+    return late
+
+
+def moved_name(name: str, wrappers: dict[str, Wrapper]) -> str:
+    for w in wrappers.values():
+        if w.fresh and (name == w.name or name.startswith(w.name + ".")):
+            return f"{w.name}.{w.moved}{name[len(w.name):]}"
+    return name
+
+
+def rename_modules(modules: dict[str, ModuleShard], late: LateAdapters) -> None:
+    """The plan's record of each module, under the names the fresh wrappers gave the modules they wrap."""
+    for name, w in late.wrappers.items():
+        if w.fresh:
+            for old in [n for n in modules if n == name or n.startswith(name + ".")]:
+                modules[f"{name}.{w.moved}{old[len(name):]}"] = modules.pop(old)
+
+
+def check_local_sizes(late: LateAdapters, local_size: Callable[[str], list[tuple[int, int]]]) -> None:
+    """Every new split tensor has its layer's slice: `local_size(name)` lists (rank, size along the split dim)."""
+    for name, split in late.splits.items():
+        if split is None:
+            continue
+        dim, part = split
+        for rank, size in local_size(name):
+            if size != part.local_size(rank):
+                raise NotImplementedError(
+                    f"{name} on rank {rank} has {size} entries along dim {dim}, not the {part.local_size(rank)} of its "
+                    "layer's slice; add this adapter to the unsplit model before splitting"
+                )
+
+
+def _moved_attr(module: nn.Module | None) -> str | None:
+    """Where a PEFT wrapper keeps the module it wraps; None for anything else."""
+    if module is None:
+        return None
+    return "base_layer" if is_adapter_layer(module) else "original_module" if is_modules_to_save(module) else None
+
+
+def _wrapper_of(name: str, modules: dict[str, nn.Module]) -> tuple[str, bool] | None:
+    """(the nearest PEFT wrapper enclosing module `name`, itself included; whether `name` is inside the module it
+    wraps), or None."""
+    parts = name.split(".") if name else []
+    for i in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:i])
+        moved = _moved_attr(modules.get(candidate))
+        if moved is not None:
+            return candidate, parts[i:i + 1] == [moved]
+    return None
+
+
+def _plan_wrapper(named, modules, zero, w: Wrapper, late: LateAdapters, engine: str) -> None:
+    wrapper = named[w.name]
+    moved = w.name if w.fresh else f"{w.name}.{w.moved}"  # the wrapped module's name in `modules`, for now
+    w.base = modules.get(moved)
+    own = {t: owner for t, (owner, wr) in late.tensors.items() if wr == w.name}
+    if w.moved == "original_module":
+        _plan_copies(named, modules, zero, w, moved, late, engine)
+        return
+    if w.base is None or not w.base.splits:  # a layer the plan keeps whole: so is its adapter (PEFT's forward)
+        if zero(f"{moved}.weight") and getattr(wrapper, "lora_magnitude_vector", None):
+            raise NotImplementedError(
+                f"{w.name}: DoRA on a layer whose weight ZeRO-3 partitions (its row norms need the whole weight). "
+                f"Split with sharded=False, or add the adapter {engine}"
+            )
+        late.splits.update({t: None for t in own})
+        return
+    part = w.base.splits["weight"][1]
+    styles = Plan(adapter_entries(w.name, wrapper, w.base.style))  # refuses what cannot follow the split
+    for t, owner in own.items():
+        match = styles.match(owner)
+        style = match[1] if match is not None else None
+        splits = style.beside(named[owner], part) if style is not None else {}
+        late.splits[t] = splits.get(t.rsplit(".", 1)[1])
+        if style is not None:
+            late.attach[owner] = (style, splits, w.base.heads, owner)
+    if w.fresh:
+        late.attach[w.name] = (styles[w.name], {}, w.base.heads, w.name)
+
+
+def _plan_copies(named, modules, zero, w: Wrapper, moved: str, late: LateAdapters, engine: str) -> None:
+    """modules_to_save: each new copy (``<name>.modules_to_save.<adapter>``) is split like the module it copies."""
+    prefix = f"{w.name}.modules_to_save."
+    owners = {owner for owner, wr in late.tensors.values() if wr == w.name}
+    for name, module in named.items():
+        if not name.startswith(prefix):
+            continue
+        adapter, _, rest = name[len(prefix):].partition(".")
+        copy = f"{prefix}{adapter}"
+        if not any(o == copy or o.startswith(copy + ".") for o in owners):
+            continue  # a copy adopted before
+        original = f"{moved}.{rest}" if rest else moved
+        ms = modules.get(original)
+        for _, attr, _ in direct_tensors(module):
+            if zero(f"{original}.{attr}"):
+                raise NotImplementedError(
+                    f"{w.name}: modules_to_save on a module whose parameters ZeRO-3 partitions ({original}.{attr}) "
+                    f"cannot be added after splitting. Split with sharded=False, or add the adapter {engine}"
+                )
+            late.splits[f"{name}.{attr}"] = ms.splits.get(attr) if ms is not None else None
+        if ms is not None:  # the copy's collectives go by the original's name (one layer, as the plan sees it)
+            late.attach[name] = (ms.style, ms.splits, ms.heads, ms.name)
+
+
+def take_out_late_adapters(root: nn.Module, known: set[str], splits: dict) -> None:
+    """Undo what PEFT added to `root` since the last look: wrappers give their place back to the module they wrap,
+    adapters added to adopted layers are deleted (PEFT's own ``delete_adapter``)."""
+    for name, module in list(root.named_modules()):
+        moved = _moved_attr(module)
+        if moved is None or f"{name}.{moved}" in known:
+            continue
+        parent, _, child = name.rpartition(".")
+        (root.get_submodule(parent) if parent else root)._modules[child] = getattr(module, moved)
+    for name, module in root.named_modules():
+        if not (is_adapter_layer(module) and hasattr(module, "delete_adapter")):
+            continue
+        added = {
+            adapter
+            for attr in getattr(module, "adapter_layer_names", ())
+            for adapter in (getattr(module, attr, None) or {})
+            if f"{name}.{attr}.{adapter}" not in known and not any(k.startswith(f"{name}.{attr}.{adapter}") for k in splits)
+        }
+        for adapter in sorted(added):
+            module.delete_adapter(adapter)
+
