@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .rendezvous import CollectiveAborted
+from .shm import process_alive
 from .timeout import resolve_timeout
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class GroupGuard:
         self.store = _group_store(group)
         self.timeout = timeout
         self.set_timeout(timeout)
+        self.shm = None  # the group's shared-memory transport (comm/transport.py), when it has one
+        self.seconds = 0.0  # time this rank spent inside the group's guarded collectives (waiting included)
         self._put(f"pid/{self.rank}", _process_id())
 
     @property
@@ -125,7 +128,25 @@ class GroupGuard:
             if getattr(e, "_tensorshard_reported", False):
                 raise
             raise self._broken(e, n, what, began) from e  # gloo fails at once on a connection known closed
+        finally:
+            self.seconds += time.monotonic() - began
         self.completed = n
+
+    def local_pids(self, timeout: float) -> list[int] | None:
+        """Every rank's process id, in group order, when all ranks run on this host (same pid namespace);
+        else None. Waits up to `timeout` s for the ranks' entries (each guard writes its own when created)."""
+        if self.store is None:
+            return None
+        keys = [PREFIX + f"pid/{r}" for r in self.ranks]
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+            entries = [self.store.get(k).decode() for k in keys]
+        except Exception as e:  # noqa: BLE001 - no store to agree through: not shared memory
+            logger.debug("%s: no process ids in the store (%s)", self.label, e)
+            return None
+        here = _process_id().rsplit(" ", 1)[0]
+        hosts = [e.rsplit(" ", 1) for e in entries]
+        return [int(pid) for _, pid in hosts] if all(host == here for host, _ in hosts) else None
 
     def _wait(self, work, n: int, what: str, began: float) -> None:
         interval, announced = POLL_FIRST, False
@@ -265,7 +286,7 @@ class GroupGuard:
                     peers[r] = int(pid)
         deadline = time.monotonic() + GONE_WAIT
         while peers:
-            gone = {r: pid for r, pid in peers.items() if not _alive(pid)}
+            gone = {r: pid for r, pid in peers.items() if not process_alive(pid)}
             if gone or time.monotonic() > deadline:
                 return gone
             time.sleep(0.05)
@@ -323,18 +344,3 @@ def _process_id() -> str:
     except OSError:
         namespace = 0
     return f"{socket.gethostname()}:{namespace} {os.getpid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")  # a zombie has exited; its parent has not collected it yet
-    except (OSError, IndexError):
-        return True
