@@ -89,6 +89,7 @@ class SharedMemoryGroup:
         self.heard = [0] * world  # bytes read from each peer (one per barrier it entered)
         self.rounds = 0
         self.broken: str | None = None
+        self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # whole slots, typed
         self.poller = select.poll()
         self.poller.register(fifo, select.POLLIN)
         self.pidfds: dict[int, int] = {}  # fd -> group rank
@@ -185,7 +186,7 @@ class SharedMemoryGroup:
     def _all_reduce(self, flat: torch.Tensor, combine: Callable) -> Iterator[None]:
         per_round = self.slot // flat.element_size()
         for start in range(0, flat.numel(), per_round):
-            part = flat[start : start + per_round]
+            part = flat if flat.numel() <= per_round else flat[start : start + per_round]
             s = self._next_set()
             self._slot(s, self.rank, part).copy_(part)
             yield from self._barrier()
@@ -202,7 +203,7 @@ class SharedMemoryGroup:
     def _all_gather(self, out: torch.Tensor, piece: torch.Tensor) -> Iterator[None]:
         per_round = self.slot // piece.element_size()
         for start in range(0, piece.numel(), per_round):
-            part = piece[start : start + per_round]
+            part = piece if piece.numel() <= per_round else piece[start : start + per_round]
             s = self._next_set()
             self._slot(s, self.rank, part).copy_(part)
             yield from self._barrier()
@@ -228,9 +229,12 @@ class SharedMemoryGroup:
         return self.rounds % 2
 
     def _slot(self, s: int, r: int, like: torch.Tensor) -> torch.Tensor:
-        """Rank r's slot in buffer set s, as a tensor of `like`'s dtype and element count."""
-        start = (s * (self.world + 1) + r) * self.slot
-        return self.bytes[start : start + like.numel() * like.element_size()].view(like.dtype)
+        """Rank r's slot in buffer set s (r = world: the result area), as `like`'s dtype and element count."""
+        whole = self._views.get((s, r, like.dtype))
+        if whole is None:
+            start = (s * (self.world + 1) + r) * self.slot
+            whole = self._views[(s, r, like.dtype)] = self.bytes[start : start + self.slot].view(like.dtype)
+        return whole[: like.numel()]
 
     def _result(self, s: int, like: torch.Tensor) -> torch.Tensor:
         return self._slot(s, self.world, like)
