@@ -241,13 +241,19 @@ def _swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state
     inner = mod.forward
 
     def forward(*args, **kwargs):
+        grad = torch.is_grad_enabled()
         saved = []
         for table_name, name, layout, partial in entries:
             table = getattr(mod, table_name)
             t = table.get(name)
-            if not isinstance(t, DTensor) or t.device_mesh != mesh:
-                continue  # already local (a re-entrant call), or not a tensor of this mesh
-            local = layout.view(t.to_local())
+            if not isinstance(t, DTensor):
+                continue  # already local (a re-entrant call)
+            on = t.device_mesh
+            if on is not mesh and on != mesh:
+                continue  # not a tensor of this mesh
+            # Without autograd, the stored local tensor itself: to_local() makes a Parameter view of it per call,
+            # which costs a module call in decoding as much as the rest of this wrapper.
+            local = layout.view(t.to_local() if grad else t._local_tensor)
             if partial:
                 # FSDP2 reads a managed module's gradients right after its backward: reduce on the spot.
                 on_the_spot = getattr(mod, "_is_fsdp_managed_module", False)
@@ -275,7 +281,9 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     comm = state.comm
     device = mesh_device(state.mesh)
     where = f"the forward of {type(root).__name__}"
-    known = {"count": sum(1 for _ in root.modules()), "adapters": {n for n, m in root.named_modules() if is_adapter_layer(m)}}
+    _Registrations.install()
+    known = {"count": sum(1 for _ in root.modules()), "adapters": {n for n, m in root.named_modules() if is_adapter_layer(m)},
+             "seen": _Registrations.count}
     # dropout in training: one mask per replicated activation on every rank (comm/dropout.py); the last few
     # calls' keys are kept for blocks that activation checkpointing recomputes in backward
     dropout = ShardDropout(DistPeers(comm), keep=8) if comm.world_size > 1 and may_drop(root) else None
@@ -287,9 +295,10 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
         comm.begin_call()
         outermost["depth"] += 1
         try:
-            if sum(1 for _ in root.modules()) != known["count"]:
+            if _Registrations.count != known["seen"] and sum(1 for _ in root.modules()) != known["count"]:
                 _refuse_late_adapters(root, known["adapters"])
                 known["count"] = sum(1 for _ in root.modules())
+            known["seen"] = _Registrations.count
             args, kwargs = _inputs_on(device, args, kwargs, signature)
             if state.checks_left > 0 and comm.world_size > 1:
                 state.checks_left -= 1
@@ -307,6 +316,25 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
             comm.end_call()
 
     wrap_forward(root, forward)
+
+
+class _Registrations:
+    """Submodules registered anywhere in this process (a global registration hook, installed with the first
+    parallelized model): the root forward walks its module tree for late adapters only after one was, not on
+    every call (a walk costs as much as a decoding step's own Python for a small model)."""
+
+    count = 0
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if not cls.installed:
+            nn.modules.module.register_module_module_registration_hook(cls._seen)
+            cls.installed = True
+
+    @staticmethod
+    def _seen(module, name, submodule) -> None:
+        _Registrations.count += 1
 
 
 def _refuse_late_adapters(root: nn.Module, planned: set[str]) -> None:
