@@ -27,8 +27,9 @@ Every wait is bounded and failure-aware: each collective goes through its group'
 labelled with the operation and the module ("all_reduce at layers.0.mlp.down_proj (backward)"), which is
 what an error names when a rank dies, raises or does not arrive.
 
-gloo's all-gather needs equal sizes: uneven pieces (59/59/58 features, 5/4 heads) are padded to the
-longest and trimmed after. Every collective is reported to `comm/counter.record` once.
+The data travels through comm/transport.py: shared memory between the CPU processes of one host, else the
+process group's backend. All-gathers take equal sizes: uneven pieces (59/59/58 features, 5/4 heads) are
+padded to the longest and trimmed after. Every collective is reported to `comm/counter.record` once.
 """
 
 from __future__ import annotations

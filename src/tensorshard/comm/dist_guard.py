@@ -5,7 +5,8 @@ Every collective tensorshard runs on a process group goes through that group's `
 - **Bounded.** The guard sets the group's own timeout (torch's process-group timeout: gloo applies it to
   each operation, NCCL's watchdog to each collective) to tensorshard's limit: `parallelize(...,
   timeout=S)`, else TENSORSHARD_TIMEOUT, else 300 s (comm/timeout.py). A gloo operation that times out
-  fails by itself, so nothing stays pending and the process can exit.
+  fails by itself, so nothing stays pending and the process can exit. Shared-memory collectives
+  (comm/shm.py) take the same limit and fail with "timed out" past it.
 - **Failures travel.** A rank whose forward raises writes a report to the group's store (the rendezvous
   key-value store torch already has). On CPU a rank waiting at a collective wakes every 50-500 ms to read
   the reports, so the others stop within a second with `CollectiveAborted` naming the failed rank, even
