@@ -43,6 +43,7 @@ import select
 import shutil
 import tempfile
 import time
+import weakref
 from datetime import timedelta
 from typing import Callable, Iterator
 
@@ -51,8 +52,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV = "TENSORSHARD_SHM"  # "0": every collective through the process group's backend (gloo)
-BUDGET = 32 << 20  # bytes per group: 2 buffer sets x (N slots + result area)
-MAX_SLOT, MIN_SLOT = 4 << 20, 64 << 10
+BUDGET = 32 << 20  # at most this many bytes per group: 2 buffer sets x (N slots + result area)
+MAX_SLOT, MIN_SLOT = 2 << 20, 64 << 10  # 2 MiB: a (4, 128, 1024) fp32 activation in one round; 12 MiB at 2 ranks
 SMALL = 64 << 10  # rounds of at most this many bytes are reduced by every rank itself (one barrier)
 ALIGN = 64
 PREFIX = "tensorshard/shm/"
@@ -101,6 +102,7 @@ class SharedMemoryGroup:
                     continue
                 self.pidfds[fd] = r
                 self.poller.register(fd, select.POLLIN)
+        weakref.finalize(self, _close, [fifo, *peers.values(), *self.pidfds])  # the mapping closes itself
 
     # -- setting up (every rank of the group, at the same point) -----------------------------------------
 
@@ -153,15 +155,6 @@ class SharedMemoryGroup:
         if rank == 0:
             logger.debug("%s: collectives through shared memory (%d ranks, slots of %d KiB)", label, world, slot >> 10)
         return cls(rank, world, segment, slot, fifo, peers, list(pids))
-
-    def close(self) -> None:
-        for fd in [*self.peers.values(), *self.pidfds, self.fifo]:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.peers, self.pidfds = {}, {}
-        self.broken = self.broken or "the group was closed"
 
     # -- the collectives (each returns a Work; the data moves as the Work is waited on) ------------------
 
@@ -343,6 +336,14 @@ class Work:
 
 
 # --- helpers --------------------------------------------------------------------------------------------------
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _combine_into(out: torch.Tensor, parts: list[torch.Tensor], combine: Callable) -> None:

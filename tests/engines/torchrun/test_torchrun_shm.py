@@ -102,7 +102,7 @@ SLOT_4 = shm._slot_bytes(4) // 4
 @pytest.mark.parametrize("numel, dtype", [
     (1, "float32"), (1000, "float32"), (1000, "bfloat16"), (777, "int64"),
     (SLOT_2 + 13, "float32"),  # two rounds
-    (SLOT_4 + 13, "float64"),  # two rounds of 4 MiB at 4 ranks: past the small-round size, reduced in parts
+    (SLOT_4 + 13, "float64"),  # 4 ranks: rounds past the small-round size, reduced in parts
 ])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_results_are_the_fixed_order_combination_on_every_rank(pool2, pool3, pool4, world, numel, dtype):
@@ -163,7 +163,7 @@ def test_training_matches_with_and_without_shared_memory(pool2):
 def test_parts_and_slot_sizes():
     assert [shm._span(10, 3, r) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
     assert [shm._span(2, 4, r) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
-    assert shm._slot_bytes(2) == 4 << 20 and shm._slot_bytes(8) % 64 == 0 and shm._slot_bytes(8) < 4 << 20
+    assert shm._slot_bytes(2) == 2 << 20 and shm._slot_bytes(8) % 64 == 0 and shm._slot_bytes(8) < 2 << 20
 
 
 def test_the_variable_turns_it_off(monkeypatch):
