@@ -319,7 +319,7 @@ class Work:
             end = self.began + self.limit if until is None else min(until, self.began + self.limit)
             try:
                 self.group._sleep(end - now)
-            except SharedMemoryError as e:
+            except BaseException as e:  # a peer gone, or an interrupt: the group is out of step for good
                 self._fail(e)
                 raise
 

@@ -43,11 +43,9 @@ _functional = torch.ops._c10d_functional
 def connect(guard: GroupGuard, device_type: str) -> None:
     """Give `guard`'s group a shared-memory transport when all its ranks are CPU processes of this host.
     Collective: every rank of the group calls it at the same point; they all get one, or none."""
-    if guard.shm is not None or len(guard.ranks) < 2:
-        return
-    pids = guard.local_pids(guard.timeout) if device_type == "cpu" else None
-    if guard.store is None:
-        return
+    if guard.shm is not None or len(guard.ranks) < 2 or device_type != "cpu" or guard.store is None:
+        return  # the mesh's device type and the group are the same on every rank: they all return here
+    pids = guard.local_pids(guard.timeout)
     rank = guard.ranks.index(guard.rank)
     guard.shm = SharedMemoryGroup.connect(guard.store, rank=rank, world=len(guard.ranks), pids=pids,
                                           timeout=guard.timeout, label=guard.label)
