@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .rendezvous import CollectiveAborted
-from .shm import process_alive
+from .shm import CollectivesDiffer, process_alive
 from .timeout import resolve_timeout
 
 logger = logging.getLogger(__name__)
@@ -223,7 +223,10 @@ class GroupGuard:
             ))
 
     def _broken(self, error: RuntimeError, n: int, what: str, began: float) -> BaseException:
-        """The collective failed inside the backend: a timeout, or a connection to a peer that closed."""
+        """The collective failed inside the backend: a timeout, a connection to a peer that closed, or (shared
+        memory) peers found at another collective."""
+        if isinstance(error, CollectivesDiffer):
+            return self._differ(n, what, {self.ranks[r]: label for r, label in error.elsewhere.items()})
         if "timed out" in str(error).lower() or "timeout" in str(error).lower():
             return self._timed_out(n, what, began)
         first = self._first_failure(n)  # a rank that failed and reported it before its process ended
@@ -263,6 +266,17 @@ class GroupGuard:
             "model's own code, a data loader, a slow file system) or the ranks ran different code. If a step "
             "legitimately takes longer, raise the limit: parallelize(..., timeout=S) or TENSORSHARD_TIMEOUT=S. "
             + _AFTERWARDS
+        ))
+
+    def _differ(self, n: int, what: str, elsewhere: dict[int, str]) -> BaseException:
+        """Shared memory: the ranks met at their collective #n inside different collectives (they ran different
+        code), seen at once from what each wrote in the segment; the same error as gloo gives after the limit."""
+        at = ", ".join(f"rank {r} at {w}" for r, w in elsewhere.items())
+        self._record(n - 1, f"found the ranks at different collectives at {what} (its collective #{n}): {at}")
+        return mark_reported(TimeoutError(
+            f"{what} on rank {self.rank} (collective #{n} of {self.label}): the ranks are at different "
+            f"collectives ({at}), so none can finish (seen at once through shared memory). Every rank must run "
+            f"the same collectives in the same order: run the same code on every rank of the group. {_AFTERWARDS}"
         ))
 
     def _elsewhere(self, n: int, what: str) -> dict[int, str]:

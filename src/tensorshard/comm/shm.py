@@ -19,7 +19,11 @@ own slot, the ranks meet at a barrier, and each reads what it needs:
     reduce_scatter  each rank combines its own part of the N slots, in rank order
 
 Larger tensors take several rounds. With two buffer sets one barrier per round is enough: a rank writes a set
-again two rounds later, after a barrier that every rank reached once done reading it.
+again two rounds later, after a barrier that every rank reached once done reading it. With its piece, each
+rank writes what it is doing (kind, dtype, size, operation, and the caller's label) into its header; past the
+barrier it compares the peers' headers with its own, so ranks that reached different collectives (different
+code on different ranks) fail at once with `CollectivesDiffer`, naming what each peer was doing, instead of
+mixing their data.
 
 Barriers go through the kernel. Every rank owns a FIFO; a rank arriving at a barrier writes its rank number
 (one byte) into every peer's FIFO, and passes once it has read, from each peer, as many bytes as barriers it
@@ -41,9 +45,11 @@ import mmap
 import os
 import select
 import shutil
+import struct
 import tempfile
 import time
 import weakref
+import zlib
 from datetime import timedelta
 from typing import Callable, Iterator
 
@@ -56,13 +62,24 @@ BUDGET = 32 << 20  # at most this many bytes per group: 2 buffer sets x (N slots
 MAX_SLOT, MIN_SLOT = 2 << 20, 64 << 10  # 2 MiB: a (4, 128, 1024) fp32 activation in one round; 12 MiB at 2 ranks
 SMALL = 64 << 10  # rounds of at most this many bytes are reduced by every rank itself (one barrier)
 ALIGN = 64
+HEADER = 256  # bytes per rank and buffer set: what the rank is doing (4 int64) and its label (utf-8)
 PREFIX = "tensorshard/shm/"
+KINDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3}
 
 COMBINE: dict[str, Callable] = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
 
 
 class SharedMemoryError(RuntimeError):
     """A shared-memory collective failed: a peer ended, the time limit passed, or the group failed before."""
+
+
+class CollectivesDiffer(SharedMemoryError):
+    """The ranks met at the same barrier inside different collectives. `elsewhere`: {group rank: what it did}."""
+
+    def __init__(self, elsewhere: dict[int, str]) -> None:
+        super().__init__("shared-memory collective: the ranks are at different collectives ("
+                         + ", ".join(f"group rank {r} at {w}" for r, w in elsewhere.items()) + ")")
+        self.elsewhere = elsewhere
 
 
 def enabled() -> bool:
@@ -164,25 +181,29 @@ class SharedMemoryGroup:
     def can_copy(self, *tensors: torch.Tensor) -> bool:
         return all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum", *, limit: float) -> "Work":
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", *, limit: float, what: str = "") -> "Work":
         """`t` (contiguous) becomes the combination of every rank's `t`."""
-        return Work(self, self._all_reduce(t.view(-1), COMBINE[op]), limit)
+        tag = _tag("all_reduce", t, op, what)
+        return Work(self, self._all_reduce(t.view(-1), COMBINE[op], tag), limit)
 
-    def all_gather(self, out: torch.Tensor, piece: torch.Tensor, *, limit: float) -> "Work":
+    def all_gather(self, out: torch.Tensor, piece: torch.Tensor, *, limit: float, what: str = "") -> "Work":
         """`out` (world x piece elements) becomes every rank's `piece`, in rank order."""
-        return Work(self, self._all_gather(out.view(self.world, -1), piece.reshape(-1)), limit)
+        tag = _tag("all_gather", piece, "", what)
+        return Work(self, self._all_gather(out.view(self.world, -1), piece.reshape(-1), tag), limit)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum", *, limit: float) -> "Work":
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str = "sum", *, limit: float,
+                       what: str = "") -> "Work":
         """`out` (m elements) becomes part `rank` of the combination of every rank's `inp` (world x m)."""
-        return Work(self, self._reduce_scatter(out.view(-1), inp.view(self.world, -1), COMBINE[op]), limit)
+        tag = _tag("reduce_scatter", inp, op, what)
+        return Work(self, self._reduce_scatter(out.view(-1), inp.view(self.world, -1), COMBINE[op], tag), limit)
 
-    def _all_reduce(self, flat: torch.Tensor, combine: Callable) -> Iterator[None]:
+    def _all_reduce(self, flat: torch.Tensor, combine: Callable, tag: bytes) -> Iterator[None]:
         per_round = self.slot // flat.element_size()
         for start in range(0, flat.numel(), per_round):
             part = flat if flat.numel() <= per_round else flat[start : start + per_round]
             s = self._next_set()
             self._slot(s, self.rank, part).copy_(part)
-            yield from self._barrier()
+            yield from self._meet(s, tag)
             slots = [self._slot(s, r, part) for r in range(self.world)]
             if self.world == 2 or part.numel() * part.element_size() <= SMALL:
                 _combine_into(part, slots, combine)
@@ -193,24 +214,24 @@ class SharedMemoryGroup:
                 yield from self._barrier()
                 part.copy_(result)
 
-    def _all_gather(self, out: torch.Tensor, piece: torch.Tensor) -> Iterator[None]:
+    def _all_gather(self, out: torch.Tensor, piece: torch.Tensor, tag: bytes) -> Iterator[None]:
         per_round = self.slot // piece.element_size()
         for start in range(0, piece.numel(), per_round):
             part = piece if piece.numel() <= per_round else piece[start : start + per_round]
             s = self._next_set()
             self._slot(s, self.rank, part).copy_(part)
-            yield from self._barrier()
+            yield from self._meet(s, tag)
             for r in range(self.world):
                 out[r, start : start + part.numel()].copy_(part if r == self.rank else self._slot(s, r, part))
 
-    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, combine: Callable) -> Iterator[None]:
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, combine: Callable, tag: bytes) -> Iterator[None]:
         per_round = max(1, self.slot // (inp.element_size() * self.world))  # each round: a block for every rank
         for start in range(0, out.numel(), per_round):
             block = inp[:, start : start + per_round]  # (world, k)
             s = self._next_set()
             mine = self._slot(s, self.rank, block.reshape(-1)).view(block.shape)
             mine.copy_(block)
-            yield from self._barrier()
+            yield from self._meet(s, tag)
             k = block.shape[1]
             parts = [self._slot(s, r, block.reshape(-1)).view(self.world, k)[self.rank] for r in range(self.world)]
             _combine_into(out[start : start + k], parts, combine)
@@ -233,6 +254,22 @@ class SharedMemoryGroup:
         return self._slot(s, self.world, like)
 
     # -- the barrier -----------------------------------------------------------------------------------------
+
+    def _meet(self, s: int, tag: bytes) -> Iterator[None]:
+        """The barrier of a round, with our header in buffer set s before it and the peers' checked after."""
+        start = self._header(s, self.rank)
+        self.segment[start : start + HEADER] = tag
+        yield from self._barrier()
+        differ = {}
+        for r in range(self.world):
+            at = self._header(s, r)
+            if r != self.rank and self.segment[at : at + 32] != tag[:32]:
+                differ[r] = _describe(self.segment[at : at + HEADER])
+        if differ:
+            raise CollectivesDiffer(differ)
+
+    def _header(self, s: int, r: int) -> int:
+        return 2 * (self.world + 1) * self.slot + (s * self.world + r) * HEADER
 
     def _barrier(self) -> Iterator[None]:
         """Yields while peers have not arrived (the Work sleeps in poll() meanwhile)."""
@@ -365,6 +402,23 @@ def _slot_bytes(world: int) -> int:
     return max(MIN_SLOT, min(MAX_SLOT, slot))
 
 
+def _segment_bytes(world: int) -> int:
+    return 2 * (world + 1) * _slot_bytes(world) + 2 * world * HEADER
+
+
+def _tag(kind: str, t: torch.Tensor, op: str, what: str) -> bytes:
+    """A round's header: kind, dtype, element count and operation (compared across ranks), then the label."""
+    numbers = struct.pack("<4q", KINDS[kind], zlib.crc32(str(t.dtype).encode()), t.numel(), zlib.crc32(op.encode()))
+    text = f"{t.numel()} {str(t.dtype).removeprefix('torch.')}|{what or kind}"
+    return (numbers + text.encode()[: HEADER - 32]).ljust(HEADER, b"\0")
+
+
+def _describe(header: bytes) -> str:
+    """What a peer's header says it is doing: 'all_reduce at w2 (4096 float32)'."""
+    sizes, _, label = header[32:].rstrip(b"\0").decode(errors="replace").partition("|")
+    return f"{label} ({sizes})"
+
+
 def _create(world: int) -> tuple[str, str]:
     """Group rank 0: a private folder holding the segment (allocated now: a full /dev/shm fails here, not with
     SIGBUS later) and one FIFO per rank. Returns (folder, '') or ('', why not)."""
@@ -374,7 +428,7 @@ def _create(world: int) -> tuple[str, str]:
         folder = tempfile.mkdtemp(prefix="tensorshard-", dir=base)
         fd = os.open(os.path.join(folder, "segment"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.posix_fallocate(fd, 0, 2 * (world + 1) * _slot_bytes(world))
+            os.posix_fallocate(fd, 0, _segment_bytes(world))
         finally:
             os.close(fd)
         for r in range(world):
@@ -390,7 +444,7 @@ def _open(folder: str, rank: int, world: int) -> tuple[mmap.mmap, int]:
     """Map the segment and open our FIFO (read and write: never at end-of-file, never blocks to open)."""
     fd = os.open(os.path.join(folder, "segment"), os.O_RDWR)
     try:
-        segment = mmap.mmap(fd, 2 * (world + 1) * _slot_bytes(world))
+        segment = mmap.mmap(fd, _segment_bytes(world))
     finally:
         os.close(fd)
     fifo = os.open(os.path.join(folder, f"fifo{rank}"), os.O_RDWR | os.O_NONBLOCK)

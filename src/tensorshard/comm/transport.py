@@ -68,7 +68,7 @@ def all_reduce_(t: torch.Tensor, group, op=dist.ReduceOp.SUM, *, what: str) -> N
     with _hidden(watched):
         shm = guard.shm
         if shm is not None and name is not None and shm.can_reduce(t, name):
-            guard.run(what, t.device, lambda _: shm.all_reduce(t, name, limit=guard.timeout))
+            guard.run(what, t.device, lambda _: shm.all_reduce(t, name, limit=guard.timeout, what=what))
         else:
             collective(dist.all_reduce, t, t, op=op, group=group, what=what)
 
@@ -82,7 +82,7 @@ def all_gather_(out: torch.Tensor, piece: torch.Tensor, group, *, what: str) -> 
     with _hidden(watched):
         shm = guard.shm
         if shm is not None and shm.can_copy(out, piece):
-            guard.run(what, out.device, lambda _: shm.all_gather(out, piece, limit=guard.timeout))
+            guard.run(what, out.device, lambda _: shm.all_gather(out, piece, limit=guard.timeout, what=what))
         else:
             collective(all_gather_single, out, out, piece, group=group, what=what)
 
@@ -96,7 +96,7 @@ def reduce_scatter_(out: torch.Tensor, inp: torch.Tensor, group, *, what: str) -
     with _hidden(watched):
         shm = guard.shm
         if shm is not None and shm.can_copy(out, inp) and shm.can_reduce(inp, "sum"):
-            guard.run(what, out.device, lambda _: shm.reduce_scatter(out, inp, limit=guard.timeout))
+            guard.run(what, out.device, lambda _: shm.reduce_scatter(out, inp, limit=guard.timeout, what=what))
         else:
             collective(reduce_scatter_single, out, out, inp, group=group, what=what)
 

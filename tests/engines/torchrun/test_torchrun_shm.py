@@ -171,3 +171,30 @@ def test_the_variable_turns_it_off(monkeypatch):
     assert not shm.enabled()
     monkeypatch.setenv(shm.ENV, "1")
     assert shm.enabled()
+
+
+def mismatch_task() -> dict:
+    """The ranks reach different collectives (here: all-reduces of different sizes, as after different batch
+    shapes) on a fresh group: both stop at once, each naming what the other was doing."""
+    import time
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    guard = guard_for(group, 30)
+    transport.connect(guard, "cpu")
+    t = torch.ones(4 if rank == 0 else 8)
+    began = time.monotonic()
+    try:
+        transport.all_reduce_(t, group, what=f"all_reduce at w{rank + 1}")
+    except TimeoutError as e:
+        return {"message": str(e), "seconds": time.monotonic() - began, "shm": guard.shm is not None}
+    return {"message": "finished", "seconds": time.monotonic() - began}
+
+
+def test_ranks_at_different_collectives_stop_at_once_naming_each_other(pool2):
+    first, second = pool2.run(mismatch_task)
+    assert first["shm"] and second["shm"]
+    assert "all_reduce at w1 on rank 0" in first["message"], first["message"]
+    assert "the ranks are at different collectives (rank 1 at all_reduce at w2 (8 float32))" in first["message"]
+    assert "(rank 0 at all_reduce at w1 (4 float32))" in second["message"], second["message"]
+    assert first["seconds"] < 5 and second["seconds"] < 5  # not the 30 s limit
