@@ -215,6 +215,9 @@ class GroupGuard:
 
     def _stop_if_another_failed(self, n: int, what: str) -> None:
         first = self._first_failure(n)
+        if first is not None and first["done"] == n - 1 and (elsewhere := self._elsewhere(n, what)):
+            # a peer that gave up at its collective #n, another one than ours: the same error it got
+            raise self._differ(n, what, elsewhere, f"so none finished within {self.timeout:g} s")
         if first is not None:
             self.failed_after.add(n - 1)
             raise mark_reported(CollectiveAborted(
@@ -226,7 +229,8 @@ class GroupGuard:
         """The collective failed inside the backend: a timeout, a connection to a peer that closed, or (shared
         memory) peers found at another collective."""
         if isinstance(error, CollectivesDiffer):
-            return self._differ(n, what, {self.ranks[r]: label for r, label in error.elsewhere.items()})
+            labels = {self.ranks[r]: label for r, label in error.elsewhere.items()}
+            return self._differ(n, what, labels, "so none can finish (seen at once through shared memory)")
         if "timed out" in str(error).lower() or "timeout" in str(error).lower():
             return self._timed_out(n, what, began)
         first = self._first_failure(n)  # a rank that failed and reported it before its process ended
@@ -247,18 +251,11 @@ class GroupGuard:
     def _timed_out(self, n: int, what: str, began: float) -> BaseException:
         waited = time.monotonic() - began
         missing = [r for r in self.ranks if r != self.rank and self._get(f"at/{r}") != str(n)]
+        if not missing and (elsewhere := self._elsewhere(n, what)):
+            return self._differ(n, what, elsewhere, f"so none finished within {self.timeout:g} s")
         self._record(n - 1, f"gave up at {what} (its collective #{n}) after {waited:.3g} s: rank(s) {missing} did not arrive")
         if missing:
             cause = f"rank(s) {missing} did not arrive within {self.timeout:g} s"
-        elif elsewhere := self._elsewhere(n, what):
-            # Every rank is at its collective #n, but not the same one: they ran different code (e.g. one rank
-            # read out.logits, a collective, and another went on to its next step). Waiting longer cannot help.
-            at = ", ".join(f"rank {r} at {w}" for r, w in elsewhere.items())
-            return mark_reported(TimeoutError(
-                f"{what} on rank {self.rank} (collective #{n} of {self.label}): the ranks are at different "
-                f"collectives ({at}), so none finished within {self.timeout:g} s. Every rank must run the same "
-                f"collectives in the same order: run the same code on every rank of the group. {_AFTERWARDS}"
-            ))
         else:
             cause = f"every rank arrived, but the collective did not finish within {self.timeout:g} s"
         return mark_reported(TimeoutError(
@@ -268,15 +265,15 @@ class GroupGuard:
             + _AFTERWARDS
         ))
 
-    def _differ(self, n: int, what: str, elsewhere: dict[int, str]) -> BaseException:
-        """Shared memory: the ranks met at their collective #n inside different collectives (they ran different
-        code), seen at once from what each wrote in the segment; the same error as gloo gives after the limit."""
+    def _differ(self, n: int, what: str, elsewhere: dict[int, str], why: str) -> BaseException:
+        """Every rank is at its collective #n, but not the same one: they ran different code (e.g. one rank read
+        out.logits, a collective, and another went on to its next step). Waiting cannot help."""
         at = ", ".join(f"rank {r} at {w}" for r, w in elsewhere.items())
         self._record(n - 1, f"found the ranks at different collectives at {what} (its collective #{n}): {at}")
         return mark_reported(TimeoutError(
             f"{what} on rank {self.rank} (collective #{n} of {self.label}): the ranks are at different "
-            f"collectives ({at}), so none can finish (seen at once through shared memory). Every rank must run "
-            f"the same collectives in the same order: run the same code on every rank of the group. {_AFTERWARDS}"
+            f"collectives ({at}), {why}. Every rank must run the same collectives in the same order: run the same "
+            f"code on every rank of the group. {_AFTERWARDS}"
         ))
 
     def _elsewhere(self, n: int, what: str) -> dict[int, str]:
