@@ -1,6 +1,6 @@
 """No hang under torchrun: a rank that is killed, exits, raises or stalls stops the others promptly, with an
-error naming the rank and the operation (gloo on CPU, in 3 fresh processes, see spawned.py; and once under
-torchrun itself).
+error naming the rank and the operation (CPU ranks in 3 fresh processes, see spawned.py, with the collectives
+through shared memory, the default on one host, and through gloo; and once under torchrun itself).
 
 The in-process engine's counterpart is test_no_hang.py. docs/errors.md lists each case with its message.
 """
@@ -74,6 +74,7 @@ def faults(rank: int) -> None:
     if rank in (0, 1):
         # 1. Rank 1 is stuck in its own code, past the 2 s limit.
         model, gen = split(stalled, timeout=2), same_batches()
+        spawned.report("shared memory", model.tensorshard.comm.guard.shm is not None)
         if rank == 1:
             before_b2(model, lambda: time.sleep(4))
         failed_step(model, gen, "stall")
@@ -101,9 +102,20 @@ def faults(rank: int) -> None:
     spawned.report("finished", True)
 
 
-@pytest.fixture(scope="module")
-def result():
-    return spawned.run(faults, world=3)
+@pytest.fixture(scope="module", params=["shared memory", "gloo"])
+def result(request):
+    """The scenario's outcome, with the collectives through each transport (TENSORSHARD_SHM=0: gloo)."""
+    saved = os.environ.get("TENSORSHARD_SHM")
+    os.environ["TENSORSHARD_SHM"] = "1" if request.param == "shared memory" else "0"  # the ranks inherit it
+    try:
+        out = spawned.run(faults, world=3)
+    finally:
+        if saved is None:
+            del os.environ["TENSORSHARD_SHM"]
+        else:
+            os.environ["TENSORSHARD_SHM"] = saved
+    assert out.events[0]["shared memory"] == (request.param == "shared memory")
+    return out
 
 
 def test_a_stalled_rank_times_out_the_others_naming_it(result):

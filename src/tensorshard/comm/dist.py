@@ -27,8 +27,9 @@ Every wait is bounded and failure-aware: each collective goes through its group'
 labelled with the operation and the module ("all_reduce at layers.0.mlp.down_proj (backward)"), which is
 what an error names when a rank dies, raises or does not arrive.
 
-gloo's all-gather needs equal sizes: uneven pieces (59/59/58 features, 5/4 heads) are padded to the
-longest and trimmed after. Every collective is reported to `comm/counter.record` once.
+The data travels through comm/transport.py: shared memory between the CPU processes of one host, else the
+process group's backend. All-gathers take equal sizes: uneven pieces (59/59/58 features, 5/4 heads) are
+padded to the longest and trimmed after. Every collective is reported to `comm/counter.record` once.
 """
 
 from __future__ import annotations
@@ -49,14 +50,10 @@ from .base import Comm
 from .counter import record
 from .dist_guard import collective, guard_for
 from .dtensor import as_dtensor, mesh_device
+from .transport import all_gather_, all_gather_single, all_reduce_, connect, reduce_scatter_
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-# torch 2.13 renamed the single-tensor collectives; 2.6 has only the old names.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -73,7 +70,7 @@ def label(op: str, where: str = "", backward: bool = False) -> str:
 def all_reduce_copy(x: torch.Tensor, group, op=dist.ReduceOp.SUM, *, what: str = "all_reduce") -> torch.Tensor:
     """A new tensor holding the reduction of `x` over `group` (x itself is left alone)."""
     out = x.detach().clone(memory_format=torch.contiguous_format)
-    collective(dist.all_reduce, out, out, op=op, group=group, what=what)
+    all_reduce_(out, group, op, what=what)
     return out
 
 
@@ -89,7 +86,7 @@ def gather_pieces(x: torch.Tensor, dim: int, sizes: list[int], group, *, what: s
     # costs two strided copies of the full tensor when gathering logits along the vocabulary).
     piece = piece.contiguous()
     out = piece.new_empty((len(sizes) * piece.shape[0], *piece.shape[1:]))  # world pieces stacked on dim 0
-    collective(all_gather_single, out, out, piece, group=group, what=what)
+    all_gather_(out, piece, group, what=what)
     blocks = out.view(len(sizes), *piece.shape)
     return [blocks[r].narrow(dim, 0, n) for r, n in enumerate(sizes)]
 
@@ -113,7 +110,7 @@ def gather_even(x: torch.Tensor, dim: int, world: int, group, *, what: str = "al
     """(.., T/N, ..) on each rank -> (.., T, ..), rank order."""
     front = x.detach().movedim(dim, 0).contiguous()
     out = front.new_empty((world * front.shape[0], *front.shape[1:]))
-    collective(all_gather_single, out, out, front, group=group, what=what)
+    all_gather_(out, front, group, what=what)
     return out.movedim(0, dim).contiguous()
 
 
@@ -121,7 +118,7 @@ def reduce_scatter_even(x: torch.Tensor, dim: int, world: int, group, *, what: s
     """(.., T, ..) partial sums on each rank -> this rank's (.., T/N, ..) slice of the total."""
     front = x.detach().movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    collective(_reduce_scatter_single, out, out, front, group=group, what=what)
+    reduce_scatter_(out, front, group, what=what)
     return out.movedim(0, dim).contiguous()
 
 
@@ -200,7 +197,7 @@ class _Tie(Function):
         buf = grad.new_zeros((ctx.n_slots, *grad.shape))
         if ctx.slot is not None:
             buf[ctx.slot] = grad
-        collective(dist.all_reduce, buf, buf, group=ctx.group, what=label("all_reduce", ctx.where, backward=True))
+        all_reduce_(buf, ctx.group, what=label("all_reduce", ctx.where, backward=True))
         record("all_reduce", _nbytes(buf), "backward", ctx.where)
         return (grad if ctx.slot is None else buf[ctx.slot]), None, None, None, None
 
@@ -288,7 +285,7 @@ class PartialGradBucket:
             for entries in by_dtype.values():
                 flat = torch.cat([g.reshape(-1) for _, g in entries])
                 where = f"partial gradients ({len(entries)} tensors)"
-                collective(dist.all_reduce, flat, flat, group=self.group, what=label("all_reduce", where, backward=True))
+                all_reduce_(flat, self.group, what=label("all_reduce", where, backward=True))
                 record("all_reduce", _nbytes(flat), "backward", where)
                 offset = 0
                 for param, grad in entries:
@@ -327,6 +324,8 @@ class DistComm(Comm):
         self.world_size = mesh.size()
         self.guard = guard_for(self.group)
         self.guard.set_timeout(timeout)
+        if self.world_size > 1:
+            connect(self.guard, mesh.device_type)  # shared memory between CPU ranks of one host
         self.bucket = PartialGradBucket(self.group)
         self.partial: set[tuple[int, str]] = set()  # (id(module), name) of parameters with partial grads
         self._depth = 0

@@ -5,7 +5,8 @@ Every collective tensorshard runs on a process group goes through that group's `
 - **Bounded.** The guard sets the group's own timeout (torch's process-group timeout: gloo applies it to
   each operation, NCCL's watchdog to each collective) to tensorshard's limit: `parallelize(...,
   timeout=S)`, else TENSORSHARD_TIMEOUT, else 300 s (comm/timeout.py). A gloo operation that times out
-  fails by itself, so nothing stays pending and the process can exit.
+  fails by itself, so nothing stays pending and the process can exit. Shared-memory collectives
+  (comm/shm.py) take the same limit and fail with "timed out" past it.
 - **Failures travel.** A rank whose forward raises writes a report to the group's store (the rendezvous
   key-value store torch already has). On CPU a rank waiting at a collective wakes every 50-500 ms to read
   the reports, so the others stop within a second with `CollectiveAborted` naming the failed rank, even
@@ -40,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .rendezvous import CollectiveAborted
+from .shm import CollectivesDiffer, process_alive
 from .timeout import resolve_timeout
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,8 @@ class GroupGuard:
         self.store = _group_store(group)
         self.timeout = timeout
         self.set_timeout(timeout)
+        self.shm = None  # the group's shared-memory transport (comm/transport.py), when it has one
+        self.seconds = 0.0  # time this rank spent inside the group's guarded collectives (waiting included)
         self._put(f"pid/{self.rank}", _process_id())
 
     @property
@@ -125,7 +129,25 @@ class GroupGuard:
             if getattr(e, "_tensorshard_reported", False):
                 raise
             raise self._broken(e, n, what, began) from e  # gloo fails at once on a connection known closed
+        finally:
+            self.seconds += time.monotonic() - began
         self.completed = n
+
+    def local_pids(self, timeout: float) -> list[int] | None:
+        """Every rank's process id, in group order, when all ranks run on this host (same pid namespace);
+        else None. Waits up to `timeout` s for the ranks' entries (each guard writes its own when created)."""
+        if self.store is None:
+            return None
+        keys = [PREFIX + f"pid/{r}" for r in self.ranks]
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+            entries = [self.store.get(k).decode() for k in keys]
+        except Exception as e:  # noqa: BLE001 - no store to agree through: not shared memory
+            logger.debug("%s: no process ids in the store (%s)", self.label, e)
+            return None
+        here = _process_id().rsplit(" ", 1)[0]
+        hosts = [e.rsplit(" ", 1) for e in entries]
+        return [int(pid) for _, pid in hosts] if all(host == here for host, _ in hosts) else None
 
     def _wait(self, work, n: int, what: str, began: float) -> None:
         interval, announced = POLL_FIRST, False
@@ -193,6 +215,9 @@ class GroupGuard:
 
     def _stop_if_another_failed(self, n: int, what: str) -> None:
         first = self._first_failure(n)
+        if first is not None and first["done"] == n - 1 and (elsewhere := self._elsewhere(n, what)):
+            # a peer that gave up at its collective #n, another one than ours: the same error it got
+            raise self._differ(n, what, elsewhere, f"so none finished within {self.timeout:g} s")
         if first is not None:
             self.failed_after.add(n - 1)
             raise mark_reported(CollectiveAborted(
@@ -201,7 +226,11 @@ class GroupGuard:
             ))
 
     def _broken(self, error: RuntimeError, n: int, what: str, began: float) -> BaseException:
-        """The collective failed inside the backend: a timeout, or a connection to a peer that closed."""
+        """The collective failed inside the backend: a timeout, a connection to a peer that closed, or (shared
+        memory) peers found at another collective."""
+        if isinstance(error, CollectivesDiffer):
+            labels = {self.ranks[r]: label for r, label in error.elsewhere.items()}
+            return self._differ(n, what, labels, "so none can finish (seen at once through shared memory)")
         if "timed out" in str(error).lower() or "timeout" in str(error).lower():
             return self._timed_out(n, what, began)
         first = self._first_failure(n)  # a rank that failed and reported it before its process ended
@@ -222,18 +251,11 @@ class GroupGuard:
     def _timed_out(self, n: int, what: str, began: float) -> BaseException:
         waited = time.monotonic() - began
         missing = [r for r in self.ranks if r != self.rank and self._get(f"at/{r}") != str(n)]
+        if not missing and (elsewhere := self._elsewhere(n, what)):
+            return self._differ(n, what, elsewhere, f"so none finished within {self.timeout:g} s")
         self._record(n - 1, f"gave up at {what} (its collective #{n}) after {waited:.3g} s: rank(s) {missing} did not arrive")
         if missing:
             cause = f"rank(s) {missing} did not arrive within {self.timeout:g} s"
-        elif elsewhere := self._elsewhere(n, what):
-            # Every rank is at its collective #n, but not the same one: they ran different code (e.g. one rank
-            # read out.logits, a collective, and another went on to its next step). Waiting longer cannot help.
-            at = ", ".join(f"rank {r} at {w}" for r, w in elsewhere.items())
-            return mark_reported(TimeoutError(
-                f"{what} on rank {self.rank} (collective #{n} of {self.label}): the ranks are at different "
-                f"collectives ({at}), so none finished within {self.timeout:g} s. Every rank must run the same "
-                f"collectives in the same order: run the same code on every rank of the group. {_AFTERWARDS}"
-            ))
         else:
             cause = f"every rank arrived, but the collective did not finish within {self.timeout:g} s"
         return mark_reported(TimeoutError(
@@ -241,6 +263,17 @@ class GroupGuard:
             "model's own code, a data loader, a slow file system) or the ranks ran different code. If a step "
             "legitimately takes longer, raise the limit: parallelize(..., timeout=S) or TENSORSHARD_TIMEOUT=S. "
             + _AFTERWARDS
+        ))
+
+    def _differ(self, n: int, what: str, elsewhere: dict[int, str], why: str) -> BaseException:
+        """Every rank is at its collective #n, but not the same one: they ran different code (e.g. one rank read
+        out.logits, a collective, and another went on to its next step). Waiting cannot help."""
+        at = ", ".join(f"rank {r} at {w}" for r, w in elsewhere.items())
+        self._record(n - 1, f"found the ranks at different collectives at {what} (its collective #{n}): {at}")
+        return mark_reported(TimeoutError(
+            f"{what} on rank {self.rank} (collective #{n} of {self.label}): the ranks are at different "
+            f"collectives ({at}), {why}. Every rank must run the same collectives in the same order: run the same "
+            f"code on every rank of the group. {_AFTERWARDS}"
         ))
 
     def _elsewhere(self, n: int, what: str) -> dict[int, str]:
@@ -265,7 +298,7 @@ class GroupGuard:
                     peers[r] = int(pid)
         deadline = time.monotonic() + GONE_WAIT
         while peers:
-            gone = {r: pid for r, pid in peers.items() if not _alive(pid)}
+            gone = {r: pid for r, pid in peers.items() if not process_alive(pid)}
             if gone or time.monotonic() > deadline:
                 return gone
             time.sleep(0.05)
@@ -323,18 +356,3 @@ def _process_id() -> str:
     except OSError:
         namespace = 0
     return f"{socket.gethostname()}:{namespace} {os.getpid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")  # a zombie has exited; its parent has not collected it yet
-    except (OSError, IndexError):
-        return True

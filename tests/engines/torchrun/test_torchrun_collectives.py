@@ -1,7 +1,9 @@
 """The minimum of communication under torchrun: 2 all-reduces forward and 2 backward per transformer block,
-counted by our counter and by torch's CommDebugMode (which sees every c10d call, ours included)."""
+counted by our counter and by torch's CommDebugMode (which sees each of ours as the functional collective of
+its kind, whether shared memory or gloo carries it)."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -110,3 +112,48 @@ def distributed_flag_task() -> float:
 
 def test_tensor_parallel_distributed_flag(pool2):
     assert max(pool2.run(distributed_flag_task)) < 1e-5
+
+
+def comm_debug_mode_task(shared: bool) -> dict:
+    """CommDebugMode around a split Block (forward, backward) and a tiny Llama's forward, on a fresh group whose
+    collectives go through shared memory or gloo."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = torch.distributed.get_world_size()
+    os.environ["TENSORSHARD_SHM"] = "1" if shared else "0"
+    try:
+        mesh = DeviceMesh.from_group(torch.distributed.new_group(list(range(world))), "cpu")
+        torch.manual_seed(0)
+        block = tp.parallelize(Block(64, 8, 4, 176), mesh, plan=BLOCK_PLAN, check_inputs=0)
+        llama = tp.parallelize(tiny_llama.build(), mesh, plan=tiny_llama.plan(), check_inputs=0)
+    finally:
+        del os.environ["TENSORSHARD_SHM"]
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1))
+    with CommDebugMode() as fwd:
+        y = block(x)
+    with CommDebugMode() as bwd:
+        y.square().mean().backward()
+    with CommDebugMode() as logits, tp.count_collectives() as ours:
+        llama(torch.randint(0, tiny_llama.VOCAB, (2, 8), generator=torch.Generator().manual_seed(2)))
+
+    def named(counts) -> dict:
+        return {str(op): n for op, n in counts.items() if n}
+
+    return {
+        "shared": block.tensorshard.comm.guard.shm is not None,
+        "forward": named(fwd.get_comm_counts()), "backward": named(bwd.get_comm_counts()),
+        "modules": {m: named(c["forward"]) for m, c in fwd.comm_module_counts.items() if m.startswith("Block.") and c["forward"]},
+        "llama": named(logits.get_comm_counts()), "ours": ours.counts,
+    }
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "gloo"])
+def test_comm_debug_mode_sees_them_as_functional_collectives(pool2, shared):
+    out = pool2.run(comm_debug_mode_task, shared)[0]
+    assert out["shared"] == shared
+    # the keys of DTensor's own collectives (torch.ops.c10d_functional.*), per module as well
+    assert out["forward"] == out["backward"] == {"c10d_functional.all_reduce": 2}
+    assert out["modules"] == {"Block.attn": {"c10d_functional.all_reduce": 1}, "Block.attn.wo": {"c10d_functional.all_reduce": 1},
+                              "Block.ffn": {"c10d_functional.all_reduce": 1}, "Block.ffn.w2": {"c10d_functional.all_reduce": 1}}
+    assert out["llama"] == {"c10d_functional.all_reduce": out["ours"]["all_reduce"],
+                            "c10d_functional.all_gather_into_tensor": out["ours"]["all_gather"]}

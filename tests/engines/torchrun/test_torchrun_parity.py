@@ -87,3 +87,32 @@ def llama_task() -> str:
 def test_tiny_llama(pool2, pool4):  # 4 ranks: each of the 2 KV heads on two ranks
     for pool in (pool2, pool4):
         assert pool.run(llama_task) == ["ok"] * pool.world
+
+
+def fused_adamw_task() -> list[tuple[float, float]]:
+    """The preset Llama trained with labels= and `AdamW(fused=True)` (docs/torchrun.md: the fast CPU optimizer),
+    split and unsplit: the fused kernel steps the engine's DTensor parameters."""
+    from support import tiny_llama
+
+    ref = tiny_llama.build()
+    model = tp.parallelize(copy.deepcopy(ref), world_mesh())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=gen)
+        pair = []
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            pair.append(loss.item())
+        losses.append(tuple(pair))
+    return losses
+
+
+def test_fused_adamw_trains_like_unsplit(pool2):
+    for split, single in pool2.run(fused_adamw_task)[0]:
+        assert abs(split - single) <= 1e-4 * abs(single)  # fp32, the third loss after two AdamW steps

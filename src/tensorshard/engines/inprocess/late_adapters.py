@@ -48,6 +48,7 @@ from ...plans.late_adapters import (
 )
 from ...styles.base import ShardContext
 from ...styles.lora import is_dora
+from ..registrations import registrations
 from .zero import shard_added
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ def module_count(model) -> int:
 
 def adopt_late_modules(model) -> None:
     """Adopt what was added to `model`'s shards since splitting (see the module docstring); cheap when nothing was."""
+    if registrations() == model.__dict__.get("_registrations"):
+        return  # nothing was registered on any module since the last look (engines/registrations.py)
+    model._registrations = registrations()
     if module_count(model) == model._module_count:
         return
     try:

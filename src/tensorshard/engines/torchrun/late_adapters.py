@@ -44,6 +44,7 @@ from ...plans.late_adapters import (
 )
 from ...styles.base import ShardContext
 from ...styles.lora import is_dora
+from ..registrations import registrations
 from .local_views import restore_after_building, swap_adapter_layers, swap_local_views
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ def adopt_late_adapters(root: nn.Module) -> None:
     rank of the tensor-parallel group must call it together; cheap when nothing was added."""
     state = root.tensorshard
     restore_after_building(state)
+    if registrations() == state.registrations:
+        return  # nothing was registered on any module since the last look (engines/registrations.py)
+    state.registrations = registrations()
     if module_count(root) == state.module_count:
         return
     try:

@@ -9,6 +9,7 @@ shows every layer its local slices until the engine adopts the new adapters (lat
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -49,13 +50,16 @@ def _wrap(around: nn.Module, entries: list[tuple[nn.Module, str, str, Layout]], 
     inner = around.forward
 
     def forward(*args, **kwargs):
+        grad = torch.is_grad_enabled()
         saved = []
         for owner, table_name, name, layout, partial in entries:
             table = getattr(owner, table_name)
             t = table.get(name)
             if not isinstance(t, DTensor) or t.device_mesh != mesh:
                 continue  # already local (a re-entrant call), or not a tensor of this mesh
-            local = layout.view(t.to_local())
+            # Without autograd, the stored local tensor itself: to_local() makes a Parameter view of it per call,
+            # which costs a module call in decoding as much as the rest of this wrapper.
+            local = layout.view(t.to_local() if grad else t._local_tensor)
             if partial:
                 # FSDP2 reads a managed module's gradients right after its backward: reduce on the spot.
                 on_the_spot = getattr(owner, "_is_fsdp_managed_module", False)

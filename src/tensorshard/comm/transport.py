@@ -1,0 +1,130 @@
+"""How the torchrun engine's collectives travel, and how torch's CommDebugMode sees them.
+
+    connect(guard, "cpu")                            # once per group, on every rank (DistComm does it)
+    all_reduce_(t, group, "sum", what="all_reduce at w2")
+    all_gather_(out, piece, group, what=...)         # out: the world's pieces stacked on dim 0
+    reduce_scatter_(out, inp, group, what=...)
+
+Transports: when every rank of the group is a CPU process of one host, shared memory (comm/shm.py: one
+barrier through the kernel per round, no TCP); otherwise, and for what shared memory does not handle, the
+process group's own backend (gloo, NCCL). Either way the call goes through the group's guard
+(comm/dist_guard.py): bounded, and failures name the rank and the operation. TENSORSHARD_SHM=0 keeps
+everything on the backend.
+
+CommDebugMode: each of these collectives shows to an active `CommDebugMode` as the functional collective of
+its kind (`funcol.all_reduce`, `funcol.all_gather_into_tensor`, `funcol.reduce_scatter_tensor`: the keys
+DTensor's own collectives have), with its shape and module, whatever the transport; the transport's own
+operations stay hidden from the mode (so a gloo collective is not counted twice). The mode sees a meta
+tensor of the collective's shape: no data moves for it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+from .dist_guard import GroupGuard, collective, guard_for
+from .shm import SharedMemoryGroup
+
+logger = logging.getLogger(__name__)
+
+# torch 2.13 renamed the single-tensor collectives; 2.6 has only the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_OPS = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min"), (dist.ReduceOp.PRODUCT, "product"))
+_functional = torch.ops._c10d_functional
+
+
+def connect(guard: GroupGuard, device_type: str) -> None:
+    """Give `guard`'s group a shared-memory transport when all its ranks are CPU processes of this host.
+    Collective: every rank of the group calls it at the same point; they all get one, or none."""
+    if guard.shm is not None or len(guard.ranks) < 2 or device_type != "cpu" or guard.store is None:
+        return  # the mesh's device type and the group are the same on every rank: they all return here
+    pids = guard.local_pids(guard.timeout)
+    rank = guard.ranks.index(guard.rank)
+    guard.shm = SharedMemoryGroup.connect(guard.store, rank=rank, world=len(guard.ranks), pids=pids,
+                                          timeout=guard.timeout, label=guard.label)
+
+
+def op_name(op) -> str | None:
+    return next((name for known, name in _OPS if op == known), None)
+
+
+# --- the collectives --------------------------------------------------------------------------------------
+
+
+def all_reduce_(t: torch.Tensor, group, op=dist.ReduceOp.SUM, *, what: str) -> None:
+    """`t` becomes the reduction of every rank's `t` (in place)."""
+    guard = guard_for(group)
+    name = op_name(op)
+    watched = _comm_debug_mode_on()
+    if watched:
+        _functional.all_reduce(_meta(t), name or "sum", group.group_name)
+    with _hidden(watched):
+        shm = guard.shm
+        if shm is not None and name is not None and shm.can_reduce(t, name):
+            guard.run(what, t.device, lambda _: shm.all_reduce(t, name, limit=guard.timeout, what=what))
+        else:
+            collective(dist.all_reduce, t, t, op=op, group=group, what=what)
+
+
+def all_gather_(out: torch.Tensor, piece: torch.Tensor, group, *, what: str) -> None:
+    """`out` (world x piece, stacked on dim 0) becomes every rank's `piece` in rank order."""
+    guard = guard_for(group)
+    watched = _comm_debug_mode_on()
+    if watched:
+        _functional.all_gather_into_tensor(_meta(piece), len(guard.ranks), group.group_name)
+    with _hidden(watched):
+        shm = guard.shm
+        if shm is not None and shm.can_copy(out, piece):
+            guard.run(what, out.device, lambda _: shm.all_gather(out, piece, limit=guard.timeout, what=what))
+        else:
+            collective(all_gather_single, out, out, piece, group=group, what=what)
+
+
+def reduce_scatter_(out: torch.Tensor, inp: torch.Tensor, group, *, what: str) -> None:
+    """`out` becomes this rank's block (dim 0) of the sum of every rank's `inp`."""
+    guard = guard_for(group)
+    watched = _comm_debug_mode_on()
+    if watched:
+        _functional.reduce_scatter_tensor(_meta(inp), "sum", len(guard.ranks), group.group_name)
+    with _hidden(watched):
+        shm = guard.shm
+        if shm is not None and shm.can_copy(out, inp) and shm.can_reduce(inp, "sum"):
+            guard.run(what, out.device, lambda _: shm.reduce_scatter(out, inp, limit=guard.timeout, what=what))
+        else:
+            collective(reduce_scatter_single, out, out, inp, group=group, what=what)
+
+
+# --- CommDebugMode ------------------------------------------------------------------------------------------
+
+
+def _comm_debug_mode_on() -> bool:
+    """A CommDebugMode is active in this thread (one C call when no dispatch mode is)."""
+    return bool(torch._C._len_torch_dispatch_stack()) and any(
+        isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack()
+    )
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+class _hidden:
+    """Dispatch modes off while the transport runs, when a CommDebugMode watches (it saw the collective already)."""
+
+    def __init__(self, on: bool) -> None:
+        self.context = _disable_current_modes() if on else None
+
+    def __enter__(self) -> None:
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
