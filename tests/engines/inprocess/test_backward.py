@@ -212,4 +212,4 @@ def test_docs_examples_run_with_the_results_they_state(capsys):
     for block in re.findall(r"```python\n(.*?)```", docs.read_text(), re.S):
         exec(compile(block, str(docs), "exec"), {})
     lines = capsys.readouterr().out.splitlines()
-    assert lines == ["[150, 151] (2, 7, 301)", "[(0, 'MainThread'), (1, 'tensorshard-1')]", "1 1", "PerDeviceOptimizer True", "4 3", "True", "True"]
+    assert lines == ["[150, 151] (2, 7, 301)", "[(0, 'MainThread'), (1, 'tensorshard-1')]", "1 1", "PerDeviceOptimizer True", "2 2 True", "4 3", "True", "True"]
