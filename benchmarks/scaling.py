@@ -200,9 +200,29 @@ def _summarise(n: int, rows: list[dict], per_unit: int) -> dict:
 
 
 def torchrun_runs(kind: str, worlds: list[int], rounds: int, quick: bool, device: str) -> dict:
-    from suite import scaling_torchrun  # noqa: PLC0415  (the launcher of rank processes)
+    """The same model and kind under torchrun, one process per rank (suite/scaling_torchrun.py), in this file's
+    form. Time at collectives is the guard's (waiting for the other ranks included); "one running" is not
+    measured across processes."""
+    from suite.scaling_torchrun import SPECS, ModelSpec, _llama, sweep
 
-    return scaling_torchrun.measure(kind, worlds, rounds=rounds, quick=quick, device=device)
+    if device != "cpu":
+        raise SystemExit("--engines torchrun measures CPU ranks only here; on GPUs run suite/scaling_torchrun.py")
+    if kind == "decode":
+        d = QUICK_DECODE if quick else DecodeSize()
+        spec = ModelSpec(name="decode", config=_llama(d.vocab_size, d.hidden_size, d.intermediate_size, d.num_hidden_layers,
+                                                      d.num_attention_heads, d.num_key_value_heads),
+                         batch=1, seq=d.prompt, prompt=d.prompt, new_tokens=d.new_tokens)
+    else:
+        spec = SPECS["tiny" if quick else "llama"]
+    results = sweep(spec, worlds, kinds=[kind], rounds=rounds, unsplit=True)
+    variants = []
+    for r in results:
+        k = r["kinds"][kind]
+        variants.append({"devices": 0 if r["unsplit"] else r["world"], "wall": k["wall_s"], "wall_all": k["wall_all"],
+                         "cpu": k["cpu_s"], "shard_cpu": k["cpu_per_rank_s"],
+                         "waiting": statistics.fmean(k["collective_s"]) if not r["unsplit"] else 0.0,
+                         "one_running": None, "collectives": k["collectives"], "bytes": k["bytes"]})
+    return {"kind": kind, "size": spec.config, "per": "token" if kind == "decode" else "step", "variants": variants}
 
 
 # --- main -------------------------------------------------------------------------------------------------------------
@@ -217,7 +237,7 @@ def derived(result: dict, cores: int) -> dict:
         v["work_inflation"] = v["cpu"] / base["cpu"]
         v["cores_busy"] = v["cpu"] / (v["wall"] * min(cores, n))
         v["waiting_share"] = v["waiting"] / v["wall"]
-        v["one_running_share"] = v["one_running"] / v["wall"]
+        v["one_running_share"] = v["one_running"] / v["wall"] if v["one_running"] is not None else None
     return result
 
 

@@ -61,7 +61,7 @@ def scaling_section(scaling: dict | None, plots: dict) -> list[str]:
                 lines.append(
                     f"| {n or 'unsplit'} | {v['wall'] * scale:.3g} | {v['speedup']:.2f}x{_target(engine, kind, n, v)} | "
                     f"{1 / v['speedup']:.2f}x | {v['work_inflation']:.2f}x | {v['cores_busy']:.2f} | "
-                    f"{v['waiting_share'] * 100:.0f}% | {v['one_running_share'] * 100:.0f}% | {per_shard} {unit} |"
+                    f"{v['waiting_share'] * 100:.0f}% | {_share(v['one_running_share'])} | {per_shard} {unit} |"
                 )
             lines.append("")
     return lines
@@ -76,6 +76,10 @@ def _target(engine: str, kind: str, n: int, v: dict) -> str:
     met = value >= goal if bound == "min" else value <= goal
     sign = "≥" if bound == "min" else "≤"
     return f" ({what} goal {sign} {goal:g}x: {'met' if met else '**missed**'})"
+
+
+def _share(x) -> str:
+    return "–" if x is None else f"{x * 100:.0f}%"
 
 
 def _load(x) -> str:
