@@ -68,7 +68,7 @@ class _Slot:
 class _Call:
     """The state one call of the model shares between its shards; dropped when the call ends."""
 
-    def __init__(self, group: "ThreadGroup", kind: str = "forward") -> None:
+    def __init__(self, group: "ThreadGroup", kind: str = "forward", serial: bool = False) -> None:
         n = group.world_size
         self.group = group
         self.kind = kind  # "forward" or "backward"
@@ -79,6 +79,9 @@ class _Call:
         self.ended = False
         self.parallel_inputs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(n)]
         self.began = time.perf_counter() if timeline.recording() else None  # comm/timeline.py
+        # serial: one shard runs at a time, the baton passing at every rendezvous (debug mode; and calls whose
+        # shards are mostly Python, where threads would only trade the GIL back and forth: engines/inprocess/schedule.py)
+        self.baton = threading.RLock() if serial else None
 
 
 class ThreadGroup:
@@ -94,8 +97,7 @@ class ThreadGroup:
         self.own_graphs = len(set(accelerators)) == len(accelerators)
         self.labels = list(labels) if labels is not None else [str(d) for d in self.devices]
         self.timeout = timeout
-        # serial (debug mode): one shard runs at a time; the baton passes at every rendezvous.
-        self.baton = threading.RLock() if serial else None
+        self.serial = serial  # debug mode: every call runs its shards one at a time (see _Call.baton)
         self._cond = threading.Condition()
         self.current: _Call | None = None
         self.left_split: list[set[str]] = [set() for _ in self.devices]  # per rank: ThreadComm.leave_split
@@ -105,10 +107,11 @@ class ThreadGroup:
 
     # -- calls ---------------------------------------------------------------------------------------------
 
-    def begin(self, kind: str = "forward") -> _Call:
-        """Start a call (a forward call, or a backward pass). The engine runs one call at a time per group."""
+    def begin(self, kind: str = "forward", *, serial: bool = False) -> _Call:
+        """Start a call (a forward call, or a backward pass); `serial`: its shards run one at a time. The engine
+        runs one call at a time per group."""
         with self._cond:
-            self.current = _Call(self, kind)
+            self.current = _Call(self, kind, serial or self.serial)
             return self.current
 
     def end(self, call: _Call) -> None:
@@ -147,13 +150,13 @@ class ThreadGroup:
         started = time.perf_counter() if call.began is not None else None
         try:
             try:
-                if self.baton is not None:
+                if call.baton is not None:
                     self._take_baton(call, rank)
                 try:
                     result = fn()
                 finally:
-                    if self.baton is not None:
-                        self.baton.release()
+                    if call.baton is not None:
+                        call.baton.release()
             except BaseException as e:
                 self.abort(call, e)
                 raise
@@ -167,10 +170,10 @@ class ThreadGroup:
                 timeline.record("shards", rank, started, time.perf_counter())
 
     def _take_baton(self, call: _Call, rank: int) -> None:
-        if not self.baton.acquire(timeout=self.timeout):
+        if not call.baton.acquire(timeout=self.timeout):
             raise TimeoutError(
-                f"[debug] {self._who(rank)} waited {self.timeout:g} s for its turn: another shard is stuck "
-                "outside tensorshard's collectives"
+                f"{self._who(rank)} waited {self.timeout:g} s for its turn (the shards of this call run one at a "
+                "time): another shard is stuck outside tensorshard's collectives"
             )
 
     # -- rendezvous ----------------------------------------------------------------------------------------
@@ -224,11 +227,11 @@ class ThreadGroup:
         """Deposit `payload`; once all shards have, `compute(payloads)` runs once; return this rank's result.
 
         With `each`, `compute(payloads)` runs once for what it records (its result is ignored) and every rank
-        computes its own result, `each(payloads, rank)`, in its own thread (in debug mode, where one shard runs
-        at a time, the last to arrive computes them all). `signature` (e.g. shape and dtype) must be equal on
+        computes its own result, `each(payloads, rank)`, in its own thread (in a serial call, where one shard
+        runs at a time, the last to arrive computes them all). `signature` (e.g. shape and dtype) must be equal on
         every rank, or the call fails.
         """
-        baton = self.baton
+        baton = self._call_of_this_thread(rank, op, where).baton
         if each is not None:
             if baton is not None:
                 return self.exchange(rank, op, where, payload, lambda xs: _each_of(compute, each, xs), signature)

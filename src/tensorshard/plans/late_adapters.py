@@ -21,9 +21,11 @@ from typing import Callable
 
 from torch import nn
 
+from ..registrations import watch
 from .adapters import adapter_entries, is_adapter_layer, is_modules_to_save
+from .module_shard import ModuleShard
 from .plan import Plan
-from .sharding import ModuleShard, direct_tensors
+from .sharding import direct_tensors
 
 
 @dataclass
@@ -52,8 +54,11 @@ class LateAdapters:
 
 
 def count_modules_and_tensors(root: nn.Module) -> int:
-    """Modules and tensors below `root`: a change means something was added since the last look."""
-    return sum(1 + len(m._parameters) + len(m._buffers) for m in root.modules())
+    """Modules and tensors below `root`: a change means something was added since the last look. Registrations
+    on these modules are counted from now on (registrations.py), so the next look can be skipped until one."""
+    modules = list(root.modules())
+    watch(modules)
+    return sum(1 + len(m._parameters) + len(m._buffers) for m in modules)
 
 
 def plan_late_adapters(

@@ -52,6 +52,7 @@ from .copies import deep_copy, refuse_pickle
 from .grad_norm import clip_grad_norm_
 from .late_adapters import adopt_late_modules, module_count
 from .rollback import Released, restore
+from .schedule import Schedule
 from .shard_attributes import record_per_device
 from .shard_backward import ShardGraphs, join_outputs
 from .unsplit_state import is_unsplit, load_unsplit
@@ -153,6 +154,8 @@ class TensorParallel(nn.Module):
         self._group = ThreadGroup(placement, self.timeout, serial=self.debug, labels=self.labels)
         self._dropout = ShardDropout(ThreadPeers(self._group)) if world > 1 and may_drop(module) else None  # comm/dropout.py
         self._pool = WorkerPool()
+        # calls without gradients: the shards at the same time, or one at a time where that is faster (schedule.py)
+        self._schedule = Schedule() if world > 1 and not self.debug else None
         self._call_lock = threading.Lock()  # concurrent callers take turns: the shards share one rendezvous
         # How each tensor of the original is split, by its original state-dict name (for gathered saves).
         self.splits: dict[str, tuple[int, Partition] | None] = layout.slice_map(module)
@@ -255,15 +258,19 @@ class TensorParallel(nn.Module):
                 a, kw = per_rank_inputs(rank)
                 return shards[rank](*a, **kw)
 
-        outputs = self._run_shards("forward", run)
+        timing = self._schedule.begin(args, kwargs) if self._schedule is not None else None
+        outputs = self._run_shards("forward", run, serial=timing is not None and timing.serial)
+        if timing is not None:
+            self._schedule.end(timing)
         if graphs is not None:
             return join_outputs(graphs, outputs, src, self.output_device, self.labels, check_equal=self.debug)
         return gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
 
-    def _run_shards(self, kind: str, body: Callable[[int], Any], *, inline: int = 0) -> list[Any]:
+    def _run_shards(self, kind: str, body: Callable[[int], Any], *, inline: int = 0, serial: bool = False) -> list[Any]:
         """`body(rank)` for every shard at once, one thread each (shard `inline` in this one), as one call of the
         shards' rendezvous ("forward", or "backward": shard_backward.py): a failure or a stall in any shard stops
-        them all within the time limit (workers.py, comm/rendezvous.py). Calls take turns."""
+        them all within the time limit (workers.py, comm/rendezvous.py). Calls take turns. `serial`: the shards
+        take turns too, passing a baton at every collective (schedule.py)."""
         group = self._group
 
         def shard(call, rank: int):
@@ -274,7 +281,7 @@ class TensorParallel(nn.Module):
             return lambda: group.run_shard(call, rank, run)
 
         with self._call_lock:
-            call = group.begin(kind)
+            call = group.begin(kind, serial=serial)
             try:
                 return self._pool.run(
                     [shard(call, r) for r in range(len(self._placement))],

@@ -48,7 +48,7 @@ from ...plans.late_adapters import (
 )
 from ...styles.base import ShardContext
 from ...styles.lora import is_dora
-from ..registrations import registrations
+from ...registrations import registrations
 from .zero import shard_added
 
 logger = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ from ...plans.late_adapters import (
 )
 from ...styles.base import ShardContext
 from ...styles.lora import is_dora
-from ..registrations import registrations
+from ...registrations import registrations
 from .local_views import restore_after_building, swap_adapter_layers, swap_local_views
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,103 @@
+"""Whether a call's shards run at the same time or one at a time: chosen by measuring both, per kind of call.
+
+Shards run in threads of one process, and Python holds one lock (the GIL) that PyTorch releases inside every
+operator. When a call is mostly arithmetic (training, a prefill), the shards' kernels overlap and the call gets
+faster with the devices. When it is mostly Python (decoding a token: each operator takes microseconds), the
+shards' Python cannot overlap anyway, and running them at the same time only makes the threads hand the lock
+back and forth at every operator: measured here, a small Llama's token at 8 CPU slots took 112 ms in threads
+and 56 ms with the shards one after another. Which case a call is depends on the model, the batch, the
+devices and the machine, so the engine measures it:
+
+- calls are grouped by `call_key`: grad mode, and the shapes of the tensor inputs, each size rounded up to a
+  power of two (a decoding step's growing attention mask keeps its key for many tokens);
+- the first calls of a key alternate between the two ways (`PROBES` each), then every call takes the faster
+  one (the lower median of its timings); every `REPROBE` calls the other way is timed once more, so a change
+  (a longer cache, a busier machine) is followed.
+
+Only calls without gradients are scheduled this way (inference and decoding); a call that builds a graph runs
+its shards at the same time, as its backward pass will. The choice changes no number: the shards run the same
+operators and every collective combines their tensors in rank order, whichever shard arrives last.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+PROBES = 2  # timed calls of each way before choosing
+REPROBE = 64  # calls between two timings of the way not chosen
+KEEP = 8  # timings kept per way and key
+MAX_KEYS = 64  # kinds of call remembered per model
+
+
+def call_key(args: tuple, kwargs: dict) -> Hashable:
+    """The kind of a call: grad mode, and its tensor inputs' shapes with every size rounded up to a power of two."""
+    leaves, _ = tree_flatten((args, kwargs))
+    shapes = tuple(tuple(1 << max(0, n - 1).bit_length() for n in x.shape) for x in leaves if isinstance(x, torch.Tensor))
+    return torch.is_grad_enabled(), shapes
+
+
+@dataclass
+class Timing:
+    """One scheduled call: its kind, the way it runs, when it started."""
+
+    key: Hashable
+    serial: bool
+    started: float
+
+
+class Schedule:
+    """Per kind of call, the timings of each way and the one chosen (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[Hashable, dict[str, Any]] = {}
+
+    # Left out of torch.compile's graphs (one graph break each): traced, the bookkeeping's changing state became
+    # guards that failed at every call.
+    @torch.compiler.disable
+    def begin(self, args: tuple, kwargs: dict) -> Timing | None:
+        """The way a forward call with these inputs runs (None: at the same time, untimed: it builds a graph)."""
+        if torch.is_grad_enabled():
+            return None
+        key = call_key(args, kwargs)
+        return Timing(key, self.serial(key), time.perf_counter())
+
+    @torch.compiler.disable
+    def end(self, timing: Timing) -> None:
+        self.record(timing.key, timing.serial, time.perf_counter() - timing.started)
+
+    def serial(self, key: Hashable) -> bool:
+        """Whether the next call of this kind runs its shards one at a time."""
+        if key[0]:  # builds a graph: the shards at the same time, as in backward
+            return False
+        kind = self._kinds.get(key)
+        if kind is None:
+            if len(self._kinds) >= MAX_KEYS:
+                self._kinds.pop(next(iter(self._kinds)))
+            kind = self._kinds[key] = {"together": deque(maxlen=KEEP), "serial": deque(maxlen=KEEP), "calls": 0}
+        kind["calls"] += 1
+        together, serial = kind["together"], kind["serial"]
+        if len(together) < PROBES or len(serial) < PROBES:
+            return len(serial) < len(together)  # alternate: together first
+        best_serial = statistics.median(serial) < statistics.median(together)
+        if kind["calls"] % REPROBE == 0:
+            return not best_serial
+        return best_serial
+
+    def record(self, key: Hashable, serial: bool, seconds: float) -> None:
+        kind = self._kinds.get(key)
+        if kind is not None:
+            kind["serial" if serial else "together"].append(seconds)
+
+    def chosen(self, key: Hashable) -> str | None:
+        """"serial" or "together" once both were timed for this kind of call (None before): for tests and logs."""
+        kind = self._kinds.get(key)
+        if kind is None or len(kind["together"]) < PROBES or len(kind["serial"]) < PROBES:
+            return None
+        return "serial" if statistics.median(kind["serial"]) < statistics.median(kind["together"]) else "together"

@@ -1,0 +1,99 @@
+"""Calls without gradients run their shards at the same time or one at a time, whichever the engine measured to
+be faster for that kind of call (engines/inprocess/schedule.py); either way the numbers are the same."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from support import plans
+from support.helpers import rel_err, split_copy
+from support.models import TwoPairs
+from tensorshard.engines.inprocess import schedule
+from tensorshard.engines.inprocess.schedule import KEEP, PROBES, REPROBE, Schedule, call_key
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def no_grad_key(*shapes):
+    with torch.no_grad():
+        return call_key(tuple(torch.zeros(s) for s in shapes), {})
+
+
+def test_calls_are_grouped_by_grad_mode_and_shapes_rounded_up_to_powers_of_two():
+    assert no_grad_key((1, 17)) == no_grad_key((1, 31)) == (False, ((1, 32),))
+    assert no_grad_key((1, 17)) != no_grad_key((1, 33))
+    assert no_grad_key((2, 1)) != no_grad_key((2, 16))  # a decoding step is not a prefill
+    assert call_key((torch.zeros(3),), {"cache": object(), "mask": torch.zeros(2, 5)}) == (True, ((4,), (2, 8)))
+
+
+def test_both_ways_are_timed_then_the_faster_one_is_kept_and_the_other_retimed_now_and_then():
+    s, key = Schedule(), no_grad_key((1, 1))
+    ways = []
+    for _ in range(2 * PROBES):  # alternate, together first
+        serial = s.serial(key)
+        ways.append(serial)
+        s.record(key, serial, 1.0 if serial else 3.0)  # one at a time is faster here
+    assert ways == [False, True] * PROBES and s.chosen(key) == "serial"
+    later = [s.serial(key) for _ in range(REPROBE * 2)]
+    assert later.count(False) == 2  # the other way once every REPROBE calls
+    for _ in range(KEEP):
+        s.record(key, True, 5.0)  # the machine got busy: serial calls slowed down
+    assert s.chosen(key) == "together" and not s.serial(key)
+
+
+def test_calls_that_build_a_graph_always_run_at_the_same_time():
+    s = Schedule()
+    key = call_key((torch.zeros(2),), {})
+    assert key[0] is True
+    assert not any(s.serial(key) for _ in range(10))
+    with torch.enable_grad():
+        assert s.begin((torch.zeros(2),), {}) is None
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_serial_calls_run_one_shard_at_a_time_with_the_same_numbers(n, gen, monkeypatch):
+    torch.manual_seed(0)
+    ref = TwoPairs().eval()
+    model = split_copy(ref, n, plan=plans.TWO_BLOCKS)
+    active, most, lock = [0], [0], threading.Lock()
+
+    def enter(*_):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.05)  # long enough for shards running at the same time to meet in here
+
+    def leave(*_):
+        with lock:
+            active[0] -= 1
+
+    for shard in model.module_shards:
+        for block in (shard.a1, shard.a2):  # the column layers: no collective inside
+            block.register_forward_pre_hook(enter)
+            block.register_forward_hook(leave)
+    x = torch.randn(4, 8, generator=gen)
+    outputs = {}
+    for way in (True, False):
+        monkeypatch.setattr(schedule.Schedule, "serial", lambda self, key, way=way: way)
+        most[0] = 0
+        with torch.no_grad():
+            outputs[way] = model(x)
+        assert most[0] == (1 if way else n)  # one at a time, or all at once
+    assert torch.equal(outputs[True], outputs[False])
+    with torch.no_grad():
+        assert rel_err(outputs[True], ref(x)) < 1e-5
+
+
+def test_a_decoding_model_tries_both_ways_and_generates_the_unsplit_tokens():
+    from support import tiny_llama
+
+    ref = tiny_llama.build()
+    model = split_copy(ref, 2)
+    prompt = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        assert torch.equal(out, ref.generate(prompt, max_new_tokens=12, do_sample=False))
+    decode_keys = [k for k in model._schedule._kinds if k[1][0] == (1, 1)]  # input_ids of one token
+    assert decode_keys and all(model._schedule.chosen(k) in ("serial", "together") for k in decode_keys)
