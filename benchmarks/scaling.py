@@ -127,7 +127,7 @@ def inprocess_job(kind: str, worlds: list[int], rounds: int, quick: bool, device
             model = tp.tensor_parallel(model, devices(n))
         elif device != "cpu":
             model = model.to("cuda:0")
-        variants.append((n, _step(kind, model, inputs, size)))
+        variants.append((n, _step(kind, model, inputs, size), model))
 
     def sync():
         if device != "cpu":
@@ -135,10 +135,11 @@ def inprocess_job(kind: str, worlds: list[int], rounds: int, quick: bool, device
                 torch.cuda.synchronize(i)
 
     records = defaultdict(list)
-    for _, step in variants:  # warm-up
-        step()
+    for _, step, _ in variants:  # warm-up; calls without gradients: as many as the engine's schedule times each way
+        for _ in range(1 if kind == "train" else 4):
+            step()
     for _ in range(rounds):
-        for n, step in variants:
+        for n, step, _ in variants:
             sync()
             before, cpu0, t0 = thread_cpu(), time.process_time(), time.perf_counter()
             with tp.shard_timeline() as timeline:
@@ -154,7 +155,13 @@ def inprocess_job(kind: str, worlds: list[int], rounds: int, quick: bool, device
             records[n].append({"wall": wall, "cpu": cpu, "shard_cpu": per_shard, **timeline.summary()})
     per_unit = size.new_tokens if kind == "decode" else 1
     return {"kind": kind, "size": asdict(size), "per": "token" if kind == "decode" else "step",
-            "variants": [_summarise(n, records[n], per_unit) for n, _ in variants]}
+            "variants": [{**_summarise(n, records[n], per_unit), "schedule": _schedule_of(model)} for n, _, model in variants]}
+
+
+def _schedule_of(model) -> list[str]:
+    """How the engine runs this model's calls without gradients (engines/inprocess/schedule.py): the ways chosen."""
+    schedule = getattr(model, "_schedule", None)
+    return sorted({schedule.chosen(k) or "undecided" for k in schedule._kinds}) if schedule is not None else []
 
 
 def _step(kind: str, model, inputs, size):

@@ -38,7 +38,9 @@ def scaling_section(scaling: dict | None, plots: dict) -> list[str]:
         "work inflation (CPU seconds of all threads or ranks / the unsplit model's: 1.00 = splitting adds no work); "
         "cores busy (CPU seconds / (wall x min(cores, devices)): below 1, work runs alone or waits); waiting (a "
         "shard's mean time blocked at collectives) and one running (time in which only one shard, or the caller "
-        "alone, runs), as shares of the wall time; CPU per shard (in decoding: the model's Python and dispatch).",
+        "alone, runs), as shares of the wall time; CPU per shard (in decoding: the model's Python and dispatch), with, "
+        "for calls without gradients, how the in-process engine chose to run the shards: together or one at a time "
+        "(serial; docs/inprocess.md).",
         "",
     ]
     if "scaling" in plots:
@@ -58,6 +60,8 @@ def scaling_section(scaling: dict | None, plots: dict) -> list[str]:
             for v in result["variants"]:
                 n = v["devices"]
                 per_shard = ", ".join(f"{c * scale:.3g}" for c in v.get("shard_cpu", []))
+                if v.get("schedule"):
+                    per_shard += f" ({'/'.join(v['schedule'])})"
                 lines.append(
                     f"| {n or 'unsplit'} | {v['wall'] * scale:.3g} | {v['speedup']:.2f}x{_target(engine, kind, n, v)} | "
                     f"{1 / v['speedup']:.2f}x | {v['work_inflation']:.2f}x | {v['cores_busy']:.2f} | "

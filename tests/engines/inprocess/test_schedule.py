@@ -34,12 +34,20 @@ def test_both_ways_are_timed_then_the_faster_one_is_kept_and_the_other_retimed_n
     for _ in range(2 * PROBES):  # alternate, together first
         serial = s.serial(key)
         ways.append(serial)
-        s.record(key, serial, 1.0 if serial else 3.0)  # one at a time is faster here
+        s.record(key, serial, 1.0 if serial else 1.1)  # one at a time is a little faster here
     assert ways == [False, True] * PROBES and s.chosen(key) == "serial"
     later = [s.serial(key) for _ in range(REPROBE * 2)]
     assert later.count(False) == 2  # the other way once every REPROBE calls
     for _ in range(KEEP):
         s.record(key, True, 5.0)  # the machine got busy: serial calls slowed down
+    assert s.chosen(key) == "together" and not s.serial(key)
+
+
+def test_a_clear_difference_is_decided_after_one_call_each():
+    s, key = Schedule(), no_grad_key((4, 128))
+    s.record(key, s.serial(key), 1.0)  # together
+    assert s.chosen(key) is None
+    s.record(key, s.serial(key), 2.0)  # one at a time: twice as slow (a compute-bound call)
     assert s.chosen(key) == "together" and not s.serial(key)
 
 

@@ -10,8 +10,8 @@ devices and the machine, so the engine measures it:
 
 - calls are grouped by `call_key`: grad mode, and the shapes of the tensor inputs, each size rounded up to a
   power of two (a decoding step's growing attention mask keeps its key for many tokens);
-- the first calls of a key alternate between the two ways (`PROBES` each), then every call takes the faster
-  one (the lower median of its timings); every `REPROBE` calls the other way is timed once more, so a change
+- the first calls of a key alternate between the two ways (`PROBES` each, or one each where one way was
+  `CLEAR` times faster), then every call takes the faster one (the lower median of its timings); every `REPROBE` calls the other way is timed once more, so a change
   (a longer cache, a busier machine) is followed.
 
 Only calls without gradients are scheduled this way (inference and decoding); a call that builds a graph runs
@@ -30,7 +30,8 @@ from typing import Any, Hashable
 import torch
 from torch.utils._pytree import tree_flatten
 
-PROBES = 2  # timed calls of each way before choosing
+PROBES = 2  # timed calls of each way before choosing ...
+CLEAR = 1.25  # ... unless after one each, one way was this many times faster
 REPROBE = 64  # calls between two timings of the way not chosen
 KEEP = 8  # timings kept per way and key
 MAX_KEYS = 64  # kinds of call remembered per model
@@ -83,7 +84,7 @@ class Schedule:
             kind = self._kinds[key] = {"together": deque(maxlen=KEEP), "serial": deque(maxlen=KEEP), "calls": 0}
         kind["calls"] += 1
         together, serial = kind["together"], kind["serial"]
-        if len(together) < PROBES or len(serial) < PROBES:
+        if not _decided(together, serial):
             return len(serial) < len(together)  # alternate: together first
         best_serial = statistics.median(serial) < statistics.median(together)
         if kind["calls"] % REPROBE == 0:
@@ -98,6 +99,16 @@ class Schedule:
     def chosen(self, key: Hashable) -> str | None:
         """"serial" or "together" once both were timed for this kind of call (None before): for tests and logs."""
         kind = self._kinds.get(key)
-        if kind is None or len(kind["together"]) < PROBES or len(kind["serial"]) < PROBES:
+        if kind is None or not _decided(kind["together"], kind["serial"]):
             return None
         return "serial" if statistics.median(kind["serial"]) < statistics.median(kind["together"]) else "together"
+
+
+def _decided(together: deque, serial: deque) -> bool:
+    """Both ways timed `PROBES` times, or once each with one of them `CLEAR` times faster."""
+    if not together or not serial:
+        return False
+    if len(together) >= PROBES and len(serial) >= PROBES:
+        return True
+    a, b = together[0], serial[0]
+    return max(a, b) >= CLEAR * min(a, b)
