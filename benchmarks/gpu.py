@@ -82,8 +82,7 @@ class Task:
         self.new_tokens = args.new_tokens
         self.optimizer = None
         if name == "train":
-            self.optimizer = tp.per_device_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-5), model) \
-                if isinstance(model, tp.TensorParallel) else torch.optim.AdamW(model.parameters(), lr=1e-5)
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)  # as users write it
 
     def __call__(self) -> None:
         if self.name == "forward":

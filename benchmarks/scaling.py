@@ -6,7 +6,8 @@ each speed-up with the accounting that explains it.
     python benchmarks/render.py                                                 # its section of BENCHMARKS.md
 
 What runs (one intra-op thread per device, as everywhere in benchmarks/; `--quick`: small models, to check it runs):
-- forward, train: BENCHMARKS.md's 104M Llama (suite/config.py) on a (4, 128) token batch; train = forward with the
+- forward, train: BENCHMARKS.md's 104M Llama on a (4, 128) token batch (suite/scaling_torchrun.py's SPECS, for both
+  engines); train = forward with the
   language-model loss, backward, a plain `torch.optim.AdamW(model.parameters())` step, zero_grad: what users write.
 - decode: the dispatch-bound regime GPU decoding lives in, on CPU: a small Llama (hidden 256, 8 layers), batch 1,
   greedy `generate` with the KV cache; ms per generated token.
@@ -36,46 +37,29 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from suite.config import FULL, QUICK, LlamaSize  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # suite/
 
 BENCH = Path(__file__).resolve().parent
 KINDS = ("forward", "train", "decode")
 
 
-@dataclass(kw_only=True)
-class DecodeSize:
-    """The dispatch-bound decoding model: small enough that a token is mostly Python and kernel launches."""
+def spec_for(kind: str, quick: bool):
+    """The model and inputs of a kind, the same for both engines (suite/scaling_torchrun.py's table): the 104M
+    Llama for forward and train, the small one for decoding, the tiny one for both with --quick."""
+    from suite.scaling_torchrun import SPECS
 
-    vocab_size: int = 2048
-    hidden_size: int = 256
-    intermediate_size: int = 704
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    prompt: int = 16
-    new_tokens: int = 32
+    return SPECS["tiny" if quick else "small" if kind == "decode" else "llama"]
 
 
-QUICK_DECODE = DecodeSize(num_hidden_layers=2, new_tokens=8)
-
-
-def llama(size, seed: int = 0):
-    """A LlamaForCausalLM with random weights from `seed` (the same weights for every variant)."""
+def llama(spec, seed: int = 0):
+    """A LlamaForCausalLM of `spec` with random weights from `seed` (the same weights for every variant)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=size.vocab_size, hidden_size=size.hidden_size, intermediate_size=size.intermediate_size,
-        num_hidden_layers=size.num_hidden_layers, num_attention_heads=size.num_attention_heads,
-        num_key_value_heads=size.num_key_value_heads, max_position_embeddings=2048, tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**spec.config))
 
 
 # --- per-thread CPU time ----------------------------------------------------------------------------------------
@@ -112,22 +96,23 @@ def inprocess_job(kind: str, worlds: list[int], rounds: int, quick: bool, device
     import tensorshard as tp
 
     torch.set_num_threads(1)
-    size = (QUICK if quick else FULL).llama if kind != "decode" else (QUICK_DECODE if quick else DecodeSize())
+    spec = spec_for(kind, quick)
+    vocab = spec.config["vocab_size"]
     g = torch.Generator().manual_seed(0)
     if kind == "decode":
-        inputs = torch.randint(3, size.vocab_size, (1, size.prompt), generator=g)
+        inputs = torch.randint(3, vocab, (1, spec.prompt), generator=g)
     else:
-        inputs = torch.randint(0, size.vocab_size, (size.batch, size.seq), generator=g)
+        inputs = torch.randint(0, vocab, (spec.batch, spec.seq), generator=g)
     devices = (lambda n: ["cpu"] * n) if device == "cpu" else (lambda n: [f"cuda:{i}" for i in range(n)])
 
     variants = []  # (label, devices, step function)
     for n in [0, *worlds]:  # 0: the unsplit model
-        model = llama(size).train(kind == "train")
+        model = llama(spec).train(kind == "train")
         if n:
             model = tp.tensor_parallel(model, devices(n))
         elif device != "cpu":
             model = model.to("cuda:0")
-        variants.append((n, _step(kind, model, inputs, size), model))
+        variants.append((n, _step(kind, model, inputs, spec), model))
 
     def sync():
         if device != "cpu":
@@ -153,8 +138,8 @@ def inprocess_job(kind: str, worlds: list[int], rounds: int, quick: bool, device
                 if rank is not None and rank < len(per_shard):
                     per_shard[rank] += seconds - before.get(name, 0.0)
             records[n].append({"wall": wall, "cpu": cpu, "shard_cpu": per_shard, **timeline.summary()})
-    per_unit = size.new_tokens if kind == "decode" else 1
-    return {"kind": kind, "size": asdict(size), "per": "token" if kind == "decode" else "step",
+    per_unit = spec.new_tokens if kind == "decode" else 1
+    return {"kind": kind, "size": spec.config, "per": "token" if kind == "decode" else "step",
             "variants": [{**_summarise(n, records[n], per_unit), "schedule": _schedule_of(model)} for n, _, model in variants]}
 
 
@@ -164,7 +149,7 @@ def _schedule_of(model) -> list[str]:
     return sorted({schedule.chosen(k) or "undecided" for k in schedule._kinds}) if schedule is not None else []
 
 
-def _step(kind: str, model, inputs, size):
+def _step(kind: str, model, inputs, spec):
     import torch
 
     if kind == "forward":
@@ -185,7 +170,7 @@ def _step(kind: str, model, inputs, size):
 
         def step():
             with torch.no_grad():
-                model.generate(inputs, max_new_tokens=size.new_tokens, min_new_tokens=size.new_tokens, do_sample=False)
+                model.generate(inputs, max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens, do_sample=False)
     return step
 
 
@@ -210,17 +195,11 @@ def torchrun_runs(kind: str, worlds: list[int], rounds: int, quick: bool, device
     """The same model and kind under torchrun, one process per rank (suite/scaling_torchrun.py), in this file's
     form. Time at collectives is the guard's (waiting for the other ranks included); "one running" is not
     measured across processes."""
-    from suite.scaling_torchrun import SPECS, ModelSpec, _llama, sweep
+    from suite.scaling_torchrun import sweep
 
     if device != "cpu":
         raise SystemExit("--engines torchrun measures CPU ranks only here; on GPUs run suite/scaling_torchrun.py")
-    if kind == "decode":
-        d = QUICK_DECODE if quick else DecodeSize()
-        spec = ModelSpec(name="decode", config=_llama(d.vocab_size, d.hidden_size, d.intermediate_size, d.num_hidden_layers,
-                                                      d.num_attention_heads, d.num_key_value_heads),
-                         batch=1, seq=d.prompt, prompt=d.prompt, new_tokens=d.new_tokens)
-    else:
-        spec = SPECS["tiny" if quick else "llama"]
+    spec = spec_for(kind, quick)
     results = sweep(spec, worlds, kinds=[kind], rounds=rounds, unsplit=True)
     variants = []
     for r in results:

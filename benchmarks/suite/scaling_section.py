@@ -21,6 +21,42 @@ TARGETS = {
 }
 
 
+# What the accounting shows, per engine and kind: written from the investigation behind issue 23 (the columns of
+# the run being rendered carry the numbers).
+ANALYSIS = {
+    ("inprocess", "forward"): (
+        "Where the time goes: the matrix products split, but every shard repeats what the plan leaves whole on "
+        "the full activations (the RMSNorms and residual adds of every block, the rotary tables, the embedding's "
+        "masking) and runs the whole module tree's Python; that is the work inflation past 2 devices. The "
+        "all-reduces of large activations are computed by all shards together, each summing one chunk into every "
+        "shard's result, so their cost per shard does not grow with the device count. On a machine with fewer cores "
+        "than devices, the speed-up past 2 is bounded by the cores; the work column is what carries over."
+    ),
+    ("inprocess", "train"): (
+        "Forward and backward run in every shard's thread, and so does the plain AdamW step (the engine steps each "
+        "shard's parameters in its thread by itself): the cores stay busy through the whole step and little runs "
+        "alone. What inflates the work at 8 devices is the forward's (above), twice: the backward of every "
+        "replicated norm and residual runs on every shard too. Removing it would need sequence parallelism "
+        "between the blocks (each shard normalising its share of the tokens), which changes what model code sees "
+        "between layers; the torchrun engine offers it as an explicit style."
+    ),
+    ("inprocess", "decode"): (
+        "Decoding a token of this model is Python and dispatch: each shard runs the model's whole module tree "
+        "(CPU per shard close to the unsplit model's whole CPU), and Python runs one thread at a time, so a token "
+        "costs about N times the unsplit model's, whatever the cores. The engine runs such calls with the shards "
+        "one at a time (the schedule column: threads handing the GIL back and forth at every operator cost twice as "
+        "much at 8 devices). Only a shard that runs less Python can make this flat: CUDA graphs or compiled regions "
+        "per shard on GPUs, or one process per device (the torchrun engine below, whose ranks' Python runs on "
+        "their own cores)."
+    ),
+    ("torchrun", "decode"): (
+        "One process per rank: each rank's Python runs on its own core, so the cost per token stays near the "
+        "unsplit model's while there are cores for the ranks, plus one shared-memory collective per row-parallel "
+        "layer (17 per token here). Past the cores (4 and 8 ranks on 2 cores) the ranks take turns on them."
+    ),
+}
+
+
 def scaling_section(scaling: dict | None, plots: dict) -> list[str]:
     if scaling is None:
         return []
@@ -68,6 +104,8 @@ def scaling_section(scaling: dict | None, plots: dict) -> list[str]:
                     f"{v['waiting_share'] * 100:.0f}% | {_share(v['one_running_share'])} | {per_shard} {unit} |"
                 )
             lines.append("")
+            if (engine, kind) in ANALYSIS:
+                lines += [ANALYSIS[(engine, kind)], ""]
     return lines
 
 

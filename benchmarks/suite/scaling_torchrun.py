@@ -67,7 +67,7 @@ SPECS = {
     # BENCHMARKS.md's ~104M Llama (its sizes divide by 8)
     "llama": ModelSpec(name="llama", config=_llama(16384, 1024, 2816, 6, 16, 8), batch=4, seq=128, new_tokens=48),
     # dispatch-bound decoding: a step is mostly Python and kernel launches (issue 23)
-    "small": ModelSpec(name="small", config=_llama(1024, 256, 688, 8, 8, 4), batch=1, seq=16, new_tokens=32),
+    "small": ModelSpec(name="small", config=_llama(2048, 256, 704, 8, 8, 4), batch=1, seq=16, new_tokens=32),
     # --quick
     "tiny": ModelSpec(name="tiny", config=_llama(256, 64, 128, 2, 4, 2), batch=2, seq=16, prompt=6, new_tokens=8),
 }

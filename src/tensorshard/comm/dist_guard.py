@@ -105,11 +105,7 @@ class GroupGuard:
     def set_timeout(self, timeout: float) -> None:
         """Bound every collective on the group (ours and anyone's) by `timeout` seconds."""
         self.timeout = resolve_timeout(timeout)
-        setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
-        if setter is None:
-            logger.warning("this PyTorch cannot change a process group's timeout; collectives keep the group's own")
-            return
-        setter(timedelta(seconds=self.timeout), self.group)
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=self.timeout), self.group)  # private; torch >= 2.3
         logger.debug("collectives of %s time out after %g s", self.label, self.timeout)
 
     # -- running a collective ----------------------------------------------------------------------------

@@ -71,7 +71,7 @@ class _Call:
     def __init__(self, group: "ThreadGroup", kind: str = "forward", serial: bool = False) -> None:
         n = group.world_size
         self.group = group
-        self.kind = kind  # "forward" or "backward"
+        self.kind = kind  # "forward", "backward" or "optimizer step"
         self.slots: dict[int, _Slot] = {}
         self.seq = [0] * n  # collectives each rank has entered
         self.finished: list[bool] = [False] * n  # ranks whose shard returned

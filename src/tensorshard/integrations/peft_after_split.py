@@ -31,7 +31,8 @@ the tensors as it would for an unsplit model), with two differences: the adapter
 first device's shard, whose module names are the unsplit model's, while tensors loaded into it go to the
 split model, which gives each device its slices. ``transformers.Trainer`` checkpoints, ``save_model`` and
 ``resume_from_checkpoint`` go through these two methods. Methods that rebuild the module tree
-(``merge_and_unload``, ``unload``, ``add_weighted_adapter``) are refused as for a PeftModel split whole.
+(``merge_and_unload``, ``unload``, ``add_weighted_adapter``, ``delete_adapter``) are refused as for a PeftModel split
+whole.
 """
 
 from __future__ import annotations
@@ -117,8 +118,34 @@ def _before_injection(tuner: nn.Module, split: nn.Module) -> None:
             "either order): only LoRA (also rsLoRA, DoRA and modules_to_save) and IA3 layers do. Use one of those, "
             "or train this adapter on the unsplit model"
         )
+    _check_initialisations(tuner)
     if not isinstance(split, TensorParallel):
         building_views(split, split.tensorshard)  # PEFT builds its layers on this rank's plain slices
+
+
+# LoRA initialisations that do not read the base weight; the others (PiSSA, OLoRA, LoftQ, CorDA, EVA, ...) would
+# compute each device's factors from its slice of the weight and rewrite that slice with them, and no single
+# adapter then matches the devices' weights.
+PLAIN_INITIALISATIONS = (True, False, "gaussian")
+
+
+def _check_initialisations(tuner: nn.Module) -> None:
+    """Before PEFT injects an adapter into the split model (this one, or one added later with add_adapter),
+    refuse a LoRA initialisation that reads the base weight: it would change the weights on every device first."""
+    inject = tuner.inject_adapter  # the tuner's __init__ calls it right after setting its model (this hook)
+
+    def checked(model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> Any:
+        config = tuner.peft_config.get(adapter_name)
+        init = getattr(config, "init_lora_weights", True)
+        if init not in PLAIN_INITIALISATIONS:
+            raise NotImplementedError(
+                f"init_lora_weights={init!r} on a split model: it computes the adapter from the base weight, which "
+                "each device holds a slice of (and rewrites it). Add the adapter to the unsplit model first and split "
+                "the PeftModel, or use init_lora_weights=True, False or 'gaussian' here"
+            )
+        return inject(model, adapter_name, *args, **kwargs)
+
+    object.__setattr__(tuner, "inject_adapter", checked)
 
 
 def _adopt(split: nn.Module) -> None:
@@ -307,6 +334,9 @@ class AroundSplit:
 
     def add_weighted_adapter(self, *args: Any, **kwargs: Any):
         self._refuse_restructuring("add_weighted_adapter")
+
+    def delete_adapter(self, *args: Any, **kwargs: Any):
+        self._refuse_restructuring("delete_adapter")  # the layout, ZeRO-3 and the splits still hold its tensors
 
 
 def _gathered_adapter(split: nn.Module) -> dict[str, torch.Tensor]:

@@ -262,3 +262,23 @@ def test_set_adapter_names_a_missing_adapter():
     model = split_copy(lora(tiny()), 2)
     with pytest.raises(ValueError, match="default"):
         model.set_adapter("missing")
+
+
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_initialisations_that_read_the_base_weight_are_refused_after_splitting(init):
+    # each device would compute its factors from its slice and rewrite that slice: refused before PEFT touches it
+    split = tp.tensor_parallel(tiny(), ["cpu"] * 2, sharded=False)
+    before, names = logits(split), [n for n, _ in split.named_modules()]
+    with pytest.raises(NotImplementedError, match=f"init_lora_weights='{init}'.*unsplit model first"):
+        get_peft_model(split, LoraConfig(r=4, target_modules=LLAMA_TARGETS, init_lora_weights=init))
+    assert [n for n, _ in split.named_modules()] == names
+    assert torch.equal(logits(split), before)  # the base weights were not rewritten
+
+
+def test_delete_adapter_is_refused_in_the_split_then_adapter_order_too():
+    split = tp.tensor_parallel(tiny(), ["cpu"] * 2, sharded=False)
+    model = get_peft_model(split, LoraConfig(r=4, target_modules=LLAMA_TARGETS, init_lora_weights=False))
+    before = logits(model)
+    with pytest.raises(NotImplementedError, match="delete_adapter.*rebuilds the module tree"):
+        model.delete_adapter("default")
+    assert torch.equal(logits(model), before)

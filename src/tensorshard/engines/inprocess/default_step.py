@@ -13,7 +13,8 @@ whose devices are all CPU slots.
 1. The pre-hook runs the optimizer's own step once per shard, over that shard's parameters, in the shards'
    threads (optimizer.py's `DeviceSteps`), and hides those parameters' gradients (``grad = None``), so the
    optimizer's own step, which runs next, skips them and steps only the parameters no shard holds.
-2. The post-hook gives the gradients back before anyone else sees the step's end.
+2. The post-hook gives the gradients back before anyone else sees the step's end (should the optimizer's own
+   step raise, they stay hidden: the shards' steps already used them).
 
 The results are the optimizer's to the bit: every optimizer it applies to updates each parameter on its own,
 whichever others share the step. It applies only where that holds and nothing else can tell the difference;

@@ -61,10 +61,11 @@ def module_count(model) -> int:
 
 def adopt_late_modules(model) -> None:
     """Adopt what was added to `model`'s shards since splitting (see the module docstring); cheap when nothing was."""
-    if registrations() == model.__dict__.get("_registrations"):
-        return  # nothing was registered on any module since the last look (engines/registrations.py)
-    model._registrations = registrations()
+    seen = registrations()
+    if seen == model.__dict__.get("_registrations"):
+        return  # nothing was registered on the model's modules since the last look (registrations.py)
     if module_count(model) == model._module_count:
+        model._registrations = seen
         return
     try:
         late = _plan(model)  # every check, before any change
@@ -82,6 +83,7 @@ def adopt_late_modules(model) -> None:
     _consistent_dropout(model, late)
     model._module_names = {n for n, _ in model.module_shards[0].named_modules()}
     model._module_count = module_count(model)
+    model._registrations = registrations()  # only now: an adoption that failed half-way is looked at again
     if late.tensors:
         logger.info("adopted %d adapter tensor(s) in %d layer(s) added after splitting; they follow their layers' "
                     "splits", len(late.tensors), len(late.wrappers))

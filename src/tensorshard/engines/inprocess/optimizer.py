@@ -4,8 +4,10 @@
     loss.backward(); optimizer.step(); optimizer.zero_grad()
 
 A torch.optim optimizer steps in the caller's thread over every parameter it holds: over a model split in
-one process that is every shard's parameters, one after another (on CPU slots, where every simulated device
-is "cpu", the foreach kernels even take them as one list). `per_device_optimizer` returns an ordinary
+one process that is every shard's parameters, one after another. On CPU slots a plain torch.optim optimizer
+already steps per device by default (default_step.py, which uses `DeviceSteps` below); `per_device_optimizer`
+does it explicitly, also for a subclass with its own `step()`, a closure, the optimizer's own step hooks, and
+on GPUs. It returns an ordinary
 `torch.optim.Optimizer` whose `step()` runs the wrapped optimizer's own step once per shard, over that
 shard's parameters, in that shard's thread, all shards at once (the engine's workers, time limit and
 failure handling, as for a forward call). The update of AdamW, Adam, SGD and the other torch.optim

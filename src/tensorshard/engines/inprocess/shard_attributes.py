@@ -18,6 +18,8 @@ The configuration objects are not copied per device at all (engines/shared_confi
 
 from __future__ import annotations
 
+import copy
+
 import weakref
 from typing import Any, Sequence
 
@@ -102,7 +104,10 @@ def set_everywhere(parts: Sequence[nn.Module], devices: Sequence[torch.device], 
     if name in first._buffers:
         _replace_buffer(parts, devices, splits.get(name), name, value, label)
         return
-    local = [value.to(device) if isinstance(value, torch.Tensor) else value for device in devices]
+    # every device its own copy of a tensor or of a list, dict or set (the shards' threads may change it in place
+    # at the same time); other values are shared as they are
+    local = [value.to(device, copy=True) if isinstance(value, torch.Tensor)
+             else copy.deepcopy(value) if isinstance(value, list | dict | set | bytearray) else value for device in devices]
     for part, v in zip(parts, local):
         setattr(part, name, v)
 

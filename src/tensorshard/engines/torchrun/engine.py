@@ -81,7 +81,7 @@ class TorchrunState:
     modules: dict[str, ModuleShard] = field(default_factory=dict)  # what the plan did to each module (late adapters)
     module_names: set[str] = field(default_factory=set)  # the module's names, to spot adapters added later
     module_count: int = 0
-    registrations: int = -1  # engines/registrations.py's count when module_count was last checked
+    registrations: int = -1  # registrations.py's count when module_count was last checked
     building: list = field(default_factory=list)  # stand-ins while PEFT adds adapters (local_views.building_views)
 
 

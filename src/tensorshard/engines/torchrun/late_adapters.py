@@ -60,10 +60,11 @@ def adopt_late_adapters(root: nn.Module) -> None:
     rank of the tensor-parallel group must call it together; cheap when nothing was added."""
     state = root.tensorshard
     restore_after_building(state)
-    if registrations() == state.registrations:
-        return  # nothing was registered on any module since the last look (engines/registrations.py)
-    state.registrations = registrations()
+    seen = registrations()
+    if seen == state.registrations:
+        return  # nothing was registered on the model's modules since the last look (registrations.py)
     if module_count(root) == state.module_count:
+        state.registrations = seen
         return
     try:
         late = plan_late_adapters(root, known=state.module_names, splits=state.splits, modules=state.modules,
@@ -86,6 +87,7 @@ def adopt_late_adapters(root: nn.Module) -> None:
     swap_adapter_layers(root, state, names=set(late.wrappers))  # what they read of their base layers
     state.module_names = {n for n, _ in root.named_modules()}
     state.module_count = module_count(root)
+    state.registrations = registrations()  # only now: an adoption that failed half-way is looked at again
     if late.tensors and dist.get_rank() == 0:
         logger.info("adopted %d adapter tensor(s) in %d layer(s) added after parallelize; they follow their "
                     "layers' splits", len(late.tensors), len(late.wrappers))

@@ -50,15 +50,17 @@ def _wrap(around: nn.Module, entries: list[tuple[nn.Module, str, str, Layout]], 
     inner = around.forward
 
     def forward(*args, **kwargs):
-        grad = torch.is_grad_enabled()
+        # in eval mode without autograd, the stored local tensors themselves (see below); otherwise views that keep
+        # autograd's link (a forward entered without it may turn it on inside: activation checkpointing, say)
+        grad = torch.is_grad_enabled() or around.training
         saved = []
         for owner, table_name, name, layout, partial in entries:
             table = getattr(owner, table_name)
             t = table.get(name)
             if not isinstance(t, DTensor) or t.device_mesh != mesh:
                 continue  # already local (a re-entrant call), or not a tensor of this mesh
-            # Without autograd, the stored local tensor itself: to_local() makes a Parameter view of it per call,
-            # which costs a module call in decoding as much as the rest of this wrapper.
+            # to_local() makes a Parameter view per call, which costs a module call in decoding as much as the
+            # rest of this wrapper
             local = layout.view(t.to_local() if grad else t._local_tensor)
             if partial:
                 # FSDP2 reads a managed module's gradients right after its backward: reduce on the spot.
