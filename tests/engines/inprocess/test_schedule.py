@@ -51,6 +51,16 @@ def test_a_clear_difference_is_decided_after_one_call_each():
     assert s.chosen(key) == "together" and not s.serial(key)
 
 
+def test_a_call_busy_for_long_between_its_collectives_is_never_tried_one_shard_at_a_time():
+    s = Schedule()
+    with torch.no_grad():
+        timing = s.begin((torch.zeros(4, 128),), {})
+    assert not timing.serial  # the first call: together
+    timing.started -= 1.0  # it took a second, for 13 collectives: arithmetic-bound
+    s.end(timing, collectives=13)
+    assert s.chosen(timing.key) == "together" and not any(s.serial(timing.key) for _ in range(2 * REPROBE))
+
+
 def test_calls_that_build_a_graph_always_run_at_the_same_time():
     s = Schedule()
     key = call_key((torch.zeros(2),), {})

@@ -261,7 +261,7 @@ class TensorParallel(nn.Module):
         timing = self._schedule.begin(args, kwargs) if self._schedule is not None else None
         outputs = self._run_shards("forward", run, serial=timing is not None and timing.serial)
         if timing is not None:
-            self._schedule.end(timing)
+            self._schedule.end(timing, self._collectives)
         if graphs is not None:
             return join_outputs(graphs, outputs, src, self.output_device, self.labels, check_equal=self.debug)
         return gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
@@ -293,6 +293,7 @@ class TensorParallel(nn.Module):
                     inline=inline,
                 )
             finally:
+                self._collectives = max(call.seq)  # how many this call ran (schedule.py reads it)
                 group.end(call)  # drop the call's cached tensors; a straggler fails at its next collective
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:

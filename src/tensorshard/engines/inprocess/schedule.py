@@ -10,8 +10,11 @@ devices and the machine, so the engine measures it:
 
 - calls are grouped by `call_key`: grad mode, and the shapes of the tensor inputs, each size rounded up to a
   power of two (a decoding step's growing attention mask keeps its key for many tokens);
-- the first calls of a key alternate between the two ways (`PROBES` each, or one each where one way was
-  `CLEAR` times faster), then every call takes the faster one (the lower median of its timings); every `REPROBE` calls the other way is timed once more, so a change
+- a call whose shards ran at the same time for more than `BUSY` seconds between two collectives on average
+  is arithmetic-bound (a decoding step of a small model spends a fraction of a millisecond there): its kind
+  keeps the shards together, untried one at a time;
+- otherwise the first calls of a key alternate between the two ways (`PROBES` each, or one each where one way
+  was `CLEAR` times faster), then every call takes the faster one (the lower median of its timings); every `REPROBE` calls the other way is timed once more, so a change
   (a longer cache, a busier machine) is followed.
 
 Only calls without gradients are scheduled this way (inference and decoding); a call that builds a graph runs
@@ -32,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 PROBES = 2  # timed calls of each way before choosing ...
 CLEAR = 1.25  # ... unless after one each, one way was this many times faster
+BUSY = 0.005  # seconds between two collectives (on average) above which a call is arithmetic-bound
 REPROBE = 64  # calls between two timings of the way not chosen
 KEEP = 8  # timings kept per way and key
 MAX_KEYS = 64  # kinds of call remembered per model
@@ -70,8 +74,12 @@ class Schedule:
         return Timing(key, self.serial(key), time.perf_counter())
 
     @torch.compiler.disable
-    def end(self, timing: Timing) -> None:
-        self.record(timing.key, timing.serial, time.perf_counter() - timing.started)
+    def end(self, timing: Timing, collectives: int) -> None:
+        seconds = time.perf_counter() - timing.started
+        self.record(timing.key, timing.serial, seconds)
+        kind = self._kinds.get(timing.key)
+        if kind is not None and not timing.serial and seconds > BUSY * (collectives + 1):
+            kind["arithmetic"] = True  # no need to try it one shard at a time
 
     def serial(self, key: Hashable) -> bool:
         """Whether the next call of this kind runs its shards one at a time."""
@@ -83,6 +91,8 @@ class Schedule:
                 self._kinds.pop(next(iter(self._kinds)))
             kind = self._kinds[key] = {"together": deque(maxlen=KEEP), "serial": deque(maxlen=KEEP), "calls": 0}
         kind["calls"] += 1
+        if kind.get("arithmetic"):
+            return False
         together, serial = kind["together"], kind["serial"]
         if not _decided(together, serial):
             return len(serial) < len(together)  # alternate: together first
@@ -99,6 +109,8 @@ class Schedule:
     def chosen(self, key: Hashable) -> str | None:
         """"serial" or "together" once both were timed for this kind of call (None before): for tests and logs."""
         kind = self._kinds.get(key)
+        if kind is not None and kind.get("arithmetic"):
+            return "together"
         if kind is None or not _decided(kind["together"], kind["serial"]):
             return None
         return "serial" if statistics.median(kind["serial"]) < statistics.median(kind["together"]) else "together"
