@@ -150,6 +150,9 @@ def render(results: Path, out: Path, plots_dir: Path) -> str:
         raise SystemExit(f"no results in {results}: run benchmarks/run_all.py first")
     meta = dict(metas[0])
     meta["load_average_end"] = metas[-1].get("load_average_end")
+    dates = {name: x["meta"].get("date", "?") for name, x in (("memory", memory), ("communication", comm), ("speed", speed)) if x}
+    if len(set(dates.values())) > 1:  # comparisons rerun alone (run_all.py --only): each with its own date
+        meta["date"] = "; ".join(f"{name} {date}" for name, date in dates.items())
     quick = any(x["sizes"]["llama"]["hidden_size"] < 1024 for x in (memory, comm, speed) if x)
     rel = os.path.relpath(plots_dir, out.parent)
     plots, note = make_plots(memory, comm, speed, plots_dir, rel)

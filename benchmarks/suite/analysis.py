@@ -15,7 +15,7 @@ ANALYSIS: dict[str, str] = {
         "Where the time goes (rank 0's profile above, and the CPU work column): the matrix products halve, but "
         "each rank also repeats everything the plan leaves whole, and pays for the collectives on the cores that "
         "compute. Per step at 6 layers: 13 all-reduces forward and 13 backward of a (4, 128, 1024) activation "
-        "(2 MiB each; gloo over loopback TCP, no overlap with compute), the RMSNorms, residual adds and the "
+        "(2 MiB each; through shared memory between the ranks of one host, no overlap with compute), the RMSNorms, residual adds and the "
         "embedding masking on every rank. The language-model loss is no longer among them: with `labels=` it is "
         "computed from each rank's vocabulary slice of the logits (2 all-reduces of per-token numbers, nothing "
         "in backward) and the 32 MiB logits are gathered only if read. Every collective is also a "
@@ -34,8 +34,8 @@ ANALYSIS: dict[str, str] = {
     ),
     "inprocess-forward": (
         "Where the time goes: the shards' matrix products run concurrently (their threads release the GIL "
-        "inside the kernels), at each collective every shard computes its own rank-ordered sum (2 MiB per "
-        "all-reduce at this batch) in its own thread, and the 32 MiB of logits are assembled once at the end "
+        "inside the kernels), at each collective every shard sums one chunk of the elements (2 MiB per all-reduce "
+        "at this batch) into every shard's result, in its own thread, and the 32 MiB of logits are assembled once at the end "
         "of the call, each shard copying its slice (before, each shard built its own copy and all but one were "
         "dropped). What remains beyond half the 1-device time: work every shard repeats (the RMSNorms, residual "
         "adds and the all-reduces' sums, about 10 ms per shard), the matrix products of two cores sharing one "
@@ -44,17 +44,17 @@ ANALYSIS: dict[str, str] = {
     ),
     "generate": (
         "Where the time goes: a decode step multiplies a single token's activations with every weight, so it is "
-        "bound by memory bandwidth, which the two cores share; and per token the shards meet 14 times "
-        "(2 all-reduces per block, the embedding's all-reduce and the logits' all-gather), each a thread "
-        "hand-off that costs tens of microseconds on an idle core and milliseconds when another process holds "
-        "it. What would close it: fewer rendezvous per token (fuse the embedding all-reduce into the first "
+        "bound by memory bandwidth, which the two cores share, and by Python, which every shard runs in full "
+        "(section 4 measures it per shard); per token the shards meet 14 times (2 all-reduces per block, the "
+        "embedding's all-reduce and the logits' all-gather), each a thread hand-off. The engine runs such calls "
+        "with the shards together or one at a time, whichever it measured faster. What would close it: fewer rendezvous per token (fuse the embedding all-reduce into the first "
         "block's, keep the next-token argmax on vocabulary slices), and spinning briefly before sleeping at a "
         "rendezvous when the wait is expected to be short. " + _SHARED_CORES
     ),
     "torchrun-generate": (
-        "Where the time goes: per token 14 gloo collectives of a few kilobytes, each a round trip over loopback "
-        "TCP between the two processes (latency-bound: tens of microseconds each on idle cores, far more when a "
-        "rank is descheduled), on top of the memory-bound decode step. What would close it: the same fewer "
+        "Where the time goes: per token 14 collectives of a few kilobytes, each a meeting of the two processes "
+        "through shared memory (one write and one wake-up per peer: tens of microseconds on idle cores, far more "
+        "when a rank is descheduled), on top of the memory-bound decode step. What would close it: the same fewer "
         "collectives per token as for the in-process engine; on GPUs, NCCL's latency is microseconds. "
         + _SHARED_CORES
     ),
