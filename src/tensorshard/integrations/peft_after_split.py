@@ -32,7 +32,8 @@ first device's shard, whose module names are the unsplit model's, while tensors 
 split model, which gives each device its slices. ``transformers.Trainer`` checkpoints, ``save_model`` and
 ``resume_from_checkpoint`` go through these two methods. Methods that rebuild the module tree
 (``merge_and_unload``, ``unload``, ``add_weighted_adapter``, ``delete_adapter``) are refused as for a PeftModel split
-whole.
+whole. What this shares with the other ways of holding an adapter on a split model (the saved files, gathering,
+the refusals, merging on whole factors) is in adapter_io.py.
 """
 
 from __future__ import annotations
@@ -45,25 +46,31 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
 from ..checkpoint.atomic import write_into_folder
-from ..checkpoint.gather import gathered_state_dict, save_pretrained_options
-from ..checkpoint.torchrun import TorchrunJob, is_parallelized
+from ..checkpoint.gather import save_pretrained_options
+from ..checkpoint.torchrun import Job, TorchrunJob, is_parallelized
 from ..comm.dtensor import mesh_device
 from ..engines.inprocess import TensorParallel
 from ..engines.inprocess.late_adapters import adopt_late_modules
 from ..engines.torchrun.late_adapters import adopt_late_adapters
 from ..engines.torchrun.local_views import building_views
 from ..layers import is_peft_model
-from ..plans.adapters import is_adapter_tensor
+from .adapter_io import (
+    ADAPTER_FILES,
+    PEFT_PREFIX,
+    RestructuringRefused,
+    check_mergeable,
+    check_save_folder,
+    gathered_adapter,
+    hub_options,
+    whole_adapter_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")
-PREFIX = "base_model.model."  # where a PeftModel keeps the model it adapts
 SUPPORTED_TUNERS = ("LoraModel", "IA3Model")  # the PEFT methods whose layers follow a split (styles/lora.py, ia3.py)
 
 _hook = None
@@ -151,13 +158,18 @@ def _check_initialisations(tuner: nn.Module) -> None:
 def _adopt(split: nn.Module) -> None:
     """The split model adopts the adapters PEFT just added; a refusal leaves it as it was."""
     try:
-        if isinstance(split, TensorParallel):
-            adopt_late_modules(split)
-        else:
-            adopt_late_adapters(split)
+        adopt(split)
     except NotImplementedError:
         split.__dict__.pop("peft_config", None)  # set on it by PEFT's tuner
         raise
+
+
+def adopt(split: nn.Module) -> None:
+    """The split model (of either engine) adopts what PEFT added to it since the last look, or refuses it."""
+    if isinstance(split, TensorParallel):
+        adopt_late_modules(split)
+    else:
+        adopt_late_adapters(split)
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,8 +178,11 @@ def around_split_class(peft_class: type) -> type:
     return type(f"{peft_class.__name__}AroundSplit", (AroundSplit, peft_class), {"__module__": __name__})
 
 
-class AroundSplit:
+class AroundSplit(RestructuringRefused):
     """What a PeftModel around a split model does differently (see the module docstring)."""
+
+    def _split_subject(self) -> str:
+        return "a PeftModel around a split model"
 
     def _split_model(self) -> nn.Module:
         return self.base_model._modules["model"] if "_viewing" not in self.__dict__ else self.__dict__["_viewing"]
@@ -215,29 +230,17 @@ class AroundSplit:
             given = None  # the split model's own state dict: gather it
         target = Path(save_directory)
         split = self._split_model()
-        peft_save = super().save_pretrained
-        if isinstance(split, TensorParallel):
-            adopt_late_modules(split)
-            if target.exists() and not target.is_dir():
-                raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
-            state = given if given is not None else _gathered_adapter(split)
-            with self._unsplit_view():
-                write_into_folder(target, functools.partial(peft_save, state_dict=state, **kwargs), replaces=ADAPTER_FILES)
-            logger.info("saved the adapter of %s to %s (%d tensors)", type(self).__name__, target, len(state))
-            return
-        adopt_late_adapters(split)
-        job = TorchrunJob()
-
-        def check() -> None:
-            if target.exists() and not target.is_dir():
-                raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
-
-        job.agree("checking the folder", check)
-        state = given if given is not None else _gathered_adapter(split)  # collective: every rank gathers
+        peft_save = functools.partial(super().save_pretrained, **kwargs)
+        adopt(split)
+        job = Job() if isinstance(split, TensorParallel) else TorchrunJob()
+        job.agree("checking the folder", lambda: check_save_folder(target))
+        state = given if given is not None else gathered_adapter(split, PEFT_PREFIX)  # collective: every rank gathers
 
         def write() -> None:
             if job.coordinator:
-                write_into_folder(target, functools.partial(peft_save, state_dict=state, **kwargs), replaces=ADAPTER_FILES)
+                with self._unsplit_view():
+                    write_into_folder(target, functools.partial(peft_save, state_dict=state), replaces=ADAPTER_FILES)
+                logger.info("saved the adapter of %s to %s (%d tensors)", type(self).__name__, target, len(state))
 
         job.agree("writing the adapter", write)
 
@@ -253,8 +256,7 @@ class AroundSplit:
         split = self._split_model()
         if adapter_name not in self.peft_config:  # PEFT's own steps for a new adapter; add_adapter adopts it
             peft = sys.modules["peft"]
-            hub = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "subfolder", "local_files_only") if k in kwargs}
-            config = peft.PeftConfig.from_pretrained(model_id, **hub)
+            config = peft.PeftConfig.from_pretrained(model_id, **hub_options(kwargs))
             self._check_new_adapter_config(config, is_trainable=is_trainable)
             config.inference_mode = not is_trainable
             self.add_adapter(adapter_name, config, autocast_adapter_dtype=kwargs.get("autocast_adapter_dtype", True))
@@ -290,7 +292,7 @@ class AroundSplit:
                 building_views(split, split.tensorshard)  # PEFT builds its layers on this rank's plain slices
             super().add_adapter(adapter_name, peft_config, *args, **kwargs)
             try:
-                adopt_late_modules(split) if isinstance(split, TensorParallel) else adopt_late_adapters(split)
+                adopt(split)
             except NotImplementedError:
                 self.peft_config.pop(adapter_name, None)
                 raise
@@ -299,49 +301,21 @@ class AroundSplit:
         with self._whole_model():
             super().set_requires_grad(*args, **kwargs)
 
-    # -- merging and restructuring -------------------------------------------------------------------------
+    # -- merging (the methods that rebuild the module tree: refused, RestructuringRefused) ---------------------
 
     def merge_adapter(self, *args: Any, **kwargs: Any) -> None:
         """PEFT's ``merge_adapter`` on every device's slices (B_d A beside a column-parallel layer, B A_d beside a
         row-parallel one: exactly each device's slice of the merged weight)."""
         split = self._split_model()
+        in_process = isinstance(split, TensorParallel)
         with whole_adapter_tensors(split):
-            roots = list(split.module_shards) if isinstance(split, TensorParallel) else [split]
-            splits = split.splits if isinstance(split, TensorParallel) else split.tensorshard.splits
-            problem = next((p for p in (unmergeable(root, splits) for root in roots) if p), None)
-            if problem:
-                raise NotImplementedError(f"merge_adapter() on a split model: {problem}. Merge in the unsplit model "
-                                          "instead (save the adapter, load it there, merge_and_unload)")
+            roots = list(split.module_shards) if in_process else [split]
+            check_mergeable(roots, split.splits if in_process else split.tensorshard.splits, self._split_subject())
             self.base_model.merge_adapter(*args, **kwargs)  # the tuner's (PeftModel forwards it)
 
     def unmerge_adapter(self, *args: Any, **kwargs: Any) -> None:
         with whole_adapter_tensors(self._split_model()):
             self.base_model.unmerge_adapter(*args, **kwargs)
-
-    def _refuse_restructuring(self, method: str):
-        raise NotImplementedError(
-            f"{method}() on a PeftModel around a split model: it rebuilds the module tree, which the split's layout "
-            "describes. Save the adapter (model.save_pretrained(folder)), load it into the unsplit model "
-            "(PeftModel.from_pretrained(base, folder)) and call it there, then split the result; or call "
-            "merge_adapter(), which merges in place on every device"
-        )
-
-    def merge_and_unload(self, *args: Any, **kwargs: Any):
-        self._refuse_restructuring("merge_and_unload")
-
-    def unload(self, *args: Any, **kwargs: Any):
-        self._refuse_restructuring("unload")
-
-    def add_weighted_adapter(self, *args: Any, **kwargs: Any):
-        self._refuse_restructuring("add_weighted_adapter")
-
-    def delete_adapter(self, *args: Any, **kwargs: Any):
-        self._refuse_restructuring("delete_adapter")  # the layout, ZeRO-3 and the splits still hold its tensors
-
-
-def _gathered_adapter(split: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter's tensors, whole, under the PeftModel's names (collective under torchrun)."""
-    return {PREFIX + name: tensor.contiguous() for name, tensor in gathered_state_dict(split, only=is_adapter_tensor)}
 
 
 def _local_for_torchrun(root: nn.Module, state_dict):
@@ -350,7 +324,7 @@ def _local_for_torchrun(root: nn.Module, state_dict):
     state = root.tensorshard
     out = dict(state_dict)
     for key, value in state_dict.items():
-        name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        name = key.removeprefix(PEFT_PREFIX)
         layout = state.layouts.get(name)
         if layout is None or type(value).__name__ == "DTensor":
             continue
@@ -358,51 +332,3 @@ def _local_for_torchrun(root: nn.Module, state_dict):
         local = value if split is None else split[1].take(value, split[0], state.comm.rank)
         out[key] = layout.to_dtensor(local.to(mesh_device(state.mesh)).contiguous(), state.mesh)
     return out
-
-
-@contextlib.contextmanager
-def whole_adapter_tensors(split: nn.Module):
-    """Inside the block, every device of an in-process split model holds whole copies of the adapter tensors that
-    ZeRO-3 keeps in row pieces (PEFT's merge multiplies whole factors); nothing to do under torchrun."""
-    names = [n for n in getattr(split, "zero_splits", None) or {} if is_adapter_tensor(n)]
-    if not isinstance(split, TensorParallel) or not names:
-        yield
-        return
-    whole = dict(gathered_state_dict(split, only=names.__contains__))
-    held = []
-    try:
-        for shard in split.module_shards:
-            for name, tensor in whole.items():
-                owner, attr = name.rsplit(".", 1)
-                module = shard.get_submodule(owner)
-                piece = module._parameters[attr]
-                held.append((module, attr, piece))
-                module._parameters[attr] = nn.Parameter(tensor.to(piece.device), requires_grad=False)
-        yield
-    finally:
-        for module, attr, piece in held:
-            module._parameters[attr] = piece
-
-
-def unmergeable(root: nn.Module, splits: dict) -> str | None:
-    """Why PEFT's merge would be wrong on this device's slices, or None: a base weight that is quantized (the
-    merge would requantize a slice) or held in ZeRO-3 pieces (its local tensor is not the adapter's slice), or
-    DoRA beside a row-parallel layer (its row norms span every device). `splits`: the split model's."""
-    for name, module in root.named_modules():
-        if not (hasattr(module, "lora_A") and hasattr(module, "get_base_layer")):
-            continue
-        weight = getattr(module.get_base_layer(), "weight", None)
-        if weight is None or not weight.is_floating_point():
-            return f"{name} wraps a quantized layer (merging would requantize a slice)"
-        split = splits.get(f"{name}.base_layer.weight")
-        in_dim = 0 if getattr(module, "fan_in_fan_out", False) else 1
-        if getattr(module, "lora_magnitude_vector", None) and split is not None and split[0] == in_dim:
-            return f"{name} holds DoRA beside a row-parallel layer (its row norms span every device)"
-        if hasattr(weight, "to_local"):
-            continue  # under torchrun: no ZeRO-3 pieces
-        for adapter, A in module.lora_A.items():
-            rows, cols = module.lora_B[adapter].weight.shape[0], A.weight.shape[1]
-            expected = (cols, rows) if getattr(module, "fan_in_fan_out", False) else (rows, cols)
-            if tuple(weight.shape) != expected:
-                return f"{name}'s weight is held in ZeRO-3 pieces (sharded_param_names), not as the adapter's slice"
-    return None

@@ -12,16 +12,22 @@ styles' ``beside``), and which styles to attach where. A modules_to_save copy is
 copies. It only reads: everything that cannot follow the split is refused here, with the fix, and
 `take_out_late_adapters` removes PEFT's additions again so the model is left as it was. The engines do the
 rest (engines/*/late_adapters.py): rename, make the values one adapter, attach, and their own bookkeeping.
+Here too is what both engines compute the same way on one device: whether anything may have been added at all
+(`nothing_added`, the cheap test before a look), and a DoRA magnitude recomputed from the adopted factors
+(`new_dora_magnitudes`, `dora_row_squares`: each engine only sums the squares over the devices where a
+row-parallel layer spreads every row).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
+import torch
 from torch import nn
 
-from ..registrations import watch
+from ..registrations import registrations, watch
+from ..styles.lora import is_dora
 from .adapters import adapter_entries, is_adapter_layer, is_modules_to_save
 from .module_shard import ModuleShard
 from .plan import Plan
@@ -59,6 +65,16 @@ def count_modules_and_tensors(root: nn.Module) -> int:
     modules = list(root.modules())
     watch(modules)
     return sum(1 + len(m._parameters) + len(m._buffers) for m in modules)
+
+
+def nothing_added(root: nn.Module, registrations_then: int | None, count_then: int) -> int | None:
+    """The registration count (registrations.py) to keep when nothing was added below `root` since the last look
+    (no registration on the split model's modules since `registrations_then`, or still `count_then` modules and
+    tensors); None when something may have been: then the engine looks (`plan_late_adapters`)."""
+    seen = registrations()
+    if seen == registrations_then or count_modules_and_tensors(root) == count_then:
+        return seen
+    return None
 
 
 def plan_late_adapters(
@@ -234,3 +250,39 @@ def take_out_late_adapters(root: nn.Module, known: set[str], splits: dict) -> No
         for adapter in sorted(added):
             module.delete_adapter(adapter)
 
+
+def tensor_of(root: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer `name` below `root`, as its module holds it (not through a view or a forward)."""
+    owner, _, attr = name.rpartition(".")
+    module = root.get_submodule(owner) if owner else root
+    return module._parameters[attr] if attr in module._parameters else module._buffers[attr]
+
+
+def new_dora_magnitudes(late: LateAdapters, root: nn.Module) -> Iterator[tuple[Wrapper, str]]:
+    """(wrapper, adapter) for every DoRA magnitude in `late` beside a split layer: PEFT initialised it from one
+    device's slice of the weight and that device's factors, so it is recomputed from the adopted ones. `root`:
+    one device's module tree. (Beside a whole layer it takes the first device's values, as any whole tensor.)"""
+    for w in late.wrappers.values():
+        if w.moved != "base_layer" or w.base is None or not w.base.splits:
+            continue
+        layer = root.get_submodule(w.name)
+        new = {owner for owner, wr in late.tensors.values() if wr == w.name}
+        for adapter in list(getattr(layer, "lora_magnitude_vector", None) or {}):
+            if f"{w.name}.lora_magnitude_vector.{adapter}" in new and is_dora(layer, adapter):
+                yield w, adapter
+
+
+def dora_row_squares(layer: nn.Module, weight: torch.Tensor, adapter: str) -> torch.Tensor:
+    """PEFT's DoRA initialisation, m = ||W + s B A|| per output row, before the sum over devices and the square root:
+    the squared row norms of this device's slices, in float32. `weight`: the base layer's local weight as stored
+    ((out, in), or (in, out) with fan_in_fan_out). Beside a column-parallel layer a device holds whole rows (its
+    sums are the norms' squares); beside a row-parallel one, part of every row (the engine sums over the devices)."""
+    weight = weight.T if layer.fan_in_fan_out else weight  # (out_d, in_d)
+    delta = layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight  # (out_d, r) @ (r, in_d)
+    return (weight.float() + layer.scaling[adapter] * delta.float()).pow(2).sum(dim=1)  # (out_d,)
+
+
+def set_dora_magnitude(layer: nn.Module, adapter: str, squares: torch.Tensor) -> None:
+    """m = the square root of the (summed) squared row norms, in m's dtype."""
+    m = layer.lora_magnitude_vector[adapter].weight
+    m.copy_(squares.sqrt().to(m.dtype))

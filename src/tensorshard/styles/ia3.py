@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..partition import block_partition, kv_local_ranges
+from .adapter_layer import AdapterLayerStyle
 from .base import ShardContext, Splits, Style, original_forward, register, wrap_forward
 from .column import tie_ranges
 from .lora import with_views
@@ -46,32 +47,14 @@ def ia3_layer_problem(module: nn.Module) -> str | None:
 
 @register("ia3")
 @dataclass(frozen=True, kw_only=True)
-class Ia3Parallel(Style):
-    """The forward of a PEFT IA3 layer whose base layer is split (see the module docstring).
+class Ia3Parallel(AdapterLayerStyle):
+    """The forward of a PEFT IA3 layer whose base layer is split (see the module docstring); ``base``: how its
+    ``.base_layer`` is split, ``"column"`` or ``"row"`` (adapter_layer.py)."""
 
-    Args:
-        base: how ``.base_layer`` is split: ``"column"`` (ColwiseParallel, output not gathered) or ``"row"``.
-    """
+    fix = "Leave this layer out of the adapter (IA3Config target_modules), or keep it whole in the plan"
 
-    base: Literal["column", "row"] = "column"
-
-    def __post_init__(self) -> None:
-        if self.base not in ("column", "row"):
-            raise ValueError(f"Ia3Parallel(base={self.base!r}): use 'column' or 'row'")
-
-    def beside(self, module: nn.Module, part) -> Splits:
-        """The splits of this style's module when it is created beside a base layer already split by `part`
-        (an adapter added after splitting; plans/late_adapters.py, for both engines): what `shard` would say."""
-        return {}
-
-    def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
-        problem = ia3_layer_problem(module)
-        if problem:
-            raise NotImplementedError(
-                f"{ctx.name}: {problem} cannot be split with its {self.base}-parallel base layer. Leave this layer "
-                "out of the adapter (IA3Config target_modules), or keep it whole in the plan"
-            )
-        return {}
+    def problem(self, module: nn.Module) -> str | None:
+        return ia3_layer_problem(module)
 
     def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
         run = original_forward(module)  # PEFT's own forward is right, except for a row-parallel base's inputs

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..partition import block_partition, kv_local_ranges
+from .adapter_layer import AdapterLayerStyle
 from .base import ShardContext, Splits, Style, original_forward, register, wrap_forward
 from .column import tie_ranges
 
@@ -77,32 +78,14 @@ def is_dora(module: nn.Module, adapter: str) -> bool:
 
 @register("lora")
 @dataclass(frozen=True, kw_only=True)
-class LoraParallel(Style):
-    """The forward of a PEFT LoRA layer whose base layer is split (see the module docstring).
+class LoraParallel(AdapterLayerStyle):
+    """The forward of a PEFT LoRA layer whose base layer is split (see the module docstring); ``base``: how its
+    ``.base_layer`` is split, ``"column"`` or ``"row"`` (adapter_layer.py)."""
 
-    Args:
-        base: how ``.base_layer`` is split: ``"column"`` (ColwiseParallel, output not gathered) or ``"row"``.
-    """
+    fix = "Leave this layer out of the adapter (LoraConfig target_modules / exclude_modules), or use plain LoRA"
 
-    base: Literal["column", "row"] = "column"
-
-    def __post_init__(self) -> None:
-        if self.base not in ("column", "row"):
-            raise ValueError(f"LoraParallel(base={self.base!r}): use 'column' or 'row'")
-
-    def beside(self, module: nn.Module, part) -> Splits:
-        """The splits of this style's module when it is created beside a base layer already split by `part`
-        (an adapter added after splitting; plans/late_adapters.py, for both engines): what `shard` would say."""
-        return {}
-
-    def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
-        problem = lora_layer_problem(module)
-        if problem:
-            raise NotImplementedError(
-                f"{ctx.name}: {problem} cannot be split with its {self.base}-parallel base layer. Leave this layer "
-                "out of the adapter (LoraConfig target_modules / exclude_modules), or use plain LoRA"
-            )
-        return {}
+    def problem(self, module: nn.Module) -> str | None:
+        return lora_layer_problem(module)
 
     def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
         if self.base == "column":

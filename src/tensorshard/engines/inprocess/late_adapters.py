@@ -39,16 +39,19 @@ from ...comm.threads import ThreadComm
 from ...plans.adapters import base_kind
 from ...plans.late_adapters import (
     LateAdapters,
-    Wrapper,
     check_local_sizes,
     count_modules_and_tensors,
+    dora_row_squares,
+    new_dora_magnitudes,
+    nothing_added,
     plan_late_adapters,
     rename_modules,
+    set_dora_magnitude,
     take_out_late_adapters,
+    tensor_of,
 )
-from ...styles.base import ShardContext
-from ...styles.lora import is_dora
 from ...registrations import registrations
+from ...styles.base import ShardContext
 from .zero import shard_added
 
 logger = logging.getLogger(__name__)
@@ -61,10 +64,8 @@ def module_count(model) -> int:
 
 def adopt_late_modules(model) -> None:
     """Adopt what was added to `model`'s shards since splitting (see the module docstring); cheap when nothing was."""
-    seen = registrations()
-    if seen == model.__dict__.get("_registrations"):
-        return  # nothing was registered on the model's modules since the last look (registrations.py)
-    if module_count(model) == model._module_count:
+    seen = nothing_added(model.module_shards[0], model.__dict__.get("_registrations"), model._module_count)
+    if seen is not None:
         model._registrations = seen
         return
     try:
@@ -101,7 +102,7 @@ def _plan(model) -> LateAdapters:
     late = plan_late_adapters(model.module_shards[0], known=model._module_names, splits=model.splits,
                               modules=model._layout_modules, zero=zero.__contains__, engine="before tensor_parallel()")
     shards = list(model.module_shards)
-    check_local_sizes(late, lambda name: [(r, _tensor(s, name).shape[late.splits[name][0]]) for r, s in enumerate(shards)])
+    check_local_sizes(late, lambda name: [(r, tensor_of(s, name).shape[late.splits[name][0]]) for r, s in enumerate(shards)])
     return late
 
 
@@ -121,7 +122,7 @@ def _make_one_adapter(model, late: LateAdapters) -> None:
     shards = list(model.module_shards)
     first = model._placement[0]
     for name, split in late.splits.items():
-        local = [_tensor(s, name) for s in shards]
+        local = [tensor_of(s, name) for s in shards]
         if split is None:
             for t in local[1:]:
                 t.copy_(local[0].to(t.device))
@@ -130,31 +131,20 @@ def _make_one_adapter(model, late: LateAdapters) -> None:
             whole = part.assemble([t.to(first) for t in local], dim)
             for rank, t in enumerate(local):
                 t.copy_(part.take(whole, dim, rank).to(t.device))
-    for w in late.wrappers.values():
-        if w.moved == "base_layer" and w.base is not None and w.base.splits:  # (beside a whole layer: the first's)
-            _recompute_magnitudes(model, w, late)
+    _recompute_magnitudes(model, late)
 
 
-def _recompute_magnitudes(model, w: Wrapper, late: LateAdapters) -> None:
-    """PEFT's DoRA initialisation, m = ||W + s B A|| per output row, on the adopted factors (summed over the
-    devices' column slices beside a row-parallel layer)."""
-    layers = [s.get_submodule(w.name) for s in model.module_shards]
-    new = {owner for owner, wr in late.tensors.values() if wr == w.name}
-    for adapter in list(getattr(layers[0], "lora_magnitude_vector", None) or {}):
-        if f"{w.name}.lora_magnitude_vector.{adapter}" not in new or not is_dora(layers[0], adapter):
-            continue
-        squares = []
-        for layer in layers:
-            weight = layer.get_base_layer().weight
-            weight = weight.T if layer.fan_in_fan_out else weight
-            delta = layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight
-            squares.append((weight.float() + layer.scaling[adapter] * delta.float()).pow(2).sum(dim=1))
+def _recompute_magnitudes(model, late: LateAdapters) -> None:
+    """DoRA magnitudes from the adopted factors (plans/late_adapters.py), the squared row norms summed over the
+    devices' column slices beside a row-parallel layer."""
+    for w, adapter in new_dora_magnitudes(late, model.module_shards[0]):
+        layers = [s.get_submodule(w.name) for s in model.module_shards]
+        squares = [dora_row_squares(layer, layer.get_base_layer().weight, adapter) for layer in layers]
         if base_kind(w.base.style) == "row":  # each device holds part of every row
             total = sum(s.to(squares[0].device) for s in squares)
             squares = [total.to(s.device) for s in squares]
         for layer, sq in zip(layers, squares):
-            m = layer.lora_magnitude_vector[adapter].weight
-            m.copy_(sq.sqrt().to(m.dtype))
+            set_dora_magnitude(layer, adapter, sq)
 
 
 def _attach(model, late: LateAdapters) -> None:
@@ -176,7 +166,7 @@ def _zero_candidates(model, late: LateAdapters) -> list[str]:
     shard = model.module_shards[0]
     out = []
     for name, split in late.splits.items():
-        t = _tensor(shard, name)
+        t = tensor_of(shard, name)
         if split is None and isinstance(t, nn.Parameter) and t.requires_grad and t.dim() >= 1 and t.shape[0] >= world:
             out.append(name)
     return out
@@ -196,8 +186,3 @@ def _consistent_dropout(model, late: LateAdapters) -> None:
     for ws in wrappers:
         model._dropout.install(ws)
 
-
-def _tensor(module: nn.Module, name: str) -> torch.Tensor:
-    owner, _, attr = name.rpartition(".")
-    mod = module.get_submodule(owner) if owner else module
-    return mod._parameters[attr] if attr in mod._parameters else mod._buffers[attr]

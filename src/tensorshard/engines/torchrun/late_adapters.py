@@ -35,24 +35,24 @@ from ...comm.dtensor import Layout, mesh_device
 from ...plans.adapters import base_kind
 from ...plans.late_adapters import (
     LateAdapters,
-    Wrapper,
     check_local_sizes,
     count_modules_and_tensors,
+    dora_row_squares,
+    new_dora_magnitudes,
+    nothing_added,
     plan_late_adapters,
     rename_modules,
+    set_dora_magnitude,
     take_out_late_adapters,
+    tensor_of,
 )
-from ...styles.base import ShardContext
-from ...styles.lora import is_dora
 from ...registrations import registrations
+from ...styles.base import ShardContext
 from .local_views import restore_after_building, swap_adapter_layers, swap_local_views
 
 logger = logging.getLogger(__name__)
 
-
-def module_count(root: nn.Module) -> int:
-    """Modules and tensors of `root`: a change means something was added since the last look."""
-    return count_modules_and_tensors(root)
+module_count = count_modules_and_tensors  # the name engine.py imports it by
 
 
 def adopt_late_adapters(root: nn.Module) -> None:
@@ -60,19 +60,17 @@ def adopt_late_adapters(root: nn.Module) -> None:
     rank of the tensor-parallel group must call it together; cheap when nothing was added."""
     state = root.tensorshard
     restore_after_building(state)
-    seen = registrations()
-    if seen == state.registrations:
-        return  # nothing was registered on the model's modules since the last look (registrations.py)
-    if module_count(root) == state.module_count:
+    seen = nothing_added(root, state.registrations, state.module_count)
+    if seen is not None:
         state.registrations = seen
         return
     try:
         late = plan_late_adapters(root, known=state.module_names, splits=state.splits, modules=state.modules,
                                   engine="before tp.parallelize()")
-        check_local_sizes(late, lambda name: [(state.comm.rank, _tensor(root, name).shape[late.splits[name][0]])])
+        check_local_sizes(late, lambda name: [(state.comm.rank, tensor_of(root, name).shape[late.splits[name][0]])])
     except NotImplementedError:
         take_out_late_adapters(root, state.module_names, state.splits)
-        state.module_count = module_count(root)
+        state.module_count = count_modules_and_tensors(root)
         raise
     with torch.no_grad():
         state.splits = {late.moved_name(n): s for n, s in state.splits.items()}
@@ -86,7 +84,7 @@ def adopt_late_adapters(root: nn.Module) -> None:
         swap_local_views(module, tensors, state)  # after attach: outermost, and partial gradients are known
     swap_adapter_layers(root, state, names=set(late.wrappers))  # what they read of their base layers
     state.module_names = {n for n, _ in root.named_modules()}
-    state.module_count = module_count(root)
+    state.module_count = count_modules_and_tensors(root)
     state.registrations = registrations()  # only now: an adoption that failed half-way is looked at again
     if late.tensors and dist.get_rank() == 0:
         logger.info("adopted %d adapter tensor(s) in %d layer(s) added after parallelize; they follow their "
@@ -98,7 +96,7 @@ def _make_one_adapter(root: nn.Module, state, late: LateAdapters) -> None:
     group, device = state.comm.group, mesh_device(state.mesh)
     source = dist.get_global_rank(group, 0)
     for name, split in late.splits.items():
-        t = _tensor(root, name)
+        t = tensor_of(root, name)
         if isinstance(t, DTensor):
             continue  # a modules_to_save copy of DTensors: already this rank's slice in its layout
         if split is None:
@@ -109,30 +107,22 @@ def _make_one_adapter(root: nn.Module, state, late: LateAdapters) -> None:
             dim, part = split
             whole = gather_partition(t.detach().to(device).contiguous(), dim, part, group)
             t.copy_(part.take(whole, dim, state.comm.rank))
-    for w in late.wrappers.values():
-        if w.moved == "base_layer" and w.base is not None and w.base.splits:
-            _recompute_magnitudes(root, state, w, late)
+    _recompute_magnitudes(root, state, late)
 
 
-def _recompute_magnitudes(root: nn.Module, state, w: Wrapper, late: LateAdapters) -> None:
-    """PEFT's DoRA initialisation, m = ||W + s B A|| per output row, on the adopted factors (the squared norms
-    summed over the ranks beside a row-parallel layer)."""
-    layer = root.get_submodule(w.name)
-    new = {owner for owner, wr in late.tensors.values() if wr == w.name}
-    for adapter in list(getattr(layer, "lora_magnitude_vector", None) or {}):
-        if f"{w.name}.lora_magnitude_vector.{adapter}" not in new or not is_dora(layer, adapter):
-            continue
+def _recompute_magnitudes(root: nn.Module, state, late: LateAdapters) -> None:
+    """DoRA magnitudes from the adopted factors (plans/late_adapters.py), the squared row norms all-reduced over
+    the ranks beside a row-parallel layer."""
+    for w, adapter in new_dora_magnitudes(late, root):
+        layer = root.get_submodule(w.name)
         weight = layer.get_base_layer().weight
         weight = weight.to_local() if isinstance(weight, DTensor) else weight
         layout = state.layouts.get(f"{w.name}.base_layer.weight")
-        weight = layout.view(weight) if layout is not None and layout.dim is not None else weight
-        weight = weight.T if layer.fan_in_fan_out else weight
-        delta = layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight
-        squares = (weight.float() + layer.scaling[adapter] * delta.float()).pow(2).sum(dim=1).contiguous()
+        weight = layout.view(weight) if layout is not None and layout.dim is not None else weight  # this rank's slice
+        squares = dora_row_squares(layer, weight, adapter).contiguous()
         if base_kind(w.base.style) == "row":  # each rank holds part of every row
             collective(dist.all_reduce, squares, squares, group=state.comm.group, what=f"{w.name} (DoRA row norms)")
-        m = layer.lora_magnitude_vector[adapter].weight
-        m.copy_(squares.sqrt().to(m.dtype))
+        set_dora_magnitude(layer, adapter, squares)
 
 
 def _as_dtensors(root: nn.Module, state, late: LateAdapters) -> dict[nn.Module, dict]:
@@ -168,8 +158,3 @@ def _attach(root: nn.Module, state, late: LateAdapters) -> None:
         ctx = ShardContext(rank=state.comm.rank, world_size=world, name=where, comm=state.comm, heads=heads)
         style.attach(root.get_submodule(name), splits, ctx)
 
-
-def _tensor(root: nn.Module, name: str) -> torch.Tensor:
-    owner, _, attr = name.rpartition(".")
-    module = root.get_submodule(owner) if owner else root
-    return module._parameters[attr] if attr in module._parameters else module._buffers[attr]

@@ -11,19 +11,18 @@ names, selects and loads the adapter's tensors by the model's module names. The 
 injected as soon as transformers returns (engines/inprocess/late_adapters.py; refused and taken out again
 if it cannot follow the split), and PEFT's own loading and saving functions look at the first device's
 shard, whose module names are the unsplit model's: loaded tensors go to the split model, which gives each
-device its slices, and saved ones are gathered from every device (only the adapter's).
+device its slices, and saved ones are gathered from every device (only the adapter's). What this shares with
+PEFT's own API on a split model (the saved files, gathering, the stand-in) is in ../adapter_io.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import save_file
-from torch import nn
 
 try:  # optional (tensorshard[peft]); this module is loaded with transformers, which PEFT builds on
     import peft
@@ -31,10 +30,9 @@ except ImportError:  # pragma: no cover - without PEFT these methods say how to 
     peft = None
 
 from ...checkpoint.atomic import write_into_folder
-from ...checkpoint.gather import gathered_state_dict, save_pretrained_options
+from ...checkpoint.gather import save_pretrained_options
 from ...engines.inprocess.late_adapters import adopt_late_modules
-from ...plans.adapters import is_adapter_tensor
-from ..peft_after_split import ADAPTER_FILES
+from ..adapter_io import ADAPTER_FILES, PEFT_PREFIX, check_save_folder, gathered_adapter, hub_options, standing_in_for
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +78,13 @@ class SplitAdapters:
         name = adapter_name or "default"
         if peft_model_id is None and (adapter_state_dict is None or peft_config is None):
             raise ValueError("load_adapter needs a folder (peft_model_id) or both adapter_state_dict and peft_config")
-        hub = {k: v for k, v in kwargs.items() if k in ("revision", "token", "cache_dir", "subfolder", "local_files_only")}
+        hub = hub_options(kwargs)
         config = peft_config if peft_config is not None else peft.PeftConfig.from_pretrained(str(peft_model_id), **hub)
         config.inference_mode = not is_trainable
         weights = adapter_state_dict if adapter_state_dict is not None else peft.utils.load_peft_weights(
             str(peft_model_id), device="cpu", **hub)
-        weights = {k.removeprefix("base_model.model."): v for k, v in weights.items()}  # PEFT's format: the
-        self.add_adapter(config, name)                                                  # PeftModel's names
+        weights = {k.removeprefix(PEFT_PREFIX): v for k, v in weights.items()}  # PEFT's format: the PeftModel's names
+        self.add_adapter(config, name)
         with self._first_shard_as_model() as view:
             result = peft.set_peft_model_state_dict(view, weights, adapter_name=name)
         if config.inference_mode:
@@ -107,13 +105,12 @@ class SplitAdapters:
         adopt_late_modules(self)
         kwargs, given = save_pretrained_options(kwargs)
         target = Path(save_directory)
-        if target.exists() and not target.is_dir():
-            raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
-        state = given if given is not None else {n: t.contiguous() for n, t in gathered_state_dict(self, only=is_adapter_tensor)}
+        check_save_folder(target)
+        state = given if given is not None else gathered_adapter(self)
         with self._first_shard_as_model() as view:
             active = [a for m in view.modules() if hasattr(m, "active_adapters") and hasattr(m, "base_layer")
                       for a in m.active_adapters][:1] or list(self.peft_config)[:1]
-            adapter = {f"base_model.model.{k}": v.contiguous()
+            adapter = {PEFT_PREFIX + k: v.contiguous()
                        for k, v in peft.get_peft_model_state_dict(view, state_dict=state, adapter_name=active[0]).items()}
         config = self.peft_config[active[0]]
 
@@ -124,27 +121,11 @@ class SplitAdapters:
         write_into_folder(target, write, replaces=ADAPTER_FILES)
         logger.info("saved adapter %r of the split %s to %s (%d tensors)", active[0], type(self).__name__, target, len(adapter))
 
-    @contextlib.contextmanager
     def _first_shard_as_model(self):
         """The first device's shard, standing for the split model in transformers' and PEFT's adapter code: it has
         the unsplit module names; it carries the split model's adapter configs, and what is loaded into it goes
         to the split model (each device its slices)."""
-        view: nn.Module = self.module_shards[0]
-        split = self
-
-        def load_state_dict(state_dict, strict: bool = True, assign: bool = False):
-            return split.load_state_dict(state_dict, strict=False)
-
-        added = {"peft_config": self.peft_config, "load_state_dict": load_state_dict}
-        saved = {k: view.__dict__[k] for k in added if k in view.__dict__}
-        view.__dict__.update(added)
-        try:
-            yield view
-        finally:
-            for key in added:
-                view.__dict__.pop(key, None)
-            view.__dict__.update(saved)
-
+        return standing_in_for(self, self.module_shards[0], peft_config=self.peft_config)
 
 
 def _require_peft():

@@ -11,7 +11,9 @@ the PeftModel's class too, so ``transformers.Trainer`` saves it through ``save_p
 tensors are gathered (one at a time, only the adapter's: never the frozen base weights) under the unsplit
 names and shapes, and written by PEFT's own ``save_pretrained``, so plain PEFT loads them into an unsplit
 model (``PeftModel.from_pretrained(model, "adapter/")``). ``generate`` and ``get_base_model()`` are the
-inner transformers model's (split, sharing the shards: wrapped.py).
+inner transformers model's (split, sharing the shards: wrapped.py). What this shares with the other ways of
+holding an adapter on a split model (the saved files, gathering, the refusals, merging on whole factors) is in
+../adapter_io.py.
 """
 
 from __future__ import annotations
@@ -27,9 +29,18 @@ from typing import Any
 from torch import nn
 
 from ...checkpoint.atomic import write_into_folder
-from ...checkpoint.gather import gathered_state_dict, save_pretrained_options
-from ...plans.adapters import is_adapter_tensor, refuse_prompt_learning
-from ..peft_after_split import ADAPTER_FILES, unmergeable, whole_adapter_tensors
+from ...checkpoint.gather import save_pretrained_options
+from ...plans.adapters import refuse_prompt_learning
+from ..adapter_io import (
+    ADAPTER_FILES,
+    RestructuringRefused,
+    check_mergeable,
+    check_save_folder,
+    gathered_adapter,
+    refuse_restructuring,
+    standing_in_for,
+    whole_adapter_tensors,
+)
 from .wrapped import WrapperTensorParallel
 
 logger = logging.getLogger(__name__)
@@ -51,8 +62,9 @@ def peft_split_class(peft_class: type) -> type:
     return type(f"TensorParallel{peft_class.__name__}", (PeftTensorParallel, peft_class), {"forward": forward, "__module__": __name__})
 
 
-class PeftTensorParallel(WrapperTensorParallel):
-    """The engine side of a split PeftModel; instances come from `peft_split_class(...)`."""
+class PeftTensorParallel(RestructuringRefused, WrapperTensorParallel):
+    """The engine side of a split PeftModel; instances come from `peft_split_class(...)`. The methods that rebuild
+    the module tree (RestructuringRefused, before PEFT's class in the MRO) are refused, `add_adapter` too."""
 
     def __init__(self, module: nn.Module, device_ids=None, **kwargs) -> None:
         super().__init__(module, device_ids, **kwargs)
@@ -88,12 +100,8 @@ class PeftTensorParallel(WrapperTensorParallel):
     def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
         """Adds the adapters (default: the active ones) into the split weights in place, as PEFT's
         ``merge_adapter`` does; ``unmerge_adapter()`` takes them out again."""
-        with self._whole_factors():
-            for shard in self.module_shards:
-                problem = unmergeable(shard, self.splits)
-                if problem:
-                    raise NotImplementedError(f"merge_adapter() on a model split over {self.labels}: {problem}. Merge in "
-                                              "the unsplit model instead (save the adapter, load it there, merge_and_unload)")
+        with whole_adapter_tensors(self):
+            check_mergeable(self.module_shards, self.splits, self._split_subject())
         self._on_every_shard(lambda shard: shard.base_model.merge_adapter(adapter_names=adapter_names, safe_merge=safe_merge))
 
     def unmerge_adapter(self) -> None:
@@ -121,41 +129,19 @@ class PeftTensorParallel(WrapperTensorParallel):
         try:
             yield
         finally:
-            with self._whole_factors():
+            with whole_adapter_tensors(self):
                 stack.close()
 
     def _on_every_shard(self, action) -> None:
-        with self._whole_factors():
+        with whole_adapter_tensors(self):  # PEFT's merge multiplies whole factors, which ZeRO-3 keeps in pieces
             for shard in self.module_shards:
                 action(shard)
 
-    def _whole_factors(self):
-        """Every device sees whole copies of the adapter tensors ZeRO-3 keeps in row pieces (``sharded``, the
-        default for trainable whole tensors): PEFT's merge multiplies whole factors."""
-        return whole_adapter_tensors(self)
-
-    def _refuse_restructuring(self, method: str):
-        raise NotImplementedError(
-            f"{method}() on a model split over {self.labels}: it rebuilds the module tree, which the split's layout "
-            "describes. Save the adapter (model.save_pretrained(folder)), load it into the unsplit model "
-            "(PeftModel.from_pretrained(base, folder)) and call it there, then split the result; or call "
-            "merge_adapter(), which merges in place on every device"
-        )
-
-    def merge_and_unload(self, *args: Any, **kwargs: Any):
-        self._refuse_restructuring("merge_and_unload")
-
-    def unload(self, *args: Any, **kwargs: Any):
-        self._refuse_restructuring("unload")
-
-    def delete_adapter(self, *args: Any, **kwargs: Any):
-        self._refuse_restructuring("delete_adapter")
+    def _split_subject(self) -> str:
+        return f"a model split over {self.labels}"
 
     def add_adapter(self, *args: Any, **kwargs: Any):
-        self._refuse_restructuring("add_adapter")
-
-    def add_weighted_adapter(self, *args: Any, **kwargs: Any):
-        self._refuse_restructuring("add_weighted_adapter")
+        refuse_restructuring("add_adapter", self._split_subject())  # a new adapter: into the unsplit model
 
     def get_base_model(self) -> nn.Module:
         return self.inner_model
@@ -170,16 +156,8 @@ class PeftTensorParallel(WrapperTensorParallel):
                 f"load_adapter({adapter_name!r}): this split model holds the adapter(s) {sorted(self.peft_config)}; a new "
                 "one cannot be added after splitting. Load it into the unsplit model before tensor_parallel()"
             )
-        split = self
-
-        def load_state_dict(state_dict, strict: bool = True, assign: bool = False):
-            return split.load_state_dict(state_dict, strict=False)  # unsplit names: each device takes its slice
-
-        self._peft.__dict__["load_state_dict"] = load_state_dict
-        try:
+        with standing_in_for(self, self._peft):  # what PEFT loads into the unsplit one: each device takes its slice
             result = type(self._peft).load_adapter(self._peft, model_id, adapter_name, is_trainable=is_trainable, **kwargs)
-        finally:
-            del self._peft.__dict__["load_state_dict"]
         if not is_trainable:
             for name, p in self.named_parameters():
                 if f".{adapter_name}." in name or name.endswith(f".{adapter_name}"):
@@ -192,9 +170,8 @@ class PeftTensorParallel(WrapperTensorParallel):
         PEFT's options (``selected_adapters``, ``safe_serialization``, ``is_main_process``, ...)."""
         kwargs, given = save_pretrained_options(kwargs)
         target = Path(save_directory)
-        if target.exists() and not target.is_dir():
-            raise ValueError(f"save_pretrained({str(target)!r}): a file of that name exists; give a folder path")
-        state = given if given is not None else dict(gathered_state_dict(self, only=is_adapter_tensor))
+        check_save_folder(target)
+        state = given if given is not None else gathered_adapter(self)
         peft_save = functools.partial(type(self._peft).save_pretrained, self._peft, state_dict=state, **kwargs)
         write_into_folder(target, peft_save, replaces=ADAPTER_FILES)
         logger.info("saved the adapter of the split %s to %s (%d tensors)", type(self._peft).__name__, target, len(state))
