@@ -191,3 +191,7 @@ def test_transformers_load_adapter_and_save_pretrained_on_a_split_model(tmp_path
     model.save_pretrained(tmp_path / "again")
     assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert rel_err(logits(PeftModel.from_pretrained(tiny(), tmp_path / "again")), logits(made)) < 1e-5
+    before = logits(model)
+    with pytest.raises(NotImplementedError, match="delete_adapter.*rebuilds the module tree"):
+        model.delete_adapter("default")  # the split's layout still holds the adapter's tensors
+    assert torch.equal(logits(model), before)

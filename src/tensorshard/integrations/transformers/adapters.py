@@ -32,7 +32,15 @@ except ImportError:  # pragma: no cover - without PEFT these methods say how to 
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import save_pretrained_options
 from ...engines.inprocess.late_adapters import adopt_late_modules
-from ..adapter_io import ADAPTER_FILES, PEFT_PREFIX, check_save_folder, gathered_adapter, hub_options, standing_in_for
+from ..adapter_io import (
+    ADAPTER_FILES,
+    PEFT_PREFIX,
+    check_save_folder,
+    gathered_adapter,
+    hub_options,
+    refuse_restructuring,
+    standing_in_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +73,10 @@ class SplitAdapters:
         for module in self.modules():
             if hasattr(module, "active_adapters") and hasattr(module, "base_layer") and hasattr(module, "set_adapter"):
                 module.set_adapter(name)
+
+    def delete_adapter(self, *args: Any, **kwargs: Any) -> None:
+        """transformers' ``delete_adapter``: refused (the split's layout, ZeRO-3 and splits hold the adapter's tensors)."""
+        refuse_restructuring("delete_adapter", "a split model")
 
     def load_adapter(self, peft_model_id: str | os.PathLike | None = None, adapter_name: str | None = None, *,
                      is_trainable: bool = False, adapter_state_dict: dict | None = None, peft_config=None, **kwargs: Any):
