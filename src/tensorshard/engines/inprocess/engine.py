@@ -57,7 +57,8 @@ from .shard_attributes import record_per_device
 from .shard_backward import ShardGraphs, join_outputs
 from .unsplit_state import is_unsplit, load_unsplit
 from .workers import ThreadState, WorkerPool
-from .zero import WHERE as zero_where, ZeroSharding, choose_params, shard_replicated
+from .views import follow_root, make_view
+from .zero import ZeroSharding, choose_params, shard_replicated
 
 logger = logging.getLogger(__name__)
 
@@ -329,30 +330,9 @@ class TensorParallel(nn.Module):
     def view(self, path: str) -> "TensorParallel":
         """A TensorParallel that runs submodule `path` of every shard (the encoder of an encoder-decoder, an
         embedding), sharing this model's parameters, devices, workers and collectives. Calls to a view and to
-        its model must not overlap."""
-        try:
-            parts = [shard.get_submodule(path) for shard in self.module_shards]
-        except AttributeError as e:
-            raise ValueError(f"view({path!r}): the split model has no submodule {path!r} ({e})") from None
-        view = TensorParallel.__new__(TensorParallel)
-        nn.Module.__init__(view)
-        own = set(view.__dict__)  # nn.Module's bookkeeping: the view's own; every other attribute is shared
-        view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
-        prefix = f"{path}." if path else ""
-        view.splits = {k[len(prefix):]: v for k, v in self.splits.items() if k.startswith(prefix)}
-        if getattr(self, "zero_splits", None):
-            view.zero_splits = {k[len(prefix):]: v for k, v in self.zero_splits.items() if k.startswith(prefix)}
-        zero = getattr(self, "_zero", None)
-        for rank, part in enumerate(parts):  # the view's calls gather ZeRO-3 slices too (once when nested)
-            if zero is not None and part not in list(self.module_shards):
-                zero.hook(part, rank, list(range(len(zero.partitions))), zero_where)
-        view.module_shards = nn.ModuleList(parts)
-        install_partial_grads(view)
-        view._layout_modules = {k[len(prefix):]: v for k, v in self._layout_modules.items() if k.startswith(prefix)}
-        view._module_names = {n for n, _ in parts[0].named_modules()}
-        view._module_count = module_count(view)
-        view.training = parts[0].training
-        return view
+        its model must not overlap. Adapters added later are adopted by the split model the view was made from,
+        whichever is called first, and the view follows (views.py)."""
+        return make_view(self, path, TensorParallel)
 
     def memory_per_device(self) -> dict[str, int]:
         """Bytes of parameters and buffers held by each device slot, in order."""
@@ -367,6 +347,7 @@ def split_layout(model: object) -> SplitLayout | None:
     """Which slice of which original tensor each device holds (None for anything but a TensorParallel)."""
     if not isinstance(model, TensorParallel):
         return None
+    follow_root(model)  # a view: its splits as its split model's are now (views.py)
     zero = getattr(model, "zero_splits", {})
     placements = {name: zero.get(name, split) for name, split in model.splits.items()}
     devices = list(getattr(model, "_placement", model.devices))

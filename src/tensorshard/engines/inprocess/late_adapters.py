@@ -49,6 +49,7 @@ from ...plans.late_adapters import (
 from ...styles.base import ShardContext
 from ...styles.lora import is_dora
 from ...registrations import registrations
+from .views import follow_root, root_of
 from .zero import shard_added
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,11 @@ def module_count(model) -> int:
 
 def adopt_late_modules(model) -> None:
     """Adopt what was added to `model`'s shards since splitting (see the module docstring); cheap when nothing was."""
+    root = root_of(model)
+    if root is not model:  # a view never adopts on its own: its split model does, then the view follows (views.py)
+        adopt_late_modules(root)
+        follow_root(model)
+        return
     seen = registrations()
     if seen == model.__dict__.get("_registrations"):
         return  # nothing was registered on the model's modules since the last look (registrations.py)

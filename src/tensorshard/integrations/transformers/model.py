@@ -50,8 +50,8 @@ from transformers.cache_utils import Cache
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import WEIGHT_FILES, gathered_state_dict, save_pretrained_options
 from ...engines.inprocess import TensorParallel
-from ...engines.inprocess.late_adapters import module_count
 from ...engines.inprocess.shard_attributes import set_everywhere
+from ...engines.inprocess.views import make_view
 from ...layers import is_transformers_model
 from .adapters import SplitAdapters
 from .cache import shard_cache
@@ -105,6 +105,7 @@ class _CallMethod(nn.Module):
     def __init__(self, shard: nn.Module, method: str) -> None:
         super().__init__()
         self.shard, self.method = shard, method
+        self.training = shard.training  # the view's mode (not train(): that would set every module of the shard)
 
     def forward(self, *args, **kwargs):
         return getattr(self.shard, self.method)(*args, **kwargs)
@@ -351,7 +352,7 @@ def _method_view(model: TensorParallel, method: str) -> TensorParallel:
     """A view of `model` whose shards run `method` of its shards (cached on `model`)."""
     views = _own_cache(model, "_method_views")
     if method not in views:
-        views[method] = _with_shards(model.view(""), [_CallMethod(shard, method) for shard in model.module_shards])
+        views[method] = make_view(model, "", TensorParallel, parts=[_CallMethod(shard, method) for shard in model.module_shards])
     return views[method]
 
 
@@ -359,7 +360,7 @@ def _submodule_view(model: TensorParallel, name: str) -> "_SubmoduleView":
     """A view running child `name` of every shard of `model` (cached on `model`)."""
     views = _own_cache(model, "_submodule_views")
     if name not in views:
-        view = model.view(name) if not isinstance(model, _SubmoduleView) else _view_below(model, name)
+        view = model.view(name)
         for key in model.__dict__.get("_adopted", ()):  # the model's own attributes: not this submodule's
             view.__dict__.pop(key, None)
         view.__dict__["_adopted"] = frozenset()
@@ -370,15 +371,6 @@ def _submodule_view(model: TensorParallel, name: str) -> "_SubmoduleView":
     return views[name]
 
 
-def _with_shards(view: TensorParallel, parts: list[nn.Module]) -> TensorParallel:
-    """`view` running `parts` (one per device), with the module census the engine checks before each call
-    (modules added after splitting are refused there)."""
-    view.module_shards = nn.ModuleList(parts)
-    view._module_names = {n for n, _ in parts[0].named_modules()}
-    view._module_count = module_count(view)
-    return view
-
-
 def _own_cache(model: TensorParallel, key: str) -> dict:
     """A dict of `model`'s own: a view starts with a copy of its model's attributes, caches included."""
     owner = model.__dict__.get(f"{key}_owner")
@@ -386,15 +378,6 @@ def _own_cache(model: TensorParallel, key: str) -> dict:
         model.__dict__[key] = {}
         model.__dict__[f"{key}_owner"] = model
     return model.__dict__[key]
-
-
-def _view_below(view: TensorParallel, name: str) -> TensorParallel:
-    """A view of child `name` of every shard of `view` (a view of a view)."""
-    below = _with_shards(view.view(""), [shard.get_submodule(name) for shard in view.module_shards])
-    prefix = f"{name}."
-    below.splits = {k[len(prefix):]: v for k, v in view.splits.items() if k.startswith(prefix)}
-    below.training = below.module_shards[0].training
-    return below
 
 
 def _align_experts(model: TensorParallel) -> None:
