@@ -2,11 +2,11 @@
 every rank of a tensor-parallel group is a CPU process on the same machine, instead of gloo's TCP loopback
 (a few hundred microseconds per collective even for a few KB, milliseconds for 2 MiB).
 
-    shm = SharedMemoryGroup.connect(store, rank=r, world=n, pids=pids, timeout=300)   # every rank; or None
+    shm = connect(store, rank=r, world=n, pids=pids, timeout=300)   # comm/shm_setup.py: every rank; or None
     work = shm.all_reduce(t, "sum", limit=300)      # in place; work.wait(timeout) / is_completed(), as gloo's
 
 One segment per group, a file in /dev/shm that every rank maps (unlinked once all have it open, so nothing is
-left behind by a crash). It holds two buffer sets, used in alternate rounds; a set has one slot per rank and a
+left behind by a crash: comm/shm_setup.py sets it up). It holds two buffer sets, used in alternate rounds; a set has one slot per rank and a
 result area, `slot` bytes each. A round of a collective: every rank copies its piece (at most a slot) into its
 own slot, the ranks meet at a barrier, and each reads what it needs:
 
@@ -40,13 +40,10 @@ group refuses further collectives.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import select
-import shutil
 import struct
-import tempfile
 import time
 import weakref
 import zlib
@@ -55,15 +52,8 @@ from typing import Callable, Iterator
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-ENV = "TENSORSHARD_SHM"  # "0": every collective through the process group's backend (gloo)
-BUDGET = 32 << 20  # at most this many bytes per group: 2 buffer sets x (N slots + result area)
-MAX_SLOT, MIN_SLOT = 2 << 20, 64 << 10  # 2 MiB: a (4, 128, 1024) fp32 activation in one round; 12 MiB at 2 ranks
 SMALL = 64 << 10  # rounds of at most this many bytes are reduced by every rank itself (one barrier)
-ALIGN = 64
 HEADER = 256  # bytes per rank and buffer set: what the rank is doing (4 int64) and its label (utf-8)
-PREFIX = "tensorshard/shm/"
 KINDS = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3}
 
 COMBINE: dict[str, Callable] = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum, "product": torch.mul}
@@ -80,16 +70,6 @@ class CollectivesDiffer(SharedMemoryError):
         super().__init__("shared-memory collective: the ranks are at different collectives ("
                          + ", ".join(f"group rank {r} at {w}" for r, w in elsewhere.items()) + ")")
         self.elsewhere = elsewhere
-
-
-def enabled() -> bool:
-    """False when TENSORSHARD_SHM=0 (or another false word): gloo for every collective."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def supported() -> bool:
-    """This platform has what the transport needs: FIFOs, poll() and /dev/shm or a temporary folder."""
-    return hasattr(os, "mkfifo") and hasattr(select, "poll") and hasattr(os, "posix_fallocate")
 
 
 class SharedMemoryGroup:
@@ -120,58 +100,6 @@ class SharedMemoryGroup:
                 self.pidfds[fd] = r
                 self.poller.register(fd, select.POLLIN)
         weakref.finalize(self, _close, [fifo, *peers.values(), *self.pidfds])  # the mapping closes itself
-
-    # -- setting up (every rank of the group, at the same point) -----------------------------------------
-
-    @classmethod
-    def connect(cls, store, *, rank: int, world: int, pids: list[int] | None, timeout: float,
-                label: str = "") -> "SharedMemoryGroup | None":
-        """The group's transport on every rank, or None on every rank (then gloo carries the collectives).
-        `pids`: every rank's process id when all ranks run on this host (else None). Agreement goes through the
-        group's `store`; group rank 0 creates the segment and the FIFOs."""
-        call = store.add(f"{PREFIX}connects/{rank}", 1)  # equal on all ranks: they connect in the same order
-        key = f"{PREFIX}{call}/"
-        wait = timedelta(seconds=timeout)
-        usable = pids is not None and enabled() and supported() and world <= 255
-        folder = ""
-        if rank == 0:
-            folder, why = _create(world) if usable else ("", "not every rank is a CPU process of this host"
-                                                         if pids is None else "turned off or unsupported here")
-            store.set(key + "folder", folder or f"-{why}")
-        else:
-            store.wait([key + "folder"], wait)
-            folder = store.get(key + "folder").decode()
-        opened = None
-        if usable and not folder.startswith("-"):
-            try:
-                opened = _open(folder, rank, world)
-            except OSError as e:
-                logger.debug("rank %d of %s cannot open the shared-memory segment (%s): gloo instead", rank, label, e)
-        ok = _agree(store, key + "opened/", rank, world, opened is not None, wait)
-        peers: dict[int, int] = {}
-        if ok:
-            try:
-                peers = {r: os.open(os.path.join(folder, f"fifo{r}"), os.O_WRONLY) for r in range(world) if r != rank}
-            except OSError as e:
-                logger.debug("rank %d of %s cannot open a peer's FIFO (%s): gloo instead", rank, label, e)
-                peers = {}
-            ok = _agree(store, key + "ready/", rank, world, len(peers) == world - 1, wait)
-        if rank == 0 and folder and not folder.startswith("-"):
-            shutil.rmtree(folder, ignore_errors=True)  # every rank has opened it (or given up): unlink it all
-        if not ok:
-            for fd in peers.values():
-                os.close(fd)
-            if opened is not None:
-                opened[0].close()
-                os.close(opened[1])
-            if rank == 0:
-                logger.debug("%s: collectives through gloo (%s)", label, folder.lstrip("-") or "the ranks could not all map the segment")
-            return None
-        segment, fifo = opened
-        slot = _slot_bytes(world)
-        if rank == 0:
-            logger.debug("%s: collectives through shared memory (%d ranks, slots of %d KiB)", label, world, slot >> 10)
-        return cls(rank, world, segment, slot, fifo, peers, list(pids))
 
     # -- the collectives (each returns a Work; the data moves as the Work is waited on) ------------------
 
@@ -397,15 +325,6 @@ def _span(n: int, world: int, r: int) -> tuple[int, int]:
     return lo, lo + base + (r < extra)
 
 
-def _slot_bytes(world: int) -> int:
-    slot = BUDGET // (2 * (world + 1)) // ALIGN * ALIGN
-    return max(MIN_SLOT, min(MAX_SLOT, slot))
-
-
-def _segment_bytes(world: int) -> int:
-    return 2 * (world + 1) * _slot_bytes(world) + 2 * world * HEADER
-
-
 def _tag(kind: str, t: torch.Tensor, op: str, what: str) -> bytes:
     """A round's header: kind, dtype, element count and operation (compared across ranks), then the label."""
     numbers = struct.pack("<4q", KINDS[kind], zlib.crc32(str(t.dtype).encode()), t.numel(), zlib.crc32(op.encode()))
@@ -417,46 +336,6 @@ def _describe(header: bytes) -> str:
     """What a peer's header says it is doing: 'all_reduce at w2 (4096 float32)'."""
     sizes, _, label = header[32:].rstrip(b"\0").decode(errors="replace").partition("|")
     return f"{label} ({sizes})"
-
-
-def _create(world: int) -> tuple[str, str]:
-    """Group rank 0: a private folder holding the segment (allocated now: a full /dev/shm fails here, not with
-    SIGBUS later) and one FIFO per rank. Returns (folder, '') or ('', why not)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    folder = None
-    try:
-        folder = tempfile.mkdtemp(prefix="tensorshard-", dir=base)
-        fd = os.open(os.path.join(folder, "segment"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, _segment_bytes(world))
-        finally:
-            os.close(fd)
-        for r in range(world):
-            os.mkfifo(os.path.join(folder, f"fifo{r}"), 0o600)
-        return folder, ""
-    except OSError as e:
-        if folder:
-            shutil.rmtree(folder, ignore_errors=True)
-        return "", f"could not create the segment: {e}"
-
-
-def _open(folder: str, rank: int, world: int) -> tuple[mmap.mmap, int]:
-    """Map the segment and open our FIFO (read and write: never at end-of-file, never blocks to open)."""
-    fd = os.open(os.path.join(folder, "segment"), os.O_RDWR)
-    try:
-        segment = mmap.mmap(fd, _segment_bytes(world))
-    finally:
-        os.close(fd)
-    fifo = os.open(os.path.join(folder, f"fifo{rank}"), os.O_RDWR | os.O_NONBLOCK)
-    return segment, fifo
-
-
-def _agree(store, key: str, rank: int, world: int, ok: bool, wait: timedelta) -> bool:
-    """True on every rank when `ok` is True on every rank."""
-    store.set(f"{key}{rank}", "1" if ok else "0")
-    keys = [f"{key}{r}" for r in range(world)]
-    store.wait(keys, wait)
-    return all(store.get(k) == b"1" for k in keys)
 
 
 def process_alive(pid: int) -> bool:

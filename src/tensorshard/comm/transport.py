@@ -5,9 +5,9 @@
     all_gather_(out, piece, group, what=...)         # out: the world's pieces stacked on dim 0
     reduce_scatter_(out, inp, group, what=...)
 
-Transports: when every rank of the group is a CPU process of one host, shared memory (comm/shm.py: one
-barrier through the kernel per round, no TCP); otherwise, and for what shared memory does not handle, the
-process group's own backend (gloo, NCCL). Either way the call goes through the group's guard
+Transports: when every rank of the group is a CPU process of one host, shared memory (comm/shm.py, set up
+by comm/shm_setup.py: one barrier through the kernel per round, no TCP); otherwise, and for what shared
+memory does not handle, the process group's own backend (gloo, NCCL). Either way the call goes through the group's guard
 (comm/dist_guard.py): bounded, and failures name the rank and the operation. TENSORSHARD_SHM=0 keeps
 everything on the backend.
 
@@ -28,7 +28,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from .dist_guard import GroupGuard, collective, guard_for
-from .shm import SharedMemoryGroup
+from . import shm_setup
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ def connect(guard: GroupGuard, device_type: str) -> None:
         return  # the mesh's device type and the group are the same on every rank: they all return here
     pids = guard.local_pids(guard.timeout)
     rank = guard.ranks.index(guard.rank)
-    guard.shm = SharedMemoryGroup.connect(guard.store, rank=rank, world=len(guard.ranks), pids=pids,
-                                          timeout=guard.timeout, label=guard.label)
+    guard.shm = shm_setup.connect(guard.store, rank=rank, world=len(guard.ranks), pids=pids,
+                                  timeout=guard.timeout, label=guard.label)
 
 
 def op_name(op) -> str | None:

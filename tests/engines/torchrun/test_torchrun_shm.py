@@ -18,7 +18,7 @@ from support import plans
 from support.harness import world_mesh
 from support.helpers import rel_err
 from support.models import FeedForward
-from tensorshard.comm import shm, transport
+from tensorshard.comm import shm, shm_setup, transport
 from tensorshard.comm.dist_guard import guard_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -95,8 +95,8 @@ def collectives_task(numel: int, dtype_name: str) -> dict:
     return out
 
 
-SLOT_2 = shm._slot_bytes(2) // 4  # float32 elements in one slot at 2 ranks
-SLOT_4 = shm._slot_bytes(4) // 4
+SLOT_2 = shm_setup._slot_bytes(2) // 4  # float32 elements in one slot at 2 ranks
+SLOT_4 = shm_setup._slot_bytes(4) // 4
 
 
 @pytest.mark.parametrize("numel, dtype", [
@@ -121,7 +121,7 @@ def test_results_are_the_fixed_order_combination_on_every_rank(pool2, pool3, poo
 def training_task(shared: bool) -> dict:
     """Two AdamW steps of a split FeedForward, on a fresh group with shared memory on or off."""
     world = dist.get_world_size()
-    os.environ[shm.ENV] = "1" if shared else "0"
+    os.environ[shm_setup.ENV] = "1" if shared else "0"
     try:
         group = dist.new_group(list(range(world)))
         from torch.distributed.device_mesh import DeviceMesh
@@ -131,7 +131,7 @@ def training_task(shared: bool) -> dict:
         model = tp.parallelize(copy.deepcopy(ref), DeviceMesh.from_group(group, "cpu"), plan=plans.FEED_FORWARD)
         used = model.tensorshard.comm.guard.shm is not None
     finally:
-        os.environ.pop(shm.ENV, None)
+        os.environ.pop(shm_setup.ENV, None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
@@ -163,14 +163,14 @@ def test_training_matches_with_and_without_shared_memory(pool2):
 def test_parts_and_slot_sizes():
     assert [shm._span(10, 3, r) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
     assert [shm._span(2, 4, r) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
-    assert shm._slot_bytes(2) == 2 << 20 and shm._slot_bytes(8) % 64 == 0 and shm._slot_bytes(8) < 2 << 20
+    assert shm_setup._slot_bytes(2) == 2 << 20 and shm_setup._slot_bytes(8) % 64 == 0 and shm_setup._slot_bytes(8) < 2 << 20
 
 
 def test_the_variable_turns_it_off(monkeypatch):
-    monkeypatch.setenv(shm.ENV, "0")
-    assert not shm.enabled()
-    monkeypatch.setenv(shm.ENV, "1")
-    assert shm.enabled()
+    monkeypatch.setenv(shm_setup.ENV, "0")
+    assert not shm_setup.enabled()
+    monkeypatch.setenv(shm_setup.ENV, "1")
+    assert shm_setup.enabled()
 
 
 def mismatch_task() -> dict:

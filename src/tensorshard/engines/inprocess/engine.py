@@ -3,8 +3,8 @@
     model = TensorParallel(model, ["cuda:0", "cuda:1"])   # or tensor_parallel(...)
     loss = loss_fn(model(x), y); loss.backward(); optimizer.step()
 
-Wrapping builds one shard per device: a copy of the module tree whose split layers hold only their
-slices (as the plan says) and whose other parameters are whole copies. Each call copies the inputs to
+Wrapping builds one shard per device (build.py): a copy of the module tree whose split layers hold only
+their slices (as the plan says) and whose other parameters are whole copies. Each call copies the inputs to
 every device, runs the shards concurrently (shard 0 in the caller's thread), and returns shard 0's
 outputs on `output_device`. Each shard builds its own autograd graph and `backward()` runs the shards'
 backward passes concurrently too (shard_backward.py; in debug mode on a GPU, where every shard is on that
@@ -22,7 +22,6 @@ model never exists twice) and it is left on the meta device; calling it afterwar
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import re
@@ -36,28 +35,30 @@ from torch import nn
 
 from ... import quant
 from ...comm.dropout import ShardDropout, ThreadPeers, may_drop
-from ...comm.threads import ThreadComm, ThreadGroup
+from ...comm.threads import ThreadGroup
 from ...comm.timeout import resolve_timeout
 from ...devices import as_device, device_labels, resolve_devices
 from ...partition import Partition
 from ...plans import resolve_plan
-from ...plans.plan import BoundPlan, Plan
-from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
+from ...plans.plan import Plan
+from ...plans.sharding import shard_plan
 from ...plans.slices import SplitLayout, register_engine
 from ..resplit import mark_consumed, mark_split, refuse_split_twice
-from ..shared_config import guard as guard_configurations, keep_shared
+from ..shared_config import guard as guard_configurations
 from ..split_report import report_split
 from .boundary import gather_outputs, replicate_inputs, to_device
+from .build import build_shards, consume
 from .copies import deep_copy, refuse_pickle
 from .grad_norm import clip_grad_norm_
 from .late_adapters import adopt_late_modules, module_count
-from .rollback import Released, restore
+from .package_names import PackageNames
 from .schedule import Schedule
 from .shard_attributes import record_per_device
 from .shard_backward import ShardGraphs, join_outputs
 from .unsplit_state import is_unsplit, load_unsplit
+from .views import follow_root, make_view
 from .workers import ThreadState, WorkerPool
-from .zero import WHERE as zero_where, ZeroSharding, choose_params, shard_replicated
+from .zero import choose_params, shard_replicated
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +89,9 @@ def _as_rank(rank: int) -> Iterator[None]:
         _shard.rank = previous
 
 
-class TensorParallel(nn.Module):
-    """A module split over several devices of this process.
+class TensorParallel(PackageNames, nn.Module):
+    """A module split over several devices of this process (also under the tensor_parallel package's names for
+    its plan, ZeRO-3 state and wrapper level: package_names.py).
 
     Args:
         module: the model to split. It is consumed: see the module docstring.
@@ -160,7 +162,7 @@ class TensorParallel(nn.Module):
         # How each tensor of the original is split, by its original state-dict name (for gathered saves).
         self.splits: dict[str, tuple[int, Partition] | None] = layout.slice_map(module)
         zero_names = choose_params(module, self.splits, world, sharded_param_names) if sharded else []
-        self.module_shards = nn.ModuleList(_build_shards(module, layout, placement, self._group))  # atomic
+        self.module_shards = nn.ModuleList(build_shards(module, layout, placement, self._group))  # atomic
         record_per_device(module, self.module_shards)  # what a view may not set on every device (shard_attributes.py)
         guard_configurations(self.module_shards, f"over {world} device(s)")  # one configuration (shared_config.py)
         self._placement = placement
@@ -173,7 +175,7 @@ class TensorParallel(nn.Module):
         # train()/eval() on the split model later reach every shard as usual.
         self.training = self.module_shards.training = module.training
         self._loaded = False  # set once no tensor is on the meta device
-        self.__dict__["_consumed"] = (module, _consume(module, world))  # kept, empty, for deep copies
+        self.__dict__["_consumed"] = (module, consume(module, world))  # kept, empty, for deep copies
         mark_consumed(module, self.labels)
         mark_split(self, self.labels)
         shard_replicated(self, zero_names)
@@ -191,12 +193,9 @@ class TensorParallel(nn.Module):
         if world > 1:
             _live.add(self)
 
-    # -- compatibility with the tensor_parallel package --------------------------------------------------
-
     @property
-    def tensor_parallel_config(self) -> Plan:
-        """The plan, bound to this model (equal to `plan`; `convert_state_dict` reads the layout from it)."""
-        return BoundPlan(self.plan, self)
+    def world_size(self) -> int:
+        return len(self.devices)
 
     def apply_sharding(self, sharded_param_names: Sequence[str] | None = None) -> list[str]:
         """ZeRO-3, after splitting, of the parameters the plan leaves whole (what ``sharded=True`` does at split
@@ -209,22 +208,6 @@ class TensorParallel(nn.Module):
             )
         _check_loaded(self)
         return shard_replicated(self, choose_params(self.module_shards[0], self.splits, self.world_size, sharded_param_names))
-
-    @property
-    def sharding_manager(self) -> ZeroSharding | None:
-        """What ZeRO-3 partitions (`apply_sharding`, ``sharded=True``), or None when it is off."""
-        zero = getattr(self, "zero_splits", None)
-        return ZeroSharding(tuple(zero), self.world_size) if zero else None
-
-    @property
-    def wrapped_model(self) -> "TensorParallel":
-        """The model itself: the original's TensorParallelPreTrainedModel held its TensorParallel under this name;
-        here the split model is both (``model.wrapped_model.module_shards`` still reads the shards)."""
-        return self
-
-    @property
-    def world_size(self) -> int:
-        return len(self.devices)
 
     # -- running -----------------------------------------------------------------------------------------
 
@@ -330,37 +313,16 @@ class TensorParallel(nn.Module):
     def view(self, path: str) -> "TensorParallel":
         """A TensorParallel that runs submodule `path` of every shard (the encoder of an encoder-decoder, an
         embedding), sharing this model's parameters, devices, workers and collectives. Calls to a view and to
-        its model must not overlap."""
-        try:
-            parts = [shard.get_submodule(path) for shard in self.module_shards]
-        except AttributeError as e:
-            raise ValueError(f"view({path!r}): the split model has no submodule {path!r} ({e})") from None
-        view = TensorParallel.__new__(TensorParallel)
-        nn.Module.__init__(view)
-        own = set(view.__dict__)  # nn.Module's bookkeeping: the view's own; every other attribute is shared
-        view.__dict__.update({k: v for k, v in self.__dict__.items() if k not in own})
-        prefix = f"{path}." if path else ""
-        view.splits = {k[len(prefix):]: v for k, v in self.splits.items() if k.startswith(prefix)}
-        if getattr(self, "zero_splits", None):
-            view.zero_splits = {k[len(prefix):]: v for k, v in self.zero_splits.items() if k.startswith(prefix)}
-        zero = getattr(self, "_zero", None)
-        for rank, part in enumerate(parts):  # the view's calls gather ZeRO-3 slices too (once when nested)
-            if zero is not None and part not in list(self.module_shards):
-                zero.hook(part, rank, list(range(len(zero.partitions))), zero_where)
-        view.module_shards = nn.ModuleList(parts)
-        install_partial_grads(view)
-        view._layout_modules = {k[len(prefix):]: v for k, v in self._layout_modules.items() if k.startswith(prefix)}
-        view._module_names = {n for n, _ in parts[0].named_modules()}
-        view._module_count = module_count(view)
-        view.training = parts[0].training
-        return view
+        its model must not overlap. Adapters added later are adopted by the split model the view was made from,
+        whichever is called first, and the view follows (views.py)."""
+        return make_view(self, path, TensorParallel)
 
     def memory_per_device(self) -> dict[str, int]:
         """Bytes of parameters and buffers held by each device slot, in order."""
         return {label: _tensor_bytes(shard) for label, shard in zip(self.labels, self.module_shards)}
 
 
-# --- building the shards ------------------------------------------------------------------------------
+# --- what the engine tells the rest of the package --------------------------------------------------------
 
 
 @register_engine
@@ -368,100 +330,11 @@ def split_layout(model: object) -> SplitLayout | None:
     """Which slice of which original tensor each device holds (None for anything but a TensorParallel)."""
     if not isinstance(model, TensorParallel):
         return None
+    follow_root(model)  # a view: its splits as its split model's are now (views.py)
     zero = getattr(model, "zero_splits", {})
     placements = {name: zero.get(name, split) for name, split in model.splits.items()}
     devices = list(getattr(model, "_placement", model.devices))
     return SplitLayout("inprocess", model.plan, placements, list(model.module_shards), devices, sorted(zero))
-
-
-def _build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.device], group: ThreadGroup) -> list[nn.Module]:
-    """One copy of the module tree per device, holding local slices; the original's tensors are released."""
-    world = len(devices)
-    # 1. Skeletons: deep copies that share no tensor storage (each tensor maps to a meta placeholder).
-    placeholders = quant.skeleton_memo(module)  # a quantized layer's own reference to its state
-    placeholders.update(keep_shared(module))  # one configuration for every shard, not a copy each (shared_config.py)
-    for t in list(module.parameters()) + list(module.buffers()):
-        placeholders[id(t)] = torch.empty(0, device="meta")
-    shards = [copy.deepcopy(module, memo=dict(placeholders)) for _ in range(world)]
-    shard_modules = [dict(s.named_modules(remove_duplicate=False)) for s in shards]
-
-    # 2. Fill them tensor by tensor, releasing each original tensor once every device has its slice.
-    #    Should anything fail before the end (out of memory on a device, a style's error, Ctrl-C), the
-    #    original gets its tensors back: the model is left as it was.
-    made: dict[tuple[int, int], torch.Tensor] = {}
-    reused: set[int] = set()
-    released: list[Released] = []
-    kept: list[torch.Tensor] = []
-    where = "the shards' skeletons"
-    try:
-        for mod_name, mod in module.named_modules(remove_duplicate=False):
-            for kind, tname, t in list(direct_tensors(mod)):
-                split = sharded.split_of(t)
-                for rank in range(world):
-                    where = f"{mod_name}.{tname}".lstrip(".") + f" on {devices[rank]} (rank {rank})"
-                    key = (id(t), rank)
-                    if key not in made:
-                        made[key] = (
-                            quant.take(t, mod, split, rank, devices[rank]) if quant.weight_kind(t)
-                            else _local_tensor(t, split, rank, devices[rank], kind, reused)
-                        )
-                    target = shard_modules[rank][mod_name]
-                    (target._parameters if kind == "param" else target._buffers)[tname] = made[key]
-                released.append(Released(mod, kind, tname, weakref.ref(t), id(t), t.device, t.requires_grad, split))
-                if quant.weight_kind(t):
-                    kept.append(t)  # a quantized weight cannot be rebuilt from its slices: keep it until done
-                _release(mod, kind, tname, t)
-        quant.finish_shards(shards)  # quantized layers: their own state now follows the local weight
-
-        # 3. Let each style adapt its module in every shard (sizes, forward with collectives). With one device
-        #    every layer is whole and runs its own forward.
-        if world > 1:
-            for rank in range(world):
-                comm = ThreadComm(group, rank)
-                for name, ms in sharded.modules.items():
-                    where = f"{name or '<root>'} ({type(ms.style).__name__}) on rank {rank}"
-                    ms.style.attach(shard_modules[rank][name], ms.splits, ms.context(rank, world, comm))
-    except BaseException as e:
-        restore(released, made, world)
-        if hasattr(e, "add_note"):
-            e.add_note(f"while building the shards, at {where}; the original model was restored as it was")
-        raise
-    return shards
-
-
-def _local_tensor(t, split, rank, device, kind, reused: set[int]):
-    data = t.detach()
-    if split is not None:
-        dim, part = split
-        data = part.take(data, dim, rank)
-        local = data if data.is_meta else data.to(device, copy=True)
-    elif data.is_meta:
-        local = data
-    elif data.device == device and id(t) not in reused:
-        reused.add(id(t))  # the first device that needs a whole tensor takes over its storage
-        local = data
-    else:
-        local = data.to(device, copy=True)
-    return nn.Parameter(local, requires_grad=t.requires_grad) if kind == "param" else local
-
-
-def _release(mod: nn.Module, kind: str, name: str, t: torch.Tensor) -> None:
-    meta = torch.empty_like(t, device="meta")
-    if kind == "param":
-        mod._parameters[name] = nn.Parameter(meta, requires_grad=t.requires_grad)
-    else:
-        mod._buffers[name] = meta
-
-
-def _consume(module: nn.Module, world: int) -> int:
-    def refuse(*_):
-        raise RuntimeError(
-            f"this {type(module).__name__} was split over {world} device(s) by tensorshard.tensor_parallel(); its "
-            "weights now live in the TensorParallel model it returned (the original is left on the meta device). "
-            "Call that model, or deep-copy the original before splitting it if you need both."
-        )
-
-    return module.register_forward_pre_hook(refuse).id
 
 
 def install_partial_grads(model: TensorParallel) -> None:

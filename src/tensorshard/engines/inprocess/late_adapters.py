@@ -52,6 +52,7 @@ from ...plans.late_adapters import (
 )
 from ...registrations import registrations
 from ...styles.base import ShardContext
+from .views import follow_root, root_of
 from .zero import shard_added
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,11 @@ def module_count(model) -> int:
 
 def adopt_late_modules(model) -> None:
     """Adopt what was added to `model`'s shards since splitting (see the module docstring); cheap when nothing was."""
+    root = root_of(model)
+    if root is not model:  # a view never adopts on its own: its split model does, then the view follows (views.py)
+        adopt_late_modules(root)
+        follow_root(model)
+        return
     seen = nothing_added(model.module_shards[0], model.__dict__.get("_registrations"), model._module_count)
     if seen is not None:
         model._registrations = seen

@@ -33,7 +33,7 @@ class Released:
 
 
 def restore(released: list[Released], made: dict, world: int) -> None:
-    """Undo step 2 of `_build_shards`: each released tensor goes back, rebuilt from its slices if it is gone."""
+    """Undo step 2 of `build_shards` (build.py): each released tensor goes back, rebuilt from its slices if it is gone."""
     restored: dict[int, torch.Tensor] = {}  # by original tensor: tied tensors stay tied
     for r in released:
         if r.key not in restored:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -224,15 +225,28 @@ class _ZeroState:
         self.slots = slots
         self.partitions = partitions
         self.gathered: list[set[int]] = [set() for _ in slots]  # rank -> indices of the parameters gathered now
-        self.saved: list[dict[tuple, list[nn.Parameter]]] = [{} for _ in slots]  # rank -> scope -> its slices
+        self.saved: list[dict[object, list[nn.Parameter]]] = [{} for _ in slots]  # rank -> scope -> its slices
+        self.viewed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules views run, hooked (hook_view)
 
     def hook(self, module: nn.Module, rank: int, indices: list[int], where: str, *, first: bool = False) -> None:
-        module.register_forward_pre_hook(lambda mod, args: self._gather_scope(mod, rank, indices, where), prepend=first)
-        module.register_forward_hook(lambda mod, args, out: self._release_scope(mod, rank, indices), always_call=True)
+        scope = object()  # a module may hold several scopes (split time, added later, a view's)
+        module.register_forward_pre_hook(lambda mod, args: self._gather_scope(scope, rank, indices, where), prepend=first)
+        module.register_forward_hook(lambda mod, args, out: self._release_scope(scope, rank, indices), always_call=True)
 
-    def _gather_scope(self, module: nn.Module, rank: int, indices: list[int], where: str) -> None:
-        if self.gathered[rank].intersection(indices):
-            return  # gathered by an enclosing scope
+    def hook_view(self, module: nn.Module, rank: int) -> None:
+        """A module a view runs (views.py): its calls gather every partitioned parameter, those partitioned after
+        the view was made included, first of its hooks. Once per module, however many views run it."""
+        if module in self.viewed:
+            return
+        self.viewed.add(module)
+        scope = object()
+        every = lambda: list(range(len(self.partitions)))  # noqa: E731
+        module.register_forward_pre_hook(lambda mod, args: self._gather_scope(scope, rank, every(), WHERE), prepend=True)
+        module.register_forward_hook(lambda mod, args, out: self._release_scope(scope, rank, every()), always_call=True)
+
+    def _gather_scope(self, scope: object, rank: int, indices: list[int], where: str) -> None:
+        if not indices or self.gathered[rank].intersection(indices):
+            return  # nothing partitioned yet, or gathered by an enclosing scope
         owners = [self.slots[rank][i] for i in indices]
         slices = [mod._parameters[attr] for (mod, attr), *_ in owners]
         if self.group.own_graphs:
@@ -242,11 +256,11 @@ class _ZeroState:
         for param_owners, full in zip(owners, fulls):
             for mod, attr in param_owners:
                 mod._parameters[attr] = full  # a non-leaf tensor for this call; backward reaches the slice
-        self.saved[rank][(id(module), indices[0])] = slices  # a module may hold two scopes (split time, added later)
+        self.saved[rank][scope] = slices
         self.gathered[rank].update(indices)
 
-    def _release_scope(self, module: nn.Module, rank: int, indices: list[int]) -> None:
-        slices = self.saved[rank].pop((id(module), indices[0]), None)
+    def _release_scope(self, scope: object, rank: int, indices: list[int]) -> None:
+        slices = self.saved[rank].pop(scope, None)
         if slices is None:
             return
         for i, p in zip(indices, slices):

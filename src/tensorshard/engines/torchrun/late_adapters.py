@@ -52,8 +52,6 @@ from .local_views import restore_after_building, swap_adapter_layers, swap_local
 
 logger = logging.getLogger(__name__)
 
-module_count = count_modules_and_tensors  # the name engine.py imports it by
-
 
 def adopt_late_adapters(root: nn.Module) -> None:
     """Adopt what PEFT added to the parallelized `root` since `parallelize` (see the module docstring). Every

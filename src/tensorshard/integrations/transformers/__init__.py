@@ -1,7 +1,8 @@
 """transformers models split by tensorshard: still transformers models (generate, KV cache, save_pretrained).
 
-model.py: a split PreTrainedModel; cache.py: per-device KV caches; wrapped.py: a module holding a
-transformers model; peft.py: a split PeftModel (PEFT's adapter format).
+model.py: a split PreTrainedModel; views.py: its parts (``split.model``, ``get_encoder()``) run on every
+device; cache.py: per-device KV caches; wrapped.py: a module holding a transformers model; peft.py: a split
+PeftModel (PEFT's adapter format).
 """
 
 from torch import nn

@@ -20,14 +20,14 @@ shards. The configuration objects are the ones every shard reads (engines/shared
 - ``get_input_embeddings()``, ``get_output_embeddings()``, ``get_encoder()`` return views that run that part
   of every shard (T5's ``generate`` runs the encoder through one); a multimodal model's
   ``get_image_features()`` (``_video_``, ``_audio_``) runs on every shard at once (``generate`` encodes the
-  images through it before the first token);
+  images through it before the first token); views.py makes them;
 - ``save_pretrained`` gathers the unsplit weights (on the CPU, one tensor at a time, then the whole state
   dict: peak host memory is one full copy of the model) and writes them with transformers' own
   ``save_pretrained`` of the original class, into a temporary folder moved into place;
 - ``state_dict()`` is the shards' (use ``tp.save_tensor_parallel`` for the unsplit one); submodules such
   as ``model.model`` live in ``model.module_shards[r]``; ``split.model.encoder`` (``split.model.layers[0]``) is
-  a view that runs that submodule on every device, reads its other attributes from the first device's copy
-  and sets them on every device's copy, or refuses (engines/inprocess/shard_attributes.py);
+  a view (views.py) that runs that submodule on every device, reads its other attributes from the first
+  device's copy and sets them on every device's copy, or refuses (engines/inprocess/shard_attributes.py);
 - gradient (activation) checkpointing, enabled before or after splitting, recomputes each block in its
   shard's own backward pass (engines/inprocess/shard_backward.py); not in debug mode on a GPU;
 - unsupported, with an error saying so: output_attentions, static caches, resizing embeddings;
@@ -50,12 +50,12 @@ from transformers.cache_utils import Cache
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import WEIGHT_FILES, gathered_state_dict, save_pretrained_options
 from ...engines.inprocess import TensorParallel
-from ...engines.inprocess.late_adapters import module_count
 from ...engines.inprocess.shard_attributes import set_everywhere
 from ...layers import is_transformers_model
 from .adapters import SplitAdapters
 from .cache import shard_cache
 from .unsplit_cache import split_filled_cache
+from .views import on_every_shard, part_view, submodule_view, top_level_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -80,34 +80,11 @@ def split_class(model_class: type) -> type:
     methods = {"forward": forward, "__module__": __name__}
     for method in _ENCODER_METHODS:
         if callable(getattr(model_class, method, None)):
-            methods[method] = _on_every_shard(method, getattr(model_class, method))
+            methods[method] = on_every_shard(method, getattr(model_class, method))
     return type(name, (SplitAdapters, TransformersTensorParallel, model_class), methods)  # adapters.py: add/load_adapter
 
 
 _ENCODER_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
-
-
-def _on_every_shard(method: str, original):
-    """A model method that runs split towers (a VLM's vision tower and projector): called on every shard at
-    once, through the engine, like forward; the result of the output device."""
-
-    def run(self, *args, **kwargs):
-        return _method_view(self, method)(*args, **kwargs)
-
-    run.__signature__ = inspect.signature(original)  # generate picks the arguments by these names
-    run.__name__ = method
-    return run
-
-
-class _CallMethod(nn.Module):
-    """Holds one shard; its forward is one of the shard's methods (for `_method_view`)."""
-
-    def __init__(self, shard: nn.Module, method: str) -> None:
-        super().__init__()
-        self.shard, self.method = shard, method
-
-    def forward(self, *args, **kwargs):
-        return getattr(self.shard, self.method)(*args, **kwargs)
 
 
 def transformers_view(model: TensorParallel, path: str, original: nn.Module) -> "TransformersTensorParallel":
@@ -182,39 +159,16 @@ class TransformersTensorParallel(TensorParallel):
         return self.output_device
 
     def get_input_embeddings(self) -> nn.Module:
-        return self._view_of(lambda m: m.get_input_embeddings())
+        return part_view(self, lambda m: m.get_input_embeddings())
 
     def get_output_embeddings(self) -> nn.Module | None:
-        return self._view_of(lambda m: m.get_output_embeddings())
+        return part_view(self, lambda m: m.get_output_embeddings())
 
     def get_encoder(self, *args, **kwargs) -> nn.Module:
-        return self._view_of(lambda m: m.get_encoder(*args, **kwargs))
+        return part_view(self, lambda m: m.get_encoder(*args, **kwargs))
 
     def get_decoder(self, *args, **kwargs) -> nn.Module:
-        return self._view_of(lambda m: m.get_decoder(*args, **kwargs))
-
-    def _view_of(self, pick) -> nn.Module | None:
-        """A TensorParallel view running the submodule `pick` returns, on every device at once."""
-        shard = self.module_shards[0]
-        target = pick(shard)
-        if target is None:
-            return None
-        if target is shard:
-            return self
-        path = next((n for n, m in shard.named_modules() if m is target), None)
-        if path is None:
-            raise RuntimeError(f"{type(target).__name__} returned by the model is not one of its submodules")
-        if path not in self._views:
-            view = self.view(path)
-            run = view.forward
-
-            def forward(*args, **kwargs):
-                return run(*args, **kwargs)
-
-            forward.__signature__ = inspect.signature(target.forward)  # generate inspects the encoder's
-            view.forward = forward
-            self._views[path] = view
-        return self._views[path]
+        return part_view(self, lambda m: m.get_decoder(*args, **kwargs))
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs) -> None:
         """Write an unsplit checkpoint that ``from_pretrained`` loads into a plain model.
@@ -263,138 +217,13 @@ class TransformersTensorParallel(TensorParallel):
         except AttributeError:
             original = self.__dict__.get("_original")
             if original is not None and name in original._modules:
-                return _submodule_view(self, name)
+                return submodule_view(self, name)
             if original is not None and (name in original._parameters or name in original._buffers):
-                return _top_level_tensor(self, name)
+                return top_level_tensor(self, name)
             raise
 
 
 # --- helpers ------------------------------------------------------------------------------------------
-
-
-class _SubmoduleView(TensorParallel):
-    """``split.model.encoder``, ``split.model.layers[0]``: calling it runs that submodule on every device (a
-    `TensorParallel.view`); its submodules are views too (by attribute, index or key, and when iterated), its
-    methods run on every device as well (``split.model.get_image_features``, which generate calls), and its
-    other attributes (a convolution's stride, a config) are read from the first device's copy, as generation
-    code reads them (Whisper's reads its encoder's strides). Setting one sets every device's copy, or is
-    refused (engines/inprocess/shard_attributes.py)."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            first = self.module_shards[0]
-            local = getattr(first, name)
-            if isinstance(local, nn.Module) and name in first._modules:
-                return _submodule_view(self, name)
-            if inspect.ismethod(local) and local.__self__ is first:
-                return functools.partial(_on_every_shard(name, getattr(type(first), name)), self)
-            return local
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Reads come from the first device's copy, so a write goes to every device's copy (generation code
-        # resets state such as Qwen2-VL's `model.rope_deltas` this way); kept on the view, it would reach no
-        # shard and their state would go stale silently. The view's own state: the engine's attributes.
-        if name.startswith("_") or name in ("training", "module_shards") or name in self.__dict__:
-            super().__setattr__(name, value)
-            return
-        set_everywhere(self.module_shards, self._placement, self.splits, name, value, self.__dict__.get("_path", ""))
-
-    # A container (ModuleList, Sequential, ModuleDict) reads like one: split.model.layers[0], len(), for ... in
-    def __getitem__(self, key: Any) -> Any:
-        first = self.module_shards[0]
-        if isinstance(first, nn.ModuleDict):
-            if key not in first._modules:
-                raise KeyError(key)
-            return _submodule_view(self, key)
-        names = self._child_names()
-        if isinstance(key, slice):
-            return [_submodule_view(self, n) for n in names[key]]
-        return _submodule_view(self, names[key])  # IndexError / TypeError as a list of them raises
-
-    def __len__(self) -> int:
-        return len(self._child_names())
-
-    def __iter__(self):
-        if isinstance(self.module_shards[0], nn.ModuleDict):
-            return iter(list(self.module_shards[0]._modules))  # the keys, as a ModuleDict iterates
-        return iter([_submodule_view(self, n) for n in self._child_names()])
-
-    def __bool__(self) -> bool:
-        return not isinstance(self.module_shards[0], _CONTAINERS) or len(self) > 0
-
-    def _child_names(self) -> list[str]:
-        first = self.module_shards[0]
-        if not isinstance(first, _CONTAINERS):
-            raise TypeError(f"{type(first).__name__} (a view of it in the split model) is not a container of modules")
-        return list(first._modules)
-
-
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-
-
-def _top_level_tensor(split: nn.Module, name: str) -> torch.Tensor:
-    """A parameter or buffer the model holds itself (BLIP-2's ``query_tokens``), read by the model's own
-    methods that generate calls on the split model (``get_image_features``): the first device's copy. Only
-    without gradients: a computation outside the shards' forward would give that copy alone a gradient."""
-    if torch.is_grad_enabled():
-        raise AttributeError(
-            f"{name} is a parameter of every device's copy of the split {type(split._original).__name__}; code "
-            "outside its forward reads it only under torch.no_grad() (generate does). Call the split model itself "
-            "to compute with gradients."
-        )
-    return getattr(split.module_shards[0], name)
-
-
-def _method_view(model: TensorParallel, method: str) -> TensorParallel:
-    """A view of `model` whose shards run `method` of its shards (cached on `model`)."""
-    views = _own_cache(model, "_method_views")
-    if method not in views:
-        views[method] = _with_shards(model.view(""), [_CallMethod(shard, method) for shard in model.module_shards])
-    return views[method]
-
-
-def _submodule_view(model: TensorParallel, name: str) -> "_SubmoduleView":
-    """A view running child `name` of every shard of `model` (cached on `model`)."""
-    views = _own_cache(model, "_submodule_views")
-    if name not in views:
-        view = model.view(name) if not isinstance(model, _SubmoduleView) else _view_below(model, name)
-        for key in model.__dict__.get("_adopted", ()):  # the model's own attributes: not this submodule's
-            view.__dict__.pop(key, None)
-        view.__dict__["_adopted"] = frozenset()
-        parent = model.__dict__.get("_path", "") if isinstance(model, _SubmoduleView) else ""
-        view.__dict__["_path"] = f"{parent}.{name}" if parent else name
-        view.__class__ = _SubmoduleView
-        views[name] = view
-    return views[name]
-
-
-def _with_shards(view: TensorParallel, parts: list[nn.Module]) -> TensorParallel:
-    """`view` running `parts` (one per device), with the module census the engine checks before each call
-    (modules added after splitting are refused there)."""
-    view.module_shards = nn.ModuleList(parts)
-    view._module_names = {n for n, _ in parts[0].named_modules()}
-    view._module_count = module_count(view)
-    return view
-
-
-def _own_cache(model: TensorParallel, key: str) -> dict:
-    """A dict of `model`'s own: a view starts with a copy of its model's attributes, caches included."""
-    owner = model.__dict__.get(f"{key}_owner")
-    if owner is not model:
-        model.__dict__[key] = {}
-        model.__dict__[f"{key}_owner"] = model
-    return model.__dict__[key]
-
-
-def _view_below(view: TensorParallel, name: str) -> TensorParallel:
-    """A view of child `name` of every shard of `view` (a view of a view)."""
-    below = _with_shards(view.view(""), [shard.get_submodule(name) for shard in view.module_shards])
-    prefix = f"{name}."
-    below.splits = {k[len(prefix):]: v for k, v in view.splits.items() if k.startswith(prefix)}
-    below.training = below.module_shards[0].training
-    return below
 
 
 def _align_experts(model: TensorParallel) -> None:
