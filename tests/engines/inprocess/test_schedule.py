@@ -113,5 +113,7 @@ def test_a_decoding_model_tries_both_ways_and_generates_the_unsplit_tokens():
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=12, do_sample=False)
         assert torch.equal(out, ref.generate(prompt, max_new_tokens=12, do_sample=False))
-    decode_keys = [k for k in model._schedule._kinds if k[1][0] == (1, 1)]  # input_ids of one token
-    assert decode_keys and all(model._schedule.chosen(k) in ("serial", "together") for k in decode_keys)
+    # the kind of call most of the tokens were (input_ids of one token): timed, and a way chosen
+    kinds = model._schedule._kinds
+    busiest = max((k for k in kinds if k[1][0] == (1, 1)), key=lambda k: kinds[k]["calls"])
+    assert kinds[busiest]["calls"] >= 4 and model._schedule.chosen(busiest) in ("serial", "together")
