@@ -139,6 +139,9 @@ def scaling_plot(scaling: dict | None, folder: Path, rel: str, plt) -> dict:
         plt.close(fig)
         return {}
     ax.plot(worlds, worlds, "k--", label="ideal: N x")
+    cores = scaling["meta"]["cores"]
+    if cores < max(worlds):
+        ax.plot(worlds, [min(w, cores) for w in worlds], color="gray", linestyle="-.", label=f"bound: min(N, {cores} cores)")
     styles = {"inprocess": "-", "torchrun": ":"}
     markers = {"forward": "o", "train": "s", "decode": "^"}
     for engine in ENGINES:
