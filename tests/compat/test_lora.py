@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import tensorshard.compat as tp
-from support.helpers import rel_err
+from support.helpers import rel_err, train_both_causal_lm
 from support.hf_configs import VOCAB, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,17 +37,9 @@ def test_a_peft_model_split_by_the_pretrained_class_computes_generates_and_train
     assert torch.equal(model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False),
                        ref.generate(input_ids=prompt, max_new_tokens=6, do_sample=False))
 
-    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, ref)]
-    for _ in range(3):
-        batch = torch.randint(1, VOCAB, (2, 7), generator=gen)
-        losses = []
-        for m, opt in zip((model, ref), optimizers):
-            loss = m(input_ids=batch, labels=batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        assert abs(losses[0] - losses[1]) < 1e-4 * abs(losses[1])
+    batches = [torch.randint(1, VOCAB, (2, 7), generator=gen) for _ in range(3)]
+    for split, unsplit in train_both_causal_lm(model, ref, batches):
+        assert abs(split - unsplit) < 1e-4 * abs(unsplit)
     assert rel_err(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-4
 
 

@@ -13,7 +13,7 @@ import transformers as T
 import tensorshard as ts
 import tensorshard.compat as tp
 from support.compat import MLP_RULES, Net, ids
-from support.helpers import rel_err
+from support.helpers import rel_err, train_both_causal_lm
 from support.hf_configs import VOCAB, tiny_config, tiny_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,17 +38,9 @@ def test_training_steps_then_save_tensor_parallel_gives_the_unsplit_weights(gen,
     ref = tiny_model("opt").train()
     model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu", "cpu"])  # train mode: ZeRO-3 for the norms
     assert model.zero_splits  # the replicated parameters are partitioned
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
     batch = torch.randint(1, VOCAB, (2, 6), generator=gen)
-    for _ in range(2):
-        losses = []
-        for m, opt in zip((model, ref), opts):
-            loss = m(input_ids=batch, labels=batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        assert abs(losses[0] - losses[1]) < 1e-4 * abs(losses[1])
+    for split, unsplit in train_both_causal_lm(model, ref, [batch, batch]):
+        assert abs(split - unsplit) < 1e-4 * abs(unsplit)
 
     with tp.save_tensor_parallel(model):
         state = model.state_dict()

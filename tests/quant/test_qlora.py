@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tensorshard as tp
-from support.helpers import rel_err
+from support.helpers import rel_err, train_both_causal_lm
 from support.quantized_models import load
 
 peft = pytest.importorskip("peft")
@@ -28,19 +28,7 @@ def nf4(path):
 
 
 def train_both(model, ref, gen, steps: int = 3) -> list[tuple[float, float]]:
-    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, ref)]
-    losses = []
-    for _ in range(steps):
-        ids = torch.randint(0, 128, (2, 9), generator=gen)
-        pair = []
-        for m, opt in zip((model, ref), optimizers):
-            opt.zero_grad()
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            pair.append(loss.item())
-        losses.append(tuple(pair))
-    return losses
+    return train_both_causal_lm(model, ref, [torch.randint(0, 128, (2, 9), generator=gen) for _ in range(steps)])
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -52,3 +52,20 @@ def check_training_parity(
     x = make_input()
     with torch.no_grad():
         assert rel_err(output(model, x), output(ref, x)) < train_tol
+
+
+def train_both_causal_lm(model: nn.Module, ref: nn.Module, batches, *, lr: float = 1e-2) -> list[tuple[float, float]]:
+    """AdamW over the trainable parameters of each, one step per batch of token ids (the labels too); the
+    losses of each step as (split, unsplit)."""
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr) for m in (model, ref)]
+    losses = []
+    for x in batches:
+        pair = []
+        for m, opt in zip((model, ref), optimizers):
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.item())
+        losses.append((pair[0], pair[1]))
+    return losses

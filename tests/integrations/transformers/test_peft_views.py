@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 import tensorshard as tp
 from support.hf_configs import FAMILIES, tiny_config
-from support.helpers import rel_err
+from support.helpers import rel_err, train_both_causal_lm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,20 +76,8 @@ KINDS = {
 
 
 def train_both(model, ref, steps: int = 3) -> list[tuple[float, float]]:
-    """Three AdamW steps on both; the losses of each step (split, unsplit)."""
-    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, ref)]
-    losses = []
-    for step in range(steps):
-        x = ids(10 + step)
-        pair = []
-        for m, opt in zip((model, ref), optimizers):
-            loss = m(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(loss.item())
-        losses.append(tuple(pair))
-    return losses
+    """AdamW steps on both; the losses of each step (split, unsplit)."""
+    return train_both_causal_lm(model, ref, [ids(10 + step) for step in range(steps)])
 
 
 def collectives(call) -> Counter:
