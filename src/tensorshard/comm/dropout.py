@@ -268,7 +268,8 @@ class _DropoutMode(TorchFunctionMode):
             scores = scores.masked_fill(~causal, float("-inf"))
         if attn_mask is not None:
             scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-        weights = torch.softmax(scores, dim=-1)
+        blind = torch.isneginf(scores).all(dim=-1, keepdim=True)  # a query row that may see no key (padding)
+        weights = torch.softmax(scores.masked_fill(blind, 0.0), dim=-1).masked_fill(blind, 0.0)  # 0 there, as SDPA
         weights = weights * self.owner.keep_mask(self.shard, weights, dropout_p, tuple(weights.shape))
         return weights @ value
 

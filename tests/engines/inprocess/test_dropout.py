@@ -119,3 +119,48 @@ def test_eval_and_no_dropout_models_are_not_intercepted():
     model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, plan=plan).eval()
     x = torch.randn(4, 8)
     assert rel_err(model(x), ref.eval()(x)) < 1e-6
+
+
+def test_attention_dropout_by_its_reference_math_gives_zero_for_rows_that_see_no_key():
+    # a left-padded batch masks every key of its padding queries: SDPA gives those rows 0 (and 0 gradients);
+    # a softmax over nothing but -inf would give NaN, and the next layer would spread it to every row
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen, requires_grad=True) for _ in range(3))
+    keep = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    keep[0, :, :2] = False  # batch row 0: its first two queries see nothing
+    dropout = ShardDropout()
+    dropout.begin_forward()
+    with dropout.mode(0):  # p so small that every weight is kept: the reference math alone
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=1e-12)
+    got_grads = torch.autograd.grad(got.sum(), (q, k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    assert torch.equal(got[0, :, :2], torch.zeros_like(got[0, :, :2]))
+    assert rel_err(got, want) < 1e-6
+    for g, w in zip(got_grads, want_grads):
+        assert torch.isfinite(g).all() and rel_err(g, w) < 1e-6
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_attention_dropout_with_a_left_padded_batch_trains_with_finite_numbers(family):
+    torch.manual_seed(0)
+    if family == "gpt2":
+        ref = gpt2(attn_pdrop=0.1)
+    else:
+        ref = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=96, hidden_size=72, intermediate_size=88, num_hidden_layers=2,
+                                               num_attention_heads=6, num_key_value_heads=2, attention_dropout=0.1,
+                                               pad_token_id=0)).train()
+    model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, sharded=False)
+    x = ids(4)
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0  # left padding
+    labels = x.masked_fill(mask == 0, -100)
+    torch.manual_seed(5)
+    loss = model(input_ids=x, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    with torch.no_grad():  # without dropout's randomness the split model is the unsplit one
+        model.eval(), ref.eval()
+        want = ref(input_ids=x, attention_mask=mask, labels=labels).loss
+        assert abs(model(input_ids=x, attention_mask=mask, labels=labels).loss - want) < 1e-5 * abs(want)
