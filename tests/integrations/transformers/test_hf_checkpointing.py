@@ -90,7 +90,7 @@ def test_trainer_with_gradient_checkpointing_matches_the_unsplit_model(gen, tmp_
     assert max(rel_err(weights[k], p) for k, p in ref.named_parameters()) < 1e-4
 
 
-@pytest.mark.parametrize("order", ["lora then split", "split then lora"])
+@pytest.mark.parametrize("order", ["lora then split", "split then lora", "lora, split, then enabled"])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_lora_with_gradient_checkpointing_matches_the_unsplit_model(order, reentrant, gen, tmp_path):
     """LoRA factors with partial gradients (A beside column-parallel layers, B beside row-parallel ones) keep
@@ -102,13 +102,24 @@ def test_lora_with_gradient_checkpointing_matches_the_unsplit_model(order, reent
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
 
+    def enable_with_inputs(model):
+        enable(model, reentrant)
+        model.enable_input_require_grads()  # as PEFT does for reentrant checkpointing: the embeddings stay frozen
+
     base = tiny_model("llama").train()
-    enable(base, reentrant)
-    base.enable_input_require_grads()  # as PEFT does for reentrant checkpointing: the embeddings stay frozen
+    if order == "lora, split, then enabled":  # through the PeftModel, which hands both calls to the model inside
+        ref = lora(copy.deepcopy(base))
+        model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2)
+        for m in (ref, model):
+            enable_with_inputs(m)
+        assert all(layer.gradient_checkpointing for shard in model.module_shards
+                   for layer in shard.get_base_model().model.layers)
+    else:
+        enable_with_inputs(base)
     if order == "lora then split":
         ref = lora(copy.deepcopy(base))
         model = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2)
-    else:  # the adapters follow the split; the unsplit run loads the same adapter
+    elif order == "split then lora":  # the adapters follow the split; the unsplit run loads the same adapter
         model = lora(tp.tensor_parallel(copy.deepcopy(base), ["cpu"] * 2))
         model.save_pretrained(tmp_path / "adapter")  # PEFT's own, on the PeftModel around the split model
         ref = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "adapter", is_trainable=True)

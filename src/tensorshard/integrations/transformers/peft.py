@@ -87,12 +87,21 @@ class PeftTensorParallel(RestructuringRefused, WrapperTensorParallel):
     def active_adapter(self, name) -> None:  # PeftModel.set_adapter assigns it
         self._peft.active_adapter = name
 
-    @property
-    def base_model(self):
-        raise AttributeError(
-            f"{type(self).__name__} is split over {self.labels}: its LoRA model lives in model.module_shards[r]"
-            ".base_model; the split transformers model inside is model.get_base_model()"
-        )
+    def __getattr__(self, name: str) -> Any:
+        """A PeftModel hands the names it lacks to its tuner, which hands them to the transformers model inside
+        (``gradient_checkpointing_enable``, ``enable_input_require_grads``, ...): here that is the split one,
+        ``get_base_model()``. The tuner itself exists only per device."""
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            if name == "base_model":
+                raise AttributeError(
+                    f"{type(self).__name__} is split over {self.labels}: its LoRA model lives in "
+                    "model.module_shards[r].base_model; the split transformers model inside is model.get_base_model()"
+                ) from None
+            if name.startswith("_") or name in ("inner_model", "module_shards"):  # not yet built: no forwarding
+                raise
+        return getattr(self.get_base_model(), name)
 
     # Switching and merging adapters: every device does it on its own slices, through PEFT's own methods on its
     # shard (styles/lora.py: B_d A and B A_d are exactly this device's slice of the merged weight). PEFT merges or
