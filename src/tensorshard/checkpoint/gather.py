@@ -88,16 +88,17 @@ def gathered_state_dict(
 def save_tensor_parallel(model: nn.Module) -> Iterator[nn.Module]:
     """Within the block, ``model.state_dict()`` returns the unsplit model's state dict (as the
     tensor_parallel package's context of the same name does). Under torchrun every process gets it (a
-    collective: call ``state_dict()`` on every process)."""
-    _require_split(model, "save_tensor_parallel")
+    collective: call ``state_dict()`` on every process). `model` may also be a module whose tensors are all
+    a split model's inside it (a PeftModel around a split model): its names then lead to that model's."""
+    split, path = _split_inside(model)
     own = model.__dict__.get("state_dict")
 
     def state_dict(*args, destination=None, prefix: str = "", keep_vars: bool = False):
         if args:  # nn.Module.state_dict's old positional form: (destination, prefix, keep_vars)
             destination, prefix = args[0], (args[1] if len(args) > 1 else prefix)
         out = destination if destination is not None else {}
-        for key, value in gathered_state_dict(model):
-            out[prefix + key] = value
+        for key, value in gathered_state_dict(split):
+            out[prefix + path + key] = value
         return out
 
     # This instance only, for the block: torch.distributed.checkpoint and Lightning see DTensors outside it.
@@ -109,6 +110,23 @@ def save_tensor_parallel(model: nn.Module) -> Iterator[nn.Module]:
             model.__dict__.pop("state_dict", None)
         else:
             model.__dict__["state_dict"] = own
+
+
+def _split_inside(model: nn.Module) -> tuple[nn.Module, str]:
+    """`model` itself when it is split; else the one split model inside it that holds every tensor it has, with
+    its path (``base_model.model.``); else the TypeError of `_require_split`."""
+    if is_split_model(model) or is_parallelized(model) or not isinstance(model, nn.Module):
+        _require_split(model, "save_tensor_parallel")
+        return model, ""
+    inside = [(name, m) for name, m in model.named_modules() if name and (is_split_model(m) or is_parallelized(m))]
+    outermost = [(name, m) for name, m in inside if not any(name.startswith(other + ".") for other, _ in inside)]
+    if len(outermost) == 1:
+        name, split = outermost[0]
+        held = {id(t) for t in (*split.parameters(), *split.buffers())}
+        if all(id(t) in held for t in (*model.parameters(), *model.buffers())):
+            return split, name + "."
+    _require_split(model, "save_tensor_parallel")
+    raise AssertionError("unreachable")  # _require_split raised: `model` is not split
 
 
 def save_gathered(

@@ -20,6 +20,7 @@ the module tree, which the split's layout describes, are refused before anything
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Any, Iterable, NoReturn
 
@@ -77,6 +78,34 @@ def standing_in_for(split: nn.Module, stand_in: nn.Module, **attributes: Any):
         for key in added:
             stand_in.__dict__.pop(key, None)
         stand_in.__dict__.update(saved)
+
+
+def with_adapter_names(state_dict: dict[str, Any], model_names: Iterable[str], peft_config: dict) -> dict[str, Any]:
+    """`state_dict` with PEFT's checkpoint names (the adapter's name left out: ``q_proj.lora_A.weight``) given
+    the model's (``q_proj.lora_A.default.weight``). PEFT's ``set_peft_model_state_dict`` puts the name back by
+    looking at the model's own state-dict names, which a split model keeps per device (``module_shards.N.``),
+    so it finds none and loads nothing; here the unsplit `model_names` say where each tensor goes. Names that
+    would fit several of the model's adapters are refused: the state dict does not say which one it is."""
+    names = set(model_names)
+    unknown = [k for k in state_dict if k not in names]
+    if not unknown:
+        return state_dict
+    tuners = sys.modules["peft"].tuners.tuners_utils.BaseTuner  # PEFT's own mapping, saving and loading alike
+    fits: dict[str, dict[str, str]] = {}  # checkpoint name -> {adapter: model name}
+    for adapter in peft_config:
+        for name in names:
+            key = tuners._remove_adapter_name_from_key(name, adapter)
+            if key != name:  # PEFT drops its prefix when the model's own names lack it, as a split model's do
+                for form in {key, key.removeprefix(PEFT_PREFIX)}:
+                    fits.setdefault(form, {})[adapter] = name
+    ambiguous = sorted({a for k in unknown for a in fits.get(k, {})})
+    if len(ambiguous) > 1:
+        raise ValueError(
+            f"load_state_dict: the adapter tensors given (e.g. {next(k for k in unknown if k in fits)!r}) name no "
+            f"adapter, and this split model holds {ambiguous}: load them with model.load_adapter(folder, "
+            "adapter_name=...), which names the adapter"
+        )
+    return {next(iter(fits[k].values())) if k in fits else k: v for k, v in state_dict.items()}
 
 
 # -- protecting ----------------------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ from .adapter_io import (
     gathered_adapter,
     hub_options,
     whole_adapter_tensors,
+    with_adapter_names,
 )
 
 logger = logging.getLogger(__name__)
@@ -281,6 +282,9 @@ class AroundSplit(RestructuringRefused):
             if not isinstance(split, TensorParallel):
                 adopt_late_adapters(split)
                 state_dict = _local_for_torchrun(split, state_dict)
+            else:  # PEFT's checkpoint names (set_peft_model_state_dict): the unsplit names say where they go
+                adopt_late_modules(split)
+                state_dict = with_adapter_names(state_dict, [PEFT_PREFIX + n for n in split.splits], self.peft_config)
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def add_adapter(self, adapter_name: str, peft_config, *args: Any, **kwargs: Any) -> None:

@@ -40,6 +40,7 @@ from ..adapter_io import (
     refuse_restructuring,
     standing_in_for,
     whole_adapter_tensors,
+    with_adapter_names,
 )
 from .wrapped import WrapperTensorParallel
 
@@ -172,6 +173,10 @@ class PeftTensorParallel(RestructuringRefused, WrapperTensorParallel):
                 if f".{adapter_name}." in name or name.endswith(f".{adapter_name}"):
                     p.requires_grad_(False)
         return result
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As the split model's; PEFT's checkpoint names (``set_peft_model_state_dict``) load too."""
+        return super().load_state_dict(with_adapter_names(state_dict, self.splits, self.peft_config), strict, assign)
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """PEFT's adapter format (adapter_config.json, adapter_model.safetensors) with unsplit names and
