@@ -46,7 +46,8 @@ def tensor_parallel(
     ``save_pretrained`` (see docs/transformers.md).
 
     Args:
-        device_ids: devices for the shards (default: all visible GPUs, else one CPU slot).
+        device_ids: devices for the shards, in order: a list or tuple of names, `torch.device`s or GPU indices
+            ('cpu' may repeat; default: all visible GPUs, else one CPU slot). A dict or a set is refused.
         output_device: where outputs land (default: the first device).
         plan: a `Plan` or ``{pattern: style}`` dict; default: a preset, else an inferred plan.
         tensor_parallel_config: the tensor_parallel package's name for `plan`; also takes its rules, as a

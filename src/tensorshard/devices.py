@@ -1,6 +1,8 @@
 """Device lists: what users may pass as `device_ids`, checked before anything happens.
 
-Accepted: a list of `torch.device`, strings ("cuda:1", "cpu") or GPU indices (1 -> "cuda:1"). "cpu" may
+Accepted: a list (a tuple, any ordered sequence, a generator) of `torch.device`, strings ("cuda:1", "cpu") or
+GPU indices (1 -> "cuda:1"); the order is the order of the shards. Refused: a dict (``{"cpu": 2}`` would
+silently mean its keys, one device), a set (no order) and anything else that is not such a list. "cpu" may
 repeat: each occurrence is one simulated device (a slot with its own worker thread), which is how the
 in-process engine is tested without GPUs ("cpu:1" is the same as "cpu"). A GPU may appear only once and
 must be visible; other device types (xpu, mps, ...) must be available in this PyTorch build.
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Sequence
+from collections.abc import Iterator, Mapping, MappingView, Sequence, Set
 
 import torch
 
@@ -73,14 +75,7 @@ def resolve_devices(device_ids: Sequence | None) -> list[torch.device]:
                 "devices, e.g. tp.tensor_parallel(model, ['cpu', 'cpu']) to simulate two on this machine."
             )
         return devices
-    if isinstance(device_ids, (str, int, torch.device)):
-        raise TypeError(
-            f"device_ids must be a list of devices, e.g. ['cuda:0', 'cuda:1'] or ['cpu'] * 2; got {device_ids!r}"
-        )
-    try:
-        items = list(device_ids)
-    except TypeError:
-        raise TypeError(f"device_ids must be a list of devices; got {type(device_ids).__name__}") from None
+    items = device_list(device_ids)
     if not items:
         raise ValueError("device_ids is empty; give at least one device, e.g. ['cuda:0', 'cuda:1'] or ['cpu']")
     devices = [as_device(d, what=f"device_ids[{i}]") for i, d in enumerate(items)]
@@ -93,6 +88,28 @@ def resolve_devices(device_ids: Sequence | None) -> list[torch.device]:
             "each GPU once (only 'cpu' may repeat, to simulate several devices on one machine)."
         )
     return devices
+
+
+def device_list(device_ids) -> list:
+    """The items of a device list, in order, once it is checked to be one (see the module docstring); the items
+    themselves are checked by `as_device`. Called before anything changes, so a refusal leaves the model as it was."""
+    example = "e.g. ['cuda:0', 'cuda:1'] or ['cpu'] * 2"
+    if isinstance(device_ids, (str, bytes, int, torch.device)):
+        raise TypeError(f"device_ids must be a list of devices, {example}; got {device_ids!r}")
+    if isinstance(device_ids, (Mapping, MappingView)):
+        raise TypeError(
+            f"device_ids must be a list of devices, {example}; got a {type(device_ids).__name__} ({device_ids!r}), "
+            "whose keys would be taken as the devices. To give a device several shards, repeat it in the list: "
+            "['cpu'] * 2 for two CPU slots"
+        )
+    if isinstance(device_ids, Set):
+        raise TypeError(
+            f"device_ids must be a list of devices, {example}; got a {type(device_ids).__name__} ({device_ids!r}), "
+            "which has no order (device i holds shard i) and cannot repeat 'cpu'. Pass a list"
+        )
+    if not isinstance(device_ids, (Sequence, Iterator)):
+        raise TypeError(f"device_ids must be a list of devices, {example}; got {type(device_ids).__name__}. Pass a list")
+    return list(device_ids)
 
 
 def device_labels(devices: Sequence[torch.device]) -> list[str]:

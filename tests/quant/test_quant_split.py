@@ -45,6 +45,17 @@ def test_4bit_replicated_kv_heads(few_kv_dir, gen, quant_type, double):
     assert torch.equal(k_rows[0].data, k_rows[1].data) and not torch.equal(k_rows[1].data, k_rows[2].data)
 
 
+@pytest.mark.parametrize("case", ["even-2", "uneven-3", "kv-heads-repeated-4"])
+def test_4bit_num_parameters_is_the_unsplit_models(llama_dir, few_kv_dir, case):
+    """transformers counts a 4-bit weight as 2 * element_size() values per stored byte; the split model counts
+    each device's packed slice the same way, a repeated KV head's rows once and a replicated norm once."""
+    path, n = {"even-2": (llama_dir, 2), "uneven-3": (llama_dir, 3), "kv-heads-repeated-4": (few_kv_dir, 4)}[case]
+    ref = load(path, 4, "nf4", True)
+    model = tp.tensor_parallel(load(path, 4, "nf4", True), ["cpu"] * n)
+    for options in ({}, {"exclude_embeddings": True}):
+        assert model.num_parameters(**options) == ref.num_parameters(**options)
+
+
 def test_4bit_devices_hold_quantized_slices(llama_dir):
     """Each device holds a packed 4-bit slice with a quantization state of the slice's shape: never dequantized."""
     model = tp.tensor_parallel(load(llama_dir, 4, "nf4", True), ["cpu"] * 3)

@@ -100,6 +100,8 @@ CASES = [
     # -- devices ------------------------------------------------------------------------------------------
     Case("devices-empty", ff, {"plan": FF_PLAN}, ValueError, "device_ids is empty; give at least one device", devices=[]),
     Case("devices-not-a-list", ff, {"plan": FF_PLAN}, TypeError, "device_ids must be a list of devices", devices="cuda:0"),
+    Case("devices-dict", ff, {"plan": FF_PLAN}, TypeError, "got a dict ({'cpu': 1}), whose keys would be taken as the devices", devices={"cpu": 1}),
+    Case("devices-set", ff, {"plan": FF_PLAN}, TypeError, "which has no order (device i holds shard i)", devices={"cpu"}),
     Case("devices-malformed", ff, {"plan": FF_PLAN}, ValueError, "device_ids[1] 'gpu:1' is not a device name; use e.g. 'cuda:0' or 'cpu'", devices=["cpu", "gpu:1"]),
     Case("devices-wrong-type", ff, {"plan": FF_PLAN}, TypeError, "device_ids[1] 1.5 has type float; use a torch.device, a string or an int", devices=["cpu", 1.5]),
     Case("devices-none", ff, {"plan": FF_PLAN}, TypeError, "device_ids[0] None has type NoneType", devices=[None]),

@@ -30,7 +30,8 @@ the tensors as it would for an unsplit model), with two differences: the adapter
 (only the adapter's, one at a time: never the frozen base weights), and, in one process, PEFT looks at the
 first device's shard, whose module names are the unsplit model's, while tensors loaded into it go to the
 split model, which gives each device its slices. ``transformers.Trainer`` checkpoints, ``save_model`` and
-``resume_from_checkpoint`` go through these two methods. Methods that rebuild the module tree
+``resume_from_checkpoint`` go through these two methods. ``get_nb_trainable_parameters`` (and so
+``print_trainable_parameters``) counts the unsplit model's parameters, each once. Methods that rebuild the module tree
 (``merge_and_unload``, ``unload``, ``add_weighted_adapter``, ``delete_adapter``) are refused as for a PeftModel split
 whole. What this shares with the other ways of holding an adapter on a split model (the saved files, gathering,
 the refusals, merging on whole factors) is in adapter_io.py.
@@ -55,6 +56,7 @@ from ..checkpoint.torchrun import Job, TorchrunJob, is_parallelized
 from ..comm.dtensor import mesh_device
 from ..engines.inprocess import TensorParallel
 from ..engines.inprocess.late_adapters import adopt_late_modules
+from ..engines.inprocess.param_count import UnsplitParameter, count_parameters, unsplit_parameters
 from ..engines.torchrun.late_adapters import adopt_late_adapters
 from ..engines.torchrun.local_views import building_views
 from ..layers import is_peft_model
@@ -184,6 +186,19 @@ class AroundSplit(RestructuringRefused):
 
     def _split_subject(self) -> str:
         return "a PeftModel around a split model"
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """(trainable, all) parameters as PEFT counts them on the unsplit model (``print_trainable_parameters``
+        prints these). PEFT sums over this PeftModel's parameters, which in one process are every device's
+        tensors: a replicated one would count once per device. Here each counts once
+        (engines/inprocess/param_count.py); under torchrun a DTensor's numel is already the whole tensor's."""
+        split = self._split_model()
+        if not isinstance(split, TensorParallel):
+            return super().get_nb_trainable_parameters()
+        inside = {id(p) for p in split.parameters()}
+        outside = [UnsplitParameter(n, p, p.numel()) for n, p in self.named_parameters() if id(p) not in inside]
+        params = unsplit_parameters(split) + outside
+        return count_parameters(params, only_trainable=True), count_parameters(params)
 
     def _split_model(self) -> nn.Module:
         return self.base_model._modules["model"] if "_viewing" not in self.__dict__ else self.__dict__["_viewing"]

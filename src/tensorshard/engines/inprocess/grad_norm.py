@@ -19,7 +19,7 @@ from torch import nn
 from ...partition import Partition
 
 
-def _owned(part: Partition, rank: int) -> list[tuple[int, int]]:
+def owned_ranges(part: Partition, rank: int) -> list[tuple[int, int]]:
     """Local (start, stop) index ranges of rank `rank`'s tensor that no lower rank holds."""
     taken = sorted(rng for r in range(rank) for rng in part.ranges[r])
     owned, offset = [], 0
@@ -48,7 +48,7 @@ def _counted(model: nn.Module, name: str, rank: int, grad: torch.Tensor) -> list
     dim, part = split
     if not part.overlapping:
         return [grad]
-    return [grad.narrow(dim, a, b - a) for a, b in _owned(part, rank)]
+    return [grad.narrow(dim, a, b - a) for a, b in owned_ranges(part, rank)]
 
 
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:

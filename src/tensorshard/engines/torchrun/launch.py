@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ...comm.timeout import resolve_timeout
-from ...devices import as_device
+from ...devices import as_device, device_list
 from ...plans.plan import Plan
 from .engine import parallelize
 
@@ -79,7 +79,7 @@ def _given_device(device_ids: Sequence | None) -> torch.device | None:
         return None
     if isinstance(device_ids, (str, int, torch.device)):
         device_ids = [device_ids]
-    devices = list(device_ids)
+    devices = device_list(device_ids)  # a dict or a set is refused, as without distributed=True
     if len(devices) != 1:
         raise ValueError(
             f"with distributed=True each process drives one device; device_ids={device_ids!r} lists "

@@ -30,6 +30,8 @@ shards. The configuration objects are the ones every shard reads (engines/shared
   device's copy and sets them on every device's copy, or refuses (engines/inprocess/shard_attributes.py);
 - gradient (activation) checkpointing, enabled before or after splitting, recomputes each block in its
   shard's own backward pass (engines/inprocess/shard_backward.py); not in debug mode on a GPU;
+- ``num_parameters()`` is the unsplit model's count (engines/inprocess/param_count.py), not the sum over the
+  devices' tensors (which counts a replicated norm once per device);
 - unsupported, with an error saying so: output_attentions, static caches, resizing embeddings;
 - training with dropout: replicated activations get one mask on every device (comm/dropout.py).
 """
@@ -50,6 +52,7 @@ from transformers.cache_utils import Cache
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import WEIGHT_FILES, gathered_state_dict, save_pretrained_options
 from ...engines.inprocess import TensorParallel
+from ...engines.inprocess.param_count import count_parameters, unsplit_parameters
 from ...engines.inprocess.shard_attributes import set_everywhere
 from ...layers import is_transformers_model
 from .adapters import SplitAdapters
@@ -186,6 +189,14 @@ class TransformersTensorParallel(TensorParallel):
             target, functools.partial(self._original.save_pretrained, state_dict=state, **kwargs), replaces=WEIGHT_FILES
         )
         logger.info("saved the unsplit %s to %s", type(self._original).__name__, target)
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """The unsplit model's count, as transformers' ``num_parameters`` gives it (the Trainer's FLOP count and
+        the loggers read it): each parameter once, whatever the devices hold (engines/inprocess/param_count.py).
+        Summing over the shards would count every replicated parameter once per device."""
+        first = self.module_shards[0]
+        embeddings = [f"{n}.weight" for n, m in first.named_modules() if isinstance(m, nn.Embedding)] if exclude_embeddings else []
+        return count_parameters(unsplit_parameters(self), only_trainable=only_trainable, exclude=embeddings)
 
     def resize_token_embeddings(self, *args, **kwargs):
         raise NotImplementedError(

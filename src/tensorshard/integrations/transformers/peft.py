@@ -30,6 +30,7 @@ from torch import nn
 
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import save_pretrained_options
+from ...engines.inprocess.param_count import count_parameters, unsplit_parameters
 from ...plans.adapters import refuse_prompt_learning
 from ..adapter_io import (
     ADAPTER_FILES,
@@ -141,6 +142,12 @@ class PeftTensorParallel(RestructuringRefused, WrapperTensorParallel):
         finally:
             with whole_adapter_tensors(self):
                 stack.close()
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """(trainable, all) parameters of the unsplit PeftModel, as PEFT counts them (``print_trainable_parameters``
+        prints these): each once, whatever the devices hold (engines/inprocess/param_count.py)."""
+        params = unsplit_parameters(self)
+        return count_parameters(params, only_trainable=True), count_parameters(params)
 
     def _on_every_shard(self, action) -> None:
         with whole_adapter_tensors(self):  # PEFT's merge multiplies whole factors, which ZeRO-3 keeps in pieces
