@@ -19,6 +19,16 @@ use only the plan, the module tree and the weight shapes, no forward pass:
    its features, is an error (the replicated layer would get a slice). With no reader at all, a
    warning: the split output may be the model's output, which cannot be told from a whole one at run
    time when the slices have equal shapes.
+5. A `ChannelParallel` layer (BatchNorm, GroupNorm, depthwise conv) keeps only its devices' channels, so
+   its input must arrive split: a column layer with that many output features must produce it, found
+   as a reader is (the smallest enclosing module that has one; the last before it, else the first
+   after), and split the channels the same way. Without one, every call would fail in torch
+   ("running_mean should contain 16 elements not 8"), after the model was consumed.
+6. A module whose forward reads its own head count (``self.n_heads``) and whose q/k/v children are
+   split column-wise with no `Heads` entry above them: the count stays the whole model's on every
+   device while each holds fewer heads, so its reshapes fail (or, with ``-1`` in them, cut heads
+   silently). Only modules whose forward source can be read, with an int attribute named like a head
+   count (n_heads, num_heads, n_head, num_attention_heads) dividing a split child's outputs.
 
 Errors are ValueErrors naming both layers, the ranges each device would hold, and the fix. What needs a
 forward pass (control flow, reshapes in the model's own code) is left to run time: mismatched shapes
@@ -27,6 +37,7 @@ fail at the collective, and ``debug=True`` compares the replicated outputs of ev
 
 from __future__ import annotations
 
+import ast
 import bisect
 import logging
 import re
@@ -36,10 +47,12 @@ from torch import nn
 
 from ..layers import CONV, CONV1D_HF, LINEAR, layer_kind, weight_shape
 from ..partition import HeadGroups, Partition, block_partition, parse_block
+from ..styles.channel import ChannelParallel, channel_count
 from ..styles.column import ColwiseParallel
 from ..styles.heads import Heads
 from ..styles.row import RowwiseParallel
 from ..styles.shard_params import ShardParams
+from .direct_reads import _source_tree
 from .module_shard import ModuleShard
 
 logger = logging.getLogger(__name__)
@@ -83,6 +96,8 @@ def check_layouts(module: nn.Module, modules: dict[str, ModuleShard], world_size
             problem = _compare(c, reader)
             if problem:
                 raise ValueError(problem)
+    _check_channel_inputs(names, by_name, modules, layers, scopes)
+    _check_head_counts(by_name, modules, layers)
 
 
 # --- the layers ---------------------------------------------------------------------------------------
@@ -359,6 +374,109 @@ def _check_replicated_reader(c: _Layer, layers: list[_Layer], world: int) -> Non
         "have equal shapes cannot be told from a whole one at run time.",
         c.name, c.style,
     )
+
+
+# --- 5. channel-parallel layers read split channels ---------------------------------------------------
+
+
+def _check_channel_inputs(names: list[str], by_name: dict[str, nn.Module], modules: dict[str, ModuleShard],
+                          layers: list[_Layer], scopes: dict[str, tuple[int, int, bool]]) -> None:
+    columns = [l for l in layers if l.role == "column"]
+    index = {name: i for i, name in enumerate(names)}
+    for name, ms in modules.items():
+        if not isinstance(ms.style, ChannelParallel):
+            continue
+        module = by_name[name]
+        channels = channel_count(module)
+        producer = _nearest(name, index, scopes, [(c.index, c) for c in columns if channels in _sizes(c)])
+        where = f"{name or '<root>'} ({ms.style.describe()} on {type(module).__name__})"
+        if producer is None:
+            whole = _nearest(name, index, scopes, [(i, n) for i, n in enumerate(names) if _out_features(by_name[n]) == channels])
+            source = (f"its input comes from {whole} ({type(by_name[whole]).__name__}), which the plan "
+                      f"{_why_whole(modules.get(whole))}" if whole is not None else "no layer of the plan leaves them split")
+            raise ValueError(
+                f"{where} keeps only each device's share of its {channels} channels, so its input must arrive split "
+                f"by a column-parallel layer, but {source}: every call would fail. Split the producer column-wise "
+                f"(ColwiseParallel() on {whole or 'the layer that produces its input'}, with RowwiseParallel() on the "
+                f"layer that reads the norm's output), or drop the ChannelParallel entry for {name or '<root>'} so it "
+                "runs whole."
+            )
+        part = next(iter(ms.splits.values()))[1] if ms.splits else None
+        if part is not None and producer.size == channels and part != producer.partition:
+            raise ValueError(
+                f"{where} splits its {channels} channels as {_show(part)}, but {producer.name} ({producer.style}), "
+                f"which produces them, leaves them split as {_show(producer.partition)}. Give the ChannelParallel "
+                "entry the producer's blocks (blocks=... as on the column layer)."
+            )
+
+
+def _sizes(c: _Layer) -> set[int]:
+    return {c.size} | {b - a for a, b, *_ in _spans(c)}  # the whole output, or one of its declared blocks
+
+
+def _nearest(name: str, index: dict[str, int], scopes: dict[str, tuple[int, int, bool]], candidates: list):
+    """The candidate (module-order index, value) that produces the input of module `name`: in the smallest
+    enclosing module that holds one, the last before it, else (outside an nn.Sequential) the first after it."""
+    me = index[name]
+    parts = name.split(".") if name else []
+    for depth in range(len(parts) - 1, -1, -1):
+        start, end, sequential = scopes[".".join(parts[:depth])]
+        inside = [(i, v) for i, v in candidates if start <= i < end and i != me]
+        before = [v for i, v in inside if i < me]
+        if before:
+            return before[-1]
+        after = [v for i, v in inside if i > me]
+        if after and not sequential:
+            return after[0]
+    return None
+
+
+def _out_features(module: nn.Module) -> int | None:
+    kind = layer_kind(module)
+    if kind not in (LINEAR, CONV1D_HF, CONV):
+        return None
+    return weight_shape(module)[kind.weight_out_dim]
+
+
+def _why_whole(ms: ModuleShard | None) -> str:
+    if ms is None or not ms.splits:
+        return "leaves whole (no plan entry splits it)"
+    if isinstance(ms.style, ColwiseParallel) and ms.style.gather_output:
+        return "gathers whole (gather_output=True)"
+    return f"splits with {ms.style.describe()}, whose output is whole"
+
+
+# --- 6. head counts read by a forward without a Heads entry --------------------------------------------
+
+_HEAD_COUNT = re.compile(r"^(n|num)_?(attention_)?heads?$", re.IGNORECASE)
+
+
+def _check_head_counts(by_name: dict[str, nn.Module], modules: dict[str, ModuleShard], layers: list[_Layer]) -> None:
+    children: dict[str, list[_Layer]] = {}
+    for l in layers:
+        if l.role == "column" and l.heads is None and l.name:
+            children.setdefault(l.name.rpartition(".")[0], []).append(l)
+    for parent, split in children.items():
+        module = by_name[parent]
+        counts = {a: v for a, v in vars(module).items()
+                  if _HEAD_COUNT.match(a) and isinstance(v, int) and not isinstance(v, bool) and v > 1}
+        if not counts:
+            continue
+        tree = _source_tree(type(module), "forward")
+        read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name) and node.value.id == "self"} if tree is not None else set()
+        for attr, count in counts.items():
+            cut = [l for l in split if l.size % count == 0]
+            if attr not in read or not cut:
+                continue
+            raise ValueError(
+                f"{parent or '<root>'} ({type(module).__name__}) reads self.{attr} = {count} in its forward, but the plan "
+                f"splits {', '.join(l.name for l in cut)} column-wise with no Heads entry: every device would keep "
+                f"{attr} = {count} while holding fewer heads, and the reshape by heads fails. Add "
+                f"{parent or '<root>'!r}: tp.Heads(num_heads={count}, attrs={{{attr!r}: 'heads'}}) to the plan "
+                "(num_kv_heads= too for grouped keys and values), and blocks=('q',) (('kv',) for k and v) on the "
+                "projections, as docs/plans.md shows."
+            )
 
 
 def _show(part: Partition) -> str:

@@ -58,6 +58,7 @@ from ...styles.base import original_forward, wrap_forward
 from ..resplit import refuse_split_twice
 from ..shared_config import guard as guard_configurations
 from ..split_report import report_split
+from .copies import deep_copy, keep_skeleton
 from .data import check_same_inputs
 from .late_adapters import adopt_late_adapters
 from .local_views import swap_adapter_layers, swap_local_views
@@ -82,6 +83,8 @@ class TorchrunState:
     module_count: int = 0
     registrations: int = -1  # registrations.py's count when module_count was last checked
     building: list = field(default_factory=list)  # stand-ins while PEFT adds adapters (local_views.building_views)
+    skeleton: nn.Module | None = field(default=None, repr=False)  # the module before splitting, meta tensors (copies.py)
+    skeleton_error: str = ""  # why there is no skeleton: the module could not be deep-copied
 
 
 def parallelize(
@@ -138,7 +141,7 @@ def parallelize(
     if isinstance(check_inputs, bool) or not isinstance(check_inputs, int) or check_inputs < 0:
         raise ValueError(f"check_inputs must be a number of calls >= 0; got {check_inputs!r}")
     timeout = resolve_timeout(timeout)
-    world, rank = device_mesh.size(), device_mesh.get_local_rank()
+    world = device_mesh.size()
     if src_data_rank is not None and not 0 <= src_data_rank < world:
         raise ValueError(f"src_data_rank={src_data_rank} is not a rank of the {world}-rank mesh; use 0..{world - 1} or None")
 
@@ -146,11 +149,28 @@ def parallelize(
     plan = resolve_plan(module, plan, world, check=check)
     comm = DistComm(device_mesh, timeout)
     _check_same_plan(plan, comm)  # first: a plan error below would otherwise stop only the ranks that have it
-    sharded = shard_plan(module, plan, world)  # raises on any plan error; the model is untouched
-    state = TorchrunState(plan, device_mesh, comm, sharded.slice_map(module), {}, check_inputs, dict(sharded.modules))
+    skeleton, skeleton_error = keep_skeleton(module)  # before anything changes: copy.deepcopy splits it again
     source = None if src_data_rank is None else dist.get_global_rank(comm.group, src_data_rank)
+    state = _split(module, plan, comm, check_inputs, source)
+    state.skeleton, state.skeleton_error = skeleton, skeleton_error
+
+    if dist.get_rank() == 0:
+        split = {n for n, m in state.modules.items() if m.splits}
+        report_split(module, plan, split, world, (
+            f"parallelized {type(module).__name__} over {world} rank(s) of mesh {device_mesh.mesh.tolist()}: "
+            f"{len(split)} module(s) split, {len(plan)} plan entries; collectives time out after {timeout:g} s"
+        ))
+    return module
+
+
+def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, source: int | None) -> TorchrunState:
+    """Steps 1-4 of the module docstring on `module`, in place (also how copies.py splits a copy of the skeleton:
+    `source` None, no broadcast). Returns the state it also keeps as ``module.tensorshard``."""
+    mesh, world, rank = comm.mesh, comm.world_size, comm.rank
+    sharded = shard_plan(module, plan, world)  # raises on any plan error; the model is untouched
+    state = TorchrunState(plan, mesh, comm, sharded.slice_map(module), {}, check_inputs, dict(sharded.modules))
     try:
-        held = _distribute(module, sharded, state, mesh_device(device_mesh), source)
+        held = _distribute(module, sharded, state, mesh_device(mesh), source)
         by_name = dict(module.named_modules())
         if world > 1:
             for name, ms in sharded.modules.items():
@@ -164,17 +184,12 @@ def parallelize(
     guard_configurations([module], f"over {world} rank(s)")  # fields that size the split stay (shared_config.py)
     _wrap_root(module, state)
     module.tensorshard = state
+    # copy.deepcopy finds this on the instance: a second split model, not a copy of closures (copies.py)
+    module.__dict__["__deepcopy__"] = lambda memo: deep_copy(module, memo, _split)
     state.module_names = {n for n, _ in module.named_modules()}
     state.module_count = count_modules_and_tensors(module)
     run_after_split(module)  # e.g. a transformers model's save_pretrained gathers (checkpoint/gather.py)
-
-    if dist.get_rank() == 0:
-        split = {n for n, m in sharded.modules.items() if m.splits}
-        report_split(module, plan, split, world, (
-            f"parallelized {type(module).__name__} over {world} rank(s) of mesh {device_mesh.mesh.tolist()}: "
-            f"{len(split)} module(s) split, {len(plan)} plan entries; collectives time out after {timeout:g} s"
-        ))
-    return module
+    return state
 
 
 @register_engine
