@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import tensorshard as tp
 from support import plans
@@ -87,6 +88,9 @@ def test_from_pretrained_names_what_is_missing(llama_folder, tmp_path):
     _, folder = llama_folder
     with pytest.raises(FileNotFoundError, match="no config.json"):
         tp.from_pretrained(tmp_path, ["cpu"] * 2)
+    for typo in (tmp_path / "llama-folder", folder / "model.safetensor"):  # the path itself is named, not its parent
+        with pytest.raises(FileNotFoundError, match=rf"from_pretrained\('{typo}'\): no such file or folder"):
+            tp.from_pretrained(typo, ["cpu"] * 2, model=lambda: nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="not in .* and are still empty: .*layers.2"):
         config = transformers.AutoConfig.from_pretrained(folder)
         config.num_hidden_layers = 3

@@ -65,6 +65,11 @@ def load_pretrained(
     `quantization_config`: a BitsAndBytesConfig (in-process only): the empty model gets bitsandbytes layers
     and each device's slices are quantized on that device as soon as they are read (quant/loading.py)."""
     path = Path(path)
+    if not path.exists():  # before anything is built (and before "no config.json" would name its parent)
+        raise FileNotFoundError(
+            f"from_pretrained({str(path)!r}): no such file or folder; give a checkpoint folder (config.json and "
+            "safetensors or .bin files), a weights file, or a folder with gguf_file="
+        )
     gguf_path = _gguf_path(path, gguf_file)
     if plan is None and gguf_path is None and (path / INDEX_NAME).exists():
         plan = _stored_plan(path)
