@@ -36,6 +36,8 @@ from .plans import Plan
 from .plans.explain import explain, human_bytes
 from .plans.presets import preset_for
 
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")  # a checkpoint's weights: its folder's config.json says the model
+
 
 def plan(
     model: str,
@@ -120,6 +122,11 @@ def load_model(spec: str) -> nn.Module:
         config = AutoConfig.from_pretrained(path)
     elif path.is_file() and path.suffix == ".gguf":
         config = gguf_config(path)
+    elif path.is_file() and path.suffix in WEIGHT_FILES:  # a checkpoint's weights: its folder's config.json
+        if not (path.parent / "config.json").exists():
+            raise SystemExit(f"{spec}: a weights file explains nothing without its folder's config.json; none found "
+                             f"in {path.parent}")
+        config = AutoConfig.from_pretrained(path.parent)
     elif path.is_file():
         config = _config_from_file(path, spec)
     elif path.suffix == ".json" or "/" in spec:
@@ -149,7 +156,13 @@ def _transformers(spec: str):
 
 def _config_from_file(path: Path, spec: str):
     AutoConfig = _transformers(spec).AutoConfig
-    data = jsonlib.loads(path.read_text())
+    try:
+        data = jsonlib.loads(path.read_text())
+    except (UnicodeDecodeError, jsonlib.JSONDecodeError) as e:
+        raise SystemExit(f"{path}: not a config.json (JSON: {e}); give a config.json, a checkpoint folder, a .gguf "
+                         "file, a model type or module:function") from e
+    if not isinstance(data, dict):
+        raise SystemExit(f"{path}: a config.json holds a JSON object; this holds {type(data).__name__}")
     if "model_type" not in data:
         raise SystemExit(f"{path}: a config.json needs a model_type")
     return AutoConfig.for_model(data.pop("model_type"), **data)
@@ -160,6 +173,10 @@ def _from_config(config, spec: str) -> nn.Module:
     not its decoder-only WhisperForCausalLM), a causal LM, a vision-language model, else the bare model."""
     transformers = _transformers(spec)
     errors = []
+    named = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+    if isinstance(named, type) and hasattr(named, "_from_config"):  # the class the checkpoint names, as from_pretrained
+        with torch.device("meta"):
+            return named._from_config(config)
     autos = [transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText, transformers.AutoModel]
     if getattr(config, "is_encoder_decoder", False):
         autos = [transformers.AutoModelForSpeechSeq2Seq, transformers.AutoModelForSeq2SeqLM] + autos

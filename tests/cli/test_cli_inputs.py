@@ -59,3 +59,20 @@ def test_the_memory_estimate_is_what_the_split_holds(tied):
     held = [m - b for m, b in zip(split.memory_per_device().values(), buffers)]
     explained_buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert [e - explained_buffers for e in estimate] == held  # before, tied: the embedding counted twice
+
+
+def test_a_checkpoint_folder_and_its_weights_file_explain_the_class_the_checkpoint_names(tmp_path, capsys):
+    config = transformers.ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+                                    image_size=32, patch_size=8, num_labels=5)
+    torch.manual_seed(0)
+    transformers.ViTForImageClassification(config).save_pretrained(tmp_path / "vit")
+    for spec in (tmp_path / "vit", tmp_path / "vit" / "model.safetensors"):  # before: ViTModel; UnicodeDecodeError
+        assert main(["plan", str(spec), "--devices", "2"]) == 0
+        out = capsys.readouterr().out
+        assert "ViTForImageClassification" in out and "classifier" in out, out
+    (tmp_path / "lone.safetensors").write_bytes(b"\x90\x00")
+    (tmp_path / "notes.json").write_bytes(b"\x90\x00 not json")
+    with pytest.raises(SystemExit, match="without its folder's config.json"):
+        main(["plan", str(tmp_path / "lone.safetensors"), "--devices", "2"])
+    with pytest.raises(SystemExit, match="not a config.json"):
+        main(["plan", str(tmp_path / "notes.json"), "--devices", "2"])
