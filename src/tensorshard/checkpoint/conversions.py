@@ -28,7 +28,10 @@ Inkling's expert ops, quantizer ops): those are refused before loading, with the
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
+import sys
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import torch
@@ -50,6 +53,22 @@ _FIX = (
     "Load the model with transformers' from_pretrained (it converts the checkpoint in host memory), then split "
     "it with tp.tensor_parallel(model, devices)."
 )
+
+
+def _transformers_loading() -> SimpleNamespace | None:
+    """transformers' loading modules, or None when transformers is not imported or has no conversion mappings
+    (before 5.0). A transformers model cannot exist without transformers imported, so for any other model
+    nothing is imported here (transformers is an optional, heavy dependency); the submodules are taken from
+    the import system, as attributes of transformers' lazy top-level module they may be missing."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        return SimpleNamespace(**{
+            name: importlib.import_module(f"transformers.{name}")
+            for name in ("modeling_utils", "conversion_mapping", "core_model_loading")
+        })
+    except ImportError:
+        return None
 
 
 class _Shapes:
@@ -78,14 +97,10 @@ class HubConversions:
     def of(cls, module: nn.Module) -> "HubConversions | None":
         """The conversions transformers applies when loading `module` (a transformers model, may be on the
         meta device), or None for other modules and transformers versions without conversion mappings."""
-        try:
-            from transformers import PreTrainedModel  # deferred: optional heavy dependency (the [hf] extra)
-            from transformers.conversion_mapping import get_model_conversion_mapping
-        except ImportError:
+        hf = _transformers_loading()
+        if hf is None or not isinstance(module, hf.modeling_utils.PreTrainedModel):
             return None
-        if not isinstance(module, PreTrainedModel):
-            return None
-        transforms = get_model_conversion_mapping(module)
+        transforms = hf.conversion_mapping.get_model_conversion_mapping(module)
         if not transforms:
             return None
         shapes = {name: tuple(t.shape) for name, t in module.state_dict(keep_vars=True).items()}
@@ -94,13 +109,9 @@ class HubConversions:
     def wrap(self, source: Source) -> Source:
         """`source` under the model's names; `source` itself when no stored name needs converting. Refuses
         (ValueError, nothing read) a converter whose operation cannot run here or fails on the stored shapes."""
-        from transformers.core_model_loading import (  # deferred: optional heavy dependency (the [hf] extra)
-            WeightConverter,
-            WeightRenaming,
-            dot_natural_key,
-            rename_source_key,
-        )
-
+        loading = _transformers_loading().core_model_loading
+        WeightConverter, WeightRenaming = loading.WeightConverter, loading.WeightRenaming
+        dot_natural_key, rename_source_key = loading.dot_natural_key, loading.rename_source_key
         transforms = copy.deepcopy(self.transforms)  # renaming keeps state (GroupWeightRename's guard)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -126,8 +137,8 @@ class HubConversions:
             return source
         converted = ConvertedSource(source, renamed, groups, unmatched, self.config, _Shapes(self.shapes))
         logger.info(
-            "%s is in the hub's key layout: %d tensor(s) renamed and %d built from several stored ones, as "
-            "transformers converts them on load",
+            "%s is in the hub's key layout: %d tensor(s) renamed and %d built whole by transformers' conversion "
+            "operations, as transformers loads it",
             source.description, sum(k != s for k, s in renamed.items()), len(converted.converted),
         )
         return converted
