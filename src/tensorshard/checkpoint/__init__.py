@@ -3,6 +3,7 @@
 - gathered (unsplit) saves: `save_tensor_parallel`, `gathered_state_dict`, `save_gathered` (gather.py);
 - sharded saves that reload at any device count, with optimizer state: `save_sharded`, `load_sharded`;
 - streaming loads straight into the devices: `load_pretrained` (streaming.py), behind `tensorshard.from_pretrained`;
+  checkpoints in the hub's key layout are converted as transformers converts them (conversions.py);
 - the `tensor_parallel` package's hand-loading helpers: `convert_state_dict`, `infer_sharded_device_map`
   (dispatch.py).
 

@@ -17,6 +17,12 @@ share of the model (when the devices are CPU slots the shards *are* host memory)
 tensor; under torchrun, per process: its rank's share plus the largest tensor. A tqdm bar shows the bytes
 read.
 
+**Hub key layouts.** Checkpoints that transformers converts on load (``save_pretrained`` and the hub still
+store Mixtral's experts one by one and ViT under its old names) are read through transformers' own
+conversion description (conversions.py): renamed tensors stream as above; a tensor built from several
+stored ones (Mixtral's stacked ``experts.gate_up_proj``) is built whole on the host first, so it counts in
+place of "the largest tensor" above, up to twice its size while it is built.
+
 For those who load by hand (the `tensor_parallel` package's flow), see dispatch.py.
 """
 
@@ -33,12 +39,13 @@ from torch import nn
 
 from .. import quant
 from ..plans.plan import Plan
+from .conversions import HubConversions
 from .describe import model_layout
 from .folders import open_folder
 from .gguf import GGUFSource, gguf_config, read_gguf
 from .index import read_index
 from .loader import fill, match_tensors, still_meta
-from .sources import INDEX_NAME, describe_names
+from .sources import INDEX_NAME, SafetensorsSource, describe_names
 from .torchrun import job_of
 
 logger = logging.getLogger(__name__)
@@ -80,11 +87,12 @@ def load_pretrained(
     source = None
     if gguf_path is not None:
         source, index = GGUFSource(gguf_path, module, reader), None  # maps names on the unsplit module
+    hub = HubConversions.of(module) if gguf_path is None else None  # needs the unsplit module's shapes
     if in_place:
-        return _load_torchrun(module, split, plan, path, source, progress)
+        return _load_torchrun(module, split, plan, path, source, progress, hub)
     wrapped = split(module, plan)  # the split model keeps the module's modes (eval for transformers models)
     if source is None:
-        source, index = open_folder(path)
+        source, index = _open(path, hub)
     layout = model_layout(wrapped)
     pairs = match_tensors(layout, source, aliases=(index or {}).get("aliases", {}), strict=False, exact_dtype=False)
     convert = quant.quantizing_converter(layout) if quantization_config is not None else None
@@ -97,7 +105,21 @@ def load_pretrained(
     return wrapped
 
 
-def _load_torchrun(module: nn.Module, split, plan, path: Path, source, progress: bool) -> nn.Module:
+def _open(path: Path, hub: HubConversions | None):
+    """The folder's source and tensorshard index; a Hugging Face layout (no index) under the model's names,
+    converted as transformers converts it on load (conversions.py). tensorshard and DCP checkpoints are
+    saved under the model's names already."""
+    source, index = open_folder(path)
+    if hub is not None and index is None and isinstance(source, SafetensorsSource):
+        try:
+            source = hub.wrap(source)
+        except BaseException:
+            source.close()
+            raise
+    return source, index
+
+
+def _load_torchrun(module: nn.Module, split, plan, path: Path, source, progress: bool, hub=None) -> nn.Module:
     """Split the empty `module` in place and fill this process's slices (every process)."""
     split(module, plan)
     layout = model_layout(module)
@@ -107,7 +129,7 @@ def _load_torchrun(module: nn.Module, split, plan, path: Path, source, progress:
     def check() -> None:
         index = None
         if found["source"] is None:
-            found["source"], index = open_folder(path)
+            found["source"], index = _open(path, hub)
         aliases = (index or {}).get("aliases", {})
         found["pairs"] = match_tensors(layout, found["source"], aliases=aliases, strict=False, exact_dtype=False)
 
