@@ -2,7 +2,7 @@
 
 Layers, bottom to top (README, "How it is built"): a module may import its own layer and the layers below,
 never one above; the packages import each other without a cycle; checkpoint/ imports no engine and the two
-engines do not import each other; at most ten imports sit inside functions, each deferring an optional heavy
+engines do not import each other; at most twelve imports sit inside functions, each deferring an optional heavy
 dependency, with a comment saying so.
 """
 
@@ -40,7 +40,7 @@ FORBIDDEN = [
 # integration that imports transformers at its top.
 DEFERRABLE = ("transformers", "lightning", "peft", "safetensors", "gguf", "rich", "accelerate", "bitsandbytes",
               "tensorshard.integrations.transformers")
-MAX_FUNCTION_IMPORTS = 10
+MAX_FUNCTION_IMPORTS = 12  # 10, then transformers' two weight-conversion modules (checkpoint/conversions.py)
 
 
 @dataclass(frozen=True)
@@ -220,8 +220,8 @@ PACKAGES = {"tensorshard", "tensorshard.comm", "tensorshard.plans", "tensorshard
         # an optional dependency deferred without a comment
         ([Import("tensorshard.cli", "rich.table", in_function=True, where="cli.py:3")], "needs a comment"),
         # too many deferred imports
-        ([Import("tensorshard.cli", "rich", in_function=True, commented=True, where=f"cli.py:{n}") for n in range(11)],
-         "11 imports inside functions"),
+        ([Import("tensorshard.cli", "rich", in_function=True, commented=True, where=f"cli.py:{n}") for n in range(13)],
+         "13 imports inside functions"),
     ],
 )
 def test_the_check_catches_a_bad_import_graph(bad, expected):

@@ -28,7 +28,6 @@ Inkling's expert ops, quantizer ops): those are refused before loading, with the
 from __future__ import annotations
 
 import copy
-import importlib
 import logging
 import sys
 from types import SimpleNamespace
@@ -58,17 +57,17 @@ _FIX = (
 def _transformers_loading() -> SimpleNamespace | None:
     """transformers' loading modules, or None when transformers is not imported or has no conversion mappings
     (before 5.0). A transformers model cannot exist without transformers imported, so for any other model
-    nothing is imported here (transformers is an optional, heavy dependency); the submodules are taken from
-    the import system, as attributes of transformers' lazy top-level module they may be missing."""
-    if "transformers" not in sys.modules:
+    nothing is imported here."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
         return None
     try:
-        return SimpleNamespace(**{
-            name: importlib.import_module(f"transformers.{name}")
-            for name in ("modeling_utils", "conversion_mapping", "core_model_loading")
-        })
+        # deferred: transformers is an optional heavy dependency (imported already for any transformers model)
+        from transformers import conversion_mapping, core_model_loading
     except ImportError:
         return None
+    return SimpleNamespace(PreTrainedModel=transformers.PreTrainedModel, conversion_mapping=conversion_mapping,
+                           core_model_loading=core_model_loading)
 
 
 class _Shapes:
@@ -98,7 +97,7 @@ class HubConversions:
         """The conversions transformers applies when loading `module` (a transformers model, may be on the
         meta device), or None for other modules and transformers versions without conversion mappings."""
         hf = _transformers_loading()
-        if hf is None or not isinstance(module, hf.modeling_utils.PreTrainedModel):
+        if hf is None or not isinstance(module, hf.PreTrainedModel):
             return None
         transforms = hf.conversion_mapping.get_model_conversion_mapping(module)
         if not transforms:
