@@ -457,6 +457,8 @@ def _check_head_counts(by_name: dict[str, nn.Module], modules: dict[str, ModuleS
         if l.role == "column" and l.heads is None and l.name:
             children.setdefault(l.name.rpartition(".")[0], []).append(l)
     for parent, split in children.items():
+        if parent in modules:  # an entry of its own (PerDeviceValues, ...) sets what each device holds
+            continue
         module = by_name[parent]
         counts = {a: v for a, v in vars(module).items()
                   if _HEAD_COUNT.match(a) and isinstance(v, int) and not isinstance(v, bool) and v > 1}
