@@ -92,7 +92,8 @@ def test_a_norm_over_a_whole_column_still_stops_it():
     """A single unit nothing needs (a Linear whose features a LayerNorm mixes) stays whole, and the Linear
     after it is a column of its own: the pending collapse fails when the next layer reads it."""
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16),
+        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16),
     )
     report = infer(copy.deepcopy(model), 2)
     entries = dict(report.plan.items())

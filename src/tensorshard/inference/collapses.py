@@ -61,8 +61,9 @@ class Collapses:
     def start(self, column: str, root: int, t: torch.Tensor, reason: str) -> None:
         """`t` carries all features of `column` in one class `root`: pending until its module returns."""
         stack = self.tr.stack
-        depth = next((d for d in range(len(stack) - 1, -1, -1) if stack[d] == "" or column.startswith(stack[d] + ".")), -1)
-        self.pending.append(Collapse(root, self.tr.fs.distinct(compact(self.tr.shadow(t))), reason, self.tr.where(), depth, [t]))
+        holders = [d for d, name in enumerate(stack) if name == "" or column.startswith(name + ".")]
+        ids = self.tr.fs.distinct(compact(self.tr.shadow(t)))
+        self.pending.append(Collapse(root, ids, reason, self.tr.where(), holders[-1] if holders else -1, [t]))
 
     def single_class(self, s: Ids) -> Collapse | None:
         """The pending collapse whose class is every id of shadow `s`, if any."""

@@ -341,7 +341,8 @@ class Tracer(TorchFunctionMode):
             frame = (name, None, None)
             changed = None
             x = args[0] if args else next(iter(kwargs.values()), None)
-            if isinstance(x, torch.Tensor) and self.shadow(x) is not None and (kind is not None or is_channelwise(module)):
+            reads = kind is not None or is_channelwise(module)
+            if reads and isinstance(x, torch.Tensor) and self.shadow(x) is not None:
                 if self.collapses.read_by(self.shadow(x)):  # a collapsed column read by a layer: whole
                     self.set_shadow(x, None)
             if is_channelwise(module) and isinstance(x, torch.Tensor) and self.shadow(x) is not None:
