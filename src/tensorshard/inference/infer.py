@@ -52,7 +52,9 @@ class Fallback:
     layers: list[str]
     reason: str
     stage: str  # "structure" or "self-check"
-    paired: bool = True  # had a row: a split that did not happen (a lone column never had one)
+    # A split that did not happen: the group had a row, or several columns whose features meet (q, k and v of
+    # an attention with a single head). A lone column never had one; it is logged at DEBUG only.
+    paired: bool = True
 
     def line(self) -> str:
         return f"kept whole ({self.stage}): {_short(self.layers)}: {self.reason}"
@@ -231,7 +233,8 @@ def _record_failures(groups, trace: Trace, fixed: dict[str, str], fallbacks: lis
             continue
         if all(c in fixed for c in g.columns):
             continue  # failed before; nothing new
-        fallbacks.append(Fallback(g.layers, g.reason, stage, paired=bool(g.rows) or g.layout is not None))
+        paired = bool(g.rows) or g.layout is not None or len(g.columns) > 1
+        fallbacks.append(Fallback(g.layers, g.reason, stage, paired=paired))
         for name in g.columns:
             fixed[name] = g.reason
         for name in g.rows:

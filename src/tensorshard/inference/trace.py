@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..layers import CONV, EMBEDDING, LayerKind, layer_kind
 from ..styles.channel import channel_dim, channel_group, is_channelwise
+from .collapses import Collapses
 from .features import FeatureSet, Ids, compact
 from .inputs import synthetic_inputs
 from .oprules import Call, IDENTITY, NO_TRACK, Rules, STRUCTURAL, tensors_of
@@ -130,6 +131,7 @@ class Tracer(TorchFunctionMode):
         self._sources: dict[int, tuple[weakref.ref, Any]] = {}
         self.split_outputs: dict[str, list[Ids | None]] = {}
         self.channels: dict[str, Ids] = {}
+        self.collapses = Collapses(self)
         self.modules = dict(model.named_modules())
         self.param_names: dict[int, tuple[str, str]] = {}
         for mname, mod in model.named_modules():
@@ -166,10 +168,10 @@ class Tracer(TorchFunctionMode):
         else:
             self._shadows[id(t)] = (t, ids)
 
-    def poison(self, ids: Ids, reason: str, kind: str = "op") -> None:
+    def poison(self, ids: Ids, reason: str, kind: str = "op", where: str | None = None) -> None:
         ids = self.fs.distinct(ids)
         if ids.numel():
-            self.poisons.append(Poison(ids, reason, self.where(), kind))
+            self.poisons.append(Poison(ids, reason, where or self.where(), kind))
 
     def _copy(self, t: Any) -> Any:
         """A captured input, marked as needing a gradient when it would in training; a KV cache as it was
@@ -230,8 +232,9 @@ class Tracer(TorchFunctionMode):
         return out
 
     def _collapsed(self, name: str, out: Any) -> None:
-        """Once one class holds every feature of a column, its group has a single unit and cannot split:
-        stop following those features, so they do not make the layers after them look like rows."""
+        """Once one class holds every feature of a column, its group has a single unit: it cannot split,
+        unless it is the one key/value head of multi-query attention. Pending until the module holding the
+        column returns (collapses.py), the tensors carrying that class are remembered."""
         for t in tensors_of(out):
             s = self.shadow(t)
             if s is None:
@@ -239,11 +242,16 @@ class Tracer(TorchFunctionMode):
             roots = self.fs.find(compact(s)).reshape(-1)
             if roots.numel() == 0 or not bool((roots == roots[0]).all()):
                 continue
+            root = int(roots[0])
+            pending = self.collapses.find(root)
+            if pending is not None:
+                pending.tensors.append(t)
+                continue
             for info in self.layers.values():
                 ids = info.out_ids
-                if ids is not None and ids.numel() > 1 and bool((self.fs.find(ids) == roots[0]).all()):
-                    self.poison(s, f"{name} mixes all output features of {info.name}; nothing is left to split")
-                    self.set_shadow(t, None)
+                if ids is not None and ids.numel() > 1 and bool((self.fs.find(ids) == root).all()):
+                    reason = f"{name} mixes all output features of {info.name}; nothing is left to split"
+                    self.collapses.start(info.name, root, t, reason)
                     break
 
     # -- which whole tensors would carry gradients --------------------------------------------------------
@@ -333,6 +341,10 @@ class Tracer(TorchFunctionMode):
             frame = (name, None, None)
             changed = None
             x = args[0] if args else next(iter(kwargs.values()), None)
+            reads = kind is not None or is_channelwise(module)
+            if reads and isinstance(x, torch.Tensor) and self.shadow(x) is not None:
+                if self.collapses.read_by(self.shadow(x)):  # a collapsed column read by a layer: whole
+                    self.set_shadow(x, None)
             if is_channelwise(module) and isinstance(x, torch.Tensor) and self.shadow(x) is not None:
                 self._inputs.append(x)
                 self._frames.append((name, self._channel_role(name, x), x))
@@ -365,6 +377,7 @@ class Tracer(TorchFunctionMode):
             elif kind is not None:
                 self.suspended -= 1
                 self._layer_output(name, kind, role, x, out)
+            self.collapses.module_returns(len(self.stack) - 1)
             if name not in self.split_outputs:
                 self.split_outputs[name] = [self.shadow(t) for t in output_tensors(out)]
             self.stack.pop()
@@ -523,6 +536,7 @@ def trace_model(
         tracer.remove_hooks()
         for m, flag in modes.items():
             m.training = flag
+    tracer.collapses.finish()
     for t in output_tensors(out):
         s = tracer.shadow(t)
         if s is not None:
