@@ -86,3 +86,46 @@ def test_plain_models_keep_their_inputs():
     model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 6))
     (x,), kwargs = next(iter(input_candidates(model)))
     assert x.shape == (2, 5, 6) and kwargs == {}
+
+
+class _ScaledAttention(nn.Module):
+    """Attention whose softmax scale comes from the head count, (C / h) ** -0.5: a structure-only plan splits
+    its heads, and every device would scale by its own C."""
+
+    def __init__(self, d: int = 96, h: int = 6) -> None:
+        super().__init__()
+        self.h = h
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (p(x).view(b, n, self.h, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = ((q @ k.transpose(-1, -2)) * (c / self.h) ** -0.5).softmax(-1) @ v
+        return self.o(y.transpose(1, 2).reshape(b, n, -1))
+
+
+class _ClsNet(nn.Module):
+    """A class token and positional embeddings: it runs only on sequences of 8, so it needs example_inputs."""
+
+    def __init__(self, d: int = 96) -> None:
+        super().__init__()
+        self.cls, self.pos = nn.Parameter(torch.randn(1, 1, d)), nn.Parameter(torch.randn(1, 9, d))
+        self.inp, self.attn, self.out = nn.Linear(20, d), _ScaledAttention(d), nn.Linear(d, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos
+        return self.out((x + self.attn(x))[:, 0])
+
+
+def test_the_plan_inferred_from_example_inputs_is_self_checked_by_default(gen):
+    torch.manual_seed(0)
+    ref = _ClsNet()
+    x = torch.randn(2, 8, 20, generator=gen)
+    with pytest.raises(RuntimeError, match=r"example_inputs=\(x,\)"):  # what the refusal says to do
+        split_copy(ref, 2)
+    plan = tp.infer_plan(ref, 2, example_inputs=(x,))  # before: unchecked, 1e-2 off with no word
+    assert rel_err(split_copy(ref, 2, plan=plan)(x), ref(x)) < 1e-5
+    assert "attn" not in " ".join(plan)  # the heads' split failed the check: kept whole
+    unchecked = tp.infer_plan(ref, 2, example_inputs=(x,), check=False)
+    assert rel_err(split_copy(ref, 2, plan=unchecked)(x), ref(x)) > 1e-3  # what the check caught

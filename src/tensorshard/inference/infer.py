@@ -75,7 +75,7 @@ class Inference:
 
 
 def infer_plan(
-    module: nn.Module, world_size: int, *, example_inputs: Any = None, check: bool = False
+    module: nn.Module, world_size: int, *, example_inputs: Any = None, check: bool | None = None
 ) -> Plan:
     """A plan for `module` over `world_size` devices, inferred from its structure (see module docstring).
 
@@ -83,8 +83,12 @@ def infer_plan(
         example_inputs: what to run the model on (a tensor, a tuple of args or a dict of kwargs);
             default: ``input_ids`` for a transformers model, else a tiny input shaped for its first layer.
         check: verify every split group numerically on a copy of its module, keeping the ones that fail
-            whole (see selfcheck.py for the memory it needs).
+            whole (see selfcheck.py for the memory it needs). Default: on wherever there are numbers to
+            check (over 2 or more devices, weights not on the meta device), as for a model split without a
+            plan: a plan from the structure alone can miss what the forward computes from a head count.
     """
+    if check is None:
+        check = world_size > 1 and not any(p.is_meta for p in module.parameters())
     return infer(module, world_size, example_inputs=example_inputs, check=check).plan
 
 
