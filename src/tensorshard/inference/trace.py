@@ -28,6 +28,7 @@ input plus int64 shadows of the same size; captured module inputs (small) when `
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -554,4 +555,6 @@ def output_tensors(out: Any) -> list[torch.Tensor]:
         return [t for v in out.values() for t in output_tensors(v)]
     if isinstance(out, (list, tuple)):
         return [t for v in out for t in output_tensors(v)]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):  # a user's output class
+        return [t for f in dataclasses.fields(out) for t in output_tensors(getattr(out, f.name))]
     return []

@@ -83,12 +83,15 @@ def test_debug_mode_runs_one_device_serially_and_catches_plan_bugs(gen):
     model = split_copy(ref, 2, plan=plans.transformer(8, 2), debug=True)
     tokens = torch.randint(0, 96, (1, 5), generator=gen)
     assert rel_err(model(tokens), ref(tokens)) < 1e-5
-    # A plan that forgets the head counts: the shards' reshapes fail, and the error names the shard.
+    # A plan that forgets the head counts is refused before splitting (it would fail in the shards' reshapes).
     bad = {k: v for k, v in plans.transformer(8, 2).items() if k != "layers.*.attn"}
     bad = {k: (tp.ColwiseParallel() if "w[kv]" in k or "wq" in k else tp.RowwiseParallel() if "wo" in k else v) for k, v in bad.items()}
-    broken = split_copy(Transformer(), 2, plan=bad, debug=True)
-    with pytest.raises(RuntimeError, match="invalid for input") as info:
-        broken(tokens)
+    with pytest.raises(ValueError, match=r"reads self.n_heads = 8 .* no Heads entry"):
+        split_copy(Transformer(), 2, plan=bad, debug=True)
+    # An error inside a shard names the shard.
+    broken = split_copy(FeedForward(8, 16), 2, plan=plans.FEED_FORWARD, debug=True)
+    with pytest.raises(RuntimeError, match="cannot be multiplied") as info:
+        broken(torch.randn(2, 7, generator=gen))
     assert "rank" in " ".join(info.value.__notes__)
 
 

@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 from torch.autograd import Function
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ...trees import flatten, unflatten
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,10 @@ class _GatherOutput(Function):
 
 
 def to_device(tree: Any, device: torch.device) -> Any:
-    leaves, spec = tree_flatten(tree)
+    leaves, spec = flatten(tree)
     if not any(isinstance(x, torch.Tensor) and x.device != device for x in leaves):
         return tree
-    return tree_unflatten([x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    return unflatten([x.to(device) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
 
 def replicate_inputs(tree: Any, devices: list[torch.device], grad_copies: Callable[[torch.Tensor], list] | None = None):
@@ -88,7 +89,7 @@ def replicate_inputs(tree: Any, devices: list[torch.device], grad_copies: Callab
     Inputs may live on any device: each shard gets its own copy on its device (they are not checked
     against the model's devices, as they would have to be under torchrun). `grad_copies(x)` makes the
     copies of an input that needs a gradient, one per device (default: through `_ReplicateInput`)."""
-    leaves, spec = tree_flatten(tree)
+    leaves, spec = flatten(tree)
     meta = next((i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_meta), None)
     if meta is not None:
         raise ValueError(
@@ -125,7 +126,7 @@ def replicate_inputs(tree: Any, devices: list[torch.device], grad_copies: Callab
             copies[i][rank] if i in copies else own(x, rank) if isinstance(x, torch.Tensor) else x
             for i, x in enumerate(leaves)
         ]
-        return tree_unflatten(local, spec)
+        return unflatten(local, spec)
 
     return for_rank
 
@@ -133,7 +134,7 @@ def replicate_inputs(tree: Any, devices: list[torch.device], grad_copies: Callab
 def output_leaves(outputs: list, src: int, labels, *, check_equal: bool) -> tuple[list, Any]:
     """Shard `src`'s output leaves, each as ``(leaf, per_rank)``: a tensor with its copy from every shard (checked
     to be replicated), or a non-tensor already joined (``per_rank`` None); and the tree spec to rebuild them."""
-    flats = [tree_flatten(o) for o in outputs]
+    flats = [flatten(o) for o in outputs]
     leaves, spec = flats[src]
     items = []
     for i, leaf in enumerate(leaves):
@@ -156,7 +157,7 @@ def gather_outputs(outputs: list, src: int, device: torch.device, devices, label
             result.append(_GatherOutput.apply(src, device, devices, *per_rank))
         else:
             result.append(leaf if leaf.device == device else leaf.to(device))
-    return tree_unflatten(result, spec)
+    return unflatten(result, spec)
 
 
 def join_object(leaf: Any, per_rank: list) -> Any:

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd import Function
-from torch.utils._pytree import tree_unflatten
 
+from ...trees import unflatten
 from .boundary import output_leaves
 from .workers import ThreadState
 
@@ -147,7 +147,7 @@ def join_outputs(graphs: ShardGraphs, outputs: list, src: int, device: torch.dev
             leaf = leaf.detach()  # shares the version counter: an in-place change the shard's graph needs is caught
         result.append(leaf if leaf.device == device else leaf.to(device))
     if not differentiable:
-        return tree_unflatten(result, spec)
+        return unflatten(result, spec)
     graphs.roots = [
         [items[i][1][rank] if items[i][1][rank].requires_grad else None for i in differentiable]
         for rank in range(len(outputs))
@@ -156,4 +156,4 @@ def join_outputs(graphs: ShardGraphs, outputs: list, src: int, device: torch.dev
     outs = _Boundary.apply(graphs, [result[i] for i in differentiable], anchor.view_as(anchor), *graphs.inputs)
     for i, out in zip(differentiable, outs):
         result[i] = out
-    return tree_unflatten(result, spec)
+    return unflatten(result, spec)
