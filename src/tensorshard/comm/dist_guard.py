@@ -230,6 +230,9 @@ class GroupGuard:
         if "timed out" in str(error).lower() or "timeout" in str(error).lower():
             return self._timed_out(n, what, began)
         first = self._first_failure(n)  # a rank that failed and reported it before its process ended
+        if first is not None and first["done"] == n - 1 and (elsewhere := self._elsewhere(n, what)):
+            # it gave up at another collective #n than ours and ended before our own limit: its error, not "lost"
+            return self._differ(n, what, elsewhere, f"so none finished within {self.timeout:g} s")
         if first is not None:
             cause = f"rank {first['rank']} {first['what']}"
         elif gone := self._ended_peers():
