@@ -10,7 +10,7 @@ import transformers as T
 
 import tensorshard as tp
 from support.harness import world_mesh
-from support.helpers import rel_err
+from support.helpers import rel_err, train_both_causal_lm
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,19 +37,8 @@ def mqa_task() -> dict:
         settings = dict(max_new_tokens=6, do_sample=False)
         out["greedy"] = torch.equal(model.generate(x[:1, :4], **settings), ref.generate(x[:1, :4], **settings))
     model.train(), ref.train()
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
-    losses = []
-    for _ in range(3):
-        ids = torch.randint(1, VOCAB, (2, 7), generator=g)
-        pair = []
-        for m, opt in zip((model, ref), opts):
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(loss.item())
-        losses.append(abs(pair[0] - pair[1]) / abs(pair[1]))
-    out["losses"] = max(losses)
+    pairs = train_both_causal_lm(model, ref, [torch.randint(1, VOCAB, (2, 7), generator=g) for _ in range(3)])
+    out["losses"] = max(abs(split - unsplit) / abs(unsplit) for split, unsplit in pairs)
     return out
 
 
