@@ -214,6 +214,10 @@ REFUSED = {
         tp.Config({r"head\.weight$": "split 0"}, {}, {r"^$": {0: "gather -1"}}, {}),
         r"output rule 0: 'gather -1' on '', which the state rules do not split; put 'gather' on the split layer",
     ),
+    "split dim out of range": (  # the original's torch.tensor_split raised; it must not become another dim
+        tp.Config({r"mlp\.fc1\.weight$": tp.state_actions.Split(W, 2), r"mlp\.fc1\.bias$": "split 0"}, {}, {}, {}),
+        r"mlp.fc1 \(Linear\): Split\(world_size=2, dim=2\) splits dim 2 of a 2-D weight; use a dim in \[-2, 1\]",
+    ),
     "unknown attribute rule": (
         tp.Config({}, {}, {}, {r"^mlp$": {"dim": "halve"}}),
         r"attr_rules for 'mlp', 'dim': MLP has no attribute 'dim'",
@@ -278,3 +282,10 @@ def test_attribute_rules_on_a_module_without_chunked_layers_set_per_device_value
     assert rel_err(model(x), ref(x)) < TOL
     with pytest.raises(ValueError, match=r"n_heads has values for 2 devices \(4, 4\), but the model is split over 3"):
         ts.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 3, plan=ts.Plan({"layers.*.attn": plan["layers.*.attn"]}))
+
+
+def test_a_split_action_refuses_a_dimension_the_tensor_does_not_have():
+    weight = torch.randn(4, 6)
+    with pytest.raises(IndexError, match=r"Dimension out of range \(expected to be in range of \[-2, 1\], but got 2\)"):
+        tp.state_actions.Split(2, 2)(weight, 0)  # before: dim 0's first half
+    assert torch.equal(tp.state_actions.Split(2, -1)(weight, 1), weight[:, 3:])

@@ -145,3 +145,18 @@ def test_wrapped_model_and_sharding_manager(world, gen):
     plain = tp.TensorParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16)), ["cpu"] * world,
                               tensor_parallel_config=column)
     assert plain.sharding_manager.sharded_param_names == ("1.weight", "1.bias")  # the class's default: sharded
+
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(8, 4), (32, 8)])
+def test_the_preset_as_a_config_where_group_size_equals_local_kv_heads(heads, kv_heads, gen):
+    """At 2 devices, 8 heads / 4 KV heads (or 32 / 8, Llama-3-8B's) give each device as many KV heads as a group
+    holds query heads: num_key_value_groups must still be read as the group size (it was read as heads)."""
+    torch.manual_seed(0)
+    config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=heads * 4, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    ref = T.LlamaForCausalLM(config).eval()
+    found = tp.pretrained_model.find_predefined_tensor_parallel_config(ref.config, ["cpu"] * 2)
+    model = tp.TensorParallelPreTrainedModel(copy.deepcopy(ref), ["cpu"] * 2, tensor_parallel_config=found)
+    ids = torch.randint(1, VOCAB, (2, 7), generator=gen)
+    assert rel_err(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5

@@ -93,7 +93,7 @@ class SplitInGroupedChunks(Split):
         return _chunked(tensor, self.dim, self.num_groups, self.chunk_size, self.world_size, rank)
 
     def undo(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        dim = self.dim % tensors[0].dim()
+        dim = tensor_dim(self.dim, tensors[0].dim())
         blocks = [t.cpu().unflatten(dim, (self.num_groups, -1)) for t in tensors]  # (.., groups, piece, ..)
         return torch.cat(blocks, dim + 1).flatten(dim, dim + 1)
 
@@ -120,8 +120,16 @@ class Scale(StateAction):
         return f"Scale(world_size={self.world_size})"
 
 
+def tensor_dim(dim: int, ndim: int) -> int:
+    """`dim` of a tensor with `ndim` dimensions, counted from 0; out of range, torch's IndexError (as the
+    original's ``torch.tensor_split`` raised), not another dimension."""
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    return dim % ndim
+
+
 def _chunked(tensor: torch.Tensor, dim: int, groups: int, chunk: int, world_size: int, rank: int) -> torch.Tensor:
     """Rank `rank`'s piece: `dim` viewed as (groups, units, chunk), units cut by tensor_split."""
-    dim = dim % tensor.dim()
+    dim = tensor_dim(dim, tensor.dim())
     grouped = tensor.unflatten(dim, (groups, -1, chunk))  # (.., groups, units, chunk, ..)
     return grouped.tensor_split(world_size, dim + 1)[rank].flatten(dim, dim + 2)

@@ -198,7 +198,11 @@ def _layer_style(m: _Module, problems: list[str]) -> Style | None:
     if weight.kind != "split":
         problems.append(f"{where}: weight rule {weight.text} divides the weight on every device; only a bias may be scaled")
         return None
-    dim = weight.dim % m.module.weight.dim()
+    ndim = m.module.weight.dim()
+    if not -ndim <= weight.dim < ndim:
+        problems.append(f"{where}: {weight.text} splits dim {weight.dim} of a {ndim}-D weight; use a dim in [{-ndim}, {ndim - 1}]")
+        return None
+    dim = weight.dim % ndim
     extra_out = sorted(k for k in m.outputs if k != 0)
     if extra_out:
         problems.append(f"{where}: output rules for outputs {extra_out}; a layer has one output")
@@ -383,7 +387,7 @@ def _heads_and_attrs(mods: dict[str, _Module], styles: dict[str, Style], world: 
             continue
         if m.name in geometry:
             heads, kv = geometry.pop(m.name)
-            attrs = _as_quantities(values, heads, kv, world)  # values that are the local head counts
+            attrs = _as_quantities(values, m.module, heads, kv, world)  # values that are the local head counts
             values = {a: v for a, v in values.items() if a not in attrs}
             kv_heads = kv if kv != heads else None
             styles[m.name] = (
@@ -396,16 +400,20 @@ def _heads_and_attrs(mods: dict[str, _Module], styles: dict[str, Style], world: 
         styles[parent] = Heads(num_heads=heads, num_kv_heads=kv if kv != heads else None)
 
 
-def _as_quantities(values: dict[str, tuple], heads: int, kv: int, world: int) -> dict[str, str]:
-    """Attributes whose per-device values are a `Heads` quantity (local query heads, KV heads, group size)."""
+def _as_quantities(values: dict[str, tuple], module: nn.Module, heads: int, kv: int, world: int) -> dict[str, str]:
+    """Attributes whose per-device values are a `Heads` quantity (local query heads, KV heads, group size),
+    and whose value on the unsplit module is that quantity's there too: with 32 heads and 8 KV heads over 2
+    devices, 4 local KV heads and a group size of 4 have the same values, and only the unsplit one tells them
+    apart."""
     try:
         local = [HeadGroups.build(heads, kv, world).local(r) for r in range(world)]
+        whole = HeadGroups.build(heads, kv, 1).local(0)
     except ValueError:
         return {}  # the geometry itself is refused when the plan is checked
     out = {}
     for attr, per_rank in values.items():
         for quantity in ("heads", "kv_heads", "groups"):
-            if tuple(l[quantity] for l in local) == tuple(per_rank):
+            if tuple(l[quantity] for l in local) == tuple(per_rank) and getattr(module, attr, None) == whole[quantity]:
                 out[attr] = quantity
                 break
     return out
