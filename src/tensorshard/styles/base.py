@@ -12,6 +12,7 @@ A style is a small frozen dataclass with keyword-only options. It does two thing
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -116,7 +117,14 @@ def register(kind: str) -> Callable[[type[Style]], type[Style]]:
 
 
 def wrap_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
-    """Replace `module.forward` for this instance only; the class and other instances are untouched."""
+    """Replace `module.forward` for this instance only; the class and other instances are untouched. The
+    replacement shows the signature of the forward it wraps: callers read the argument names (transformers'
+    generate() builds position_ids from the attention mask, for left padding, only for a forward that takes them)."""
+    if "__signature__" not in getattr(forward, "__dict__", {"__signature__": None}):
+        try:
+            forward.__signature__ = inspect.signature(module.forward)
+        except (TypeError, ValueError):  # a builtin or C forward: nothing to show
+            pass
     module.forward = forward  # nn.Module.__call__ looks the instance attribute up first
 
 
