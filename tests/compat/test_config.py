@@ -289,3 +289,15 @@ def test_a_split_action_refuses_a_dimension_the_tensor_does_not_have():
     with pytest.raises(IndexError, match=r"Dimension out of range \(expected to be in range of \[-2, 1\], but got 2\)"):
         tp.state_actions.Split(2, 2)(weight, 0)  # before: dim 0's first half
     assert torch.equal(tp.state_actions.Split(2, -1)(weight, 1), weight[:, 3:])
+
+
+def test_rules_that_match_nothing_are_named_in_a_warning(caplog):
+    config = tp.Config(dict(MLP_RULES, **{r"^nowhere\.weight$": "split 0"}), {r"^nope$": {0: "split -1"}},
+                       {r"mlp$": {0: "sum"}, r"^none$": {0: "gather -1"}}, {r"^absent$": {"n": "scale_int"}})
+    with caplog.at_level("WARNING", logger="tensorshard.compat.translate"):
+        config.to_plan(Net(), W)
+    said = caplog.text
+    assert "state rules that match no parameter or buffer: ['^nowhere\\\\.weight$']" in said
+    assert "input rules that match no module: ['^nope$']" in said
+    assert "output rules that match no module: ['^none$']" in said
+    assert "attr rules that match no module: ['^absent$']" in said

@@ -57,7 +57,7 @@ from ..styles import (
 )
 from .bare import bare_modules, bare_tensors
 from .check import UntranslatableConfig, check_against_config
-from .rules import Rule, RuleTables, pattern_text, read_action
+from .rules import Rule, RuleTables, compile_pattern, pattern_text, read_action
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,12 @@ def _read_rules(config: RuleTables, model: nn.Module, world_size: int, problems:
                     )
         if m.tensors or m.inputs or m.outputs or m.attrs:
             mods[name] = m
+    names = [name for name, _ in bare_modules(model)]
+    for table in ("input_rules", "output_rules", "attr_rules"):
+        unused = [pattern_text(p) for p in getattr(config, table)
+                  if not any(compile_pattern(p, table).search(n) for n in names)]
+        if unused:
+            logger.warning("%s that match no module: %s", table.replace("_", " "), unused)
     return mods
 
 
