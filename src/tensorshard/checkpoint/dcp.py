@@ -67,6 +67,13 @@ class DCPSource(Source):
         total = Box.whole(tuple(md.size)).numel
         return [] if covered >= total else [f"its chunks hold {covered} of {total} elements"]
 
+    def pieces_along(self, name: str, dim: int) -> list[tuple[int, int]]:
+        """The distinct (start, stop) ranges of dimension `dim` that the stored chunks of `name` cover, in
+        order: one per saving rank along that dimension for a DTensor sharded there (loader.py uses them to
+        recognize the torchrun engine's stacked layout of a fused split)."""
+        md = self.all[self.prefix + name]
+        return sorted({(c.offsets[dim], c.offsets[dim] + c.sizes[dim]) for c in md.chunks})
+
     def damage(self) -> list[str]:
         """Data files that are missing or shorter than the metadata says (a truncated copy)."""
         needed: dict[str, int] = {}

@@ -46,6 +46,7 @@ def match_tensors(
     pairs, missing, used = [], [], set()
     wrong_shape, wrong_dtype, broken = [], [], []
     padded, saved_dtype = False, None
+    fitting: list[tuple[TensorEntry, str]] = []  # shapes that agree (checked for the stacked layout below)
     for entry in layout:
         found = next((n for n in entry.names if n in names), None)
         if found is None:
@@ -63,12 +64,15 @@ def match_tensors(
         elif exact_dtype and dtype != entry.dtype:
             wrong_dtype.append(f"{entry.name}: checkpoint {dtype}, model {entry.dtype}")
             saved_dtype = saved_dtype or dtype
+            fitting.append((entry, found))
         else:
+            fitting.append((entry, found))
             problems = source.problems(found)
             if problems:
                 broken.append(f"{found}: {'; '.join(problems)}")
         pairs.append((entry, found))
     unexpected = sorted(names - used - set(aliases))
+    stacked = _stacked_fused(layout, source, fitting) if hasattr(source, "pieces_along") else []
     lines = []
     damaged = source.damage() if hasattr(source, "damage") else []
     if damaged:
@@ -86,6 +90,19 @@ def match_tensors(
                 "DCP at the rank count and plan it was saved with. Load it there, then tp.save_sharded(model, folder) "
                 "writes a checkpoint of the real tensors that loads anywhere (docs/checkpoints.md)"
             )
+    if stacked:
+        lines.append(
+            f"{len(stacked)} tensor(s) split by blocks (fused projections such as q|k|v) are stored as one equal "
+            "piece per saving rank along the split dimension: " + "; ".join(stacked[:8]) + ". That is the 'stacked' "
+            "layout in which the torchrun engine keeps fused splits as DTensors: each piece holds that rank's rows "
+            "of every block, so the stored 'global' tensor is the real one with its rows permuted, and reading it "
+            "as the real tensor would load wrong weights. A torch.distributed.checkpoint of such a model (dcp.save "
+            "of model.state_dict(), Lightning's save_checkpoint) loads back only through DCP (dcp.load) into a "
+            "model parallelized with the same plan at the same rank count; from there tp.save_sharded(model, "
+            "folder) writes the real tensors, which load at any count (save with tp.save_sharded in the first "
+            "place to skip this). A checkpoint of an unsplit model sharded by FSDP2 alone can look the same: "
+            "dcp.load it into that model, then tp.save_sharded it (docs/checkpoints.md)"
+        )
     if wrong_dtype:
         lines.append(
             f"{len(wrong_dtype)} tensor(s) have another dtype: " + "; ".join(wrong_dtype[:8])
@@ -116,6 +133,76 @@ def _looks_padded(entry: TensorEntry, shape) -> bool:
         return False
     dim = entry.placement[0]
     return all(a == b for d, (a, b) in enumerate(zip(shape, entry.shape)) if d != dim) and shape[dim] > entry.shape[dim]
+
+
+def _stacked_fused(layout: ModelLayout, source: Source, fitting: Sequence[tuple[TensorEntry, str]]) -> list[str]:
+    """The tensors a DCP checkpoint may hold in the torchrun engine's stacked layout although their shapes
+    are the real ones, described for the error.
+
+    An uneven split pads the stacked tensor, which the shape check catches; a fused split by blocks
+    (q|k|v, gate|up) that divides evenly has no padding, so the stored tensor has the real shape with its
+    rows permuted (rank 0's q, k, v rows, then rank 1's). DCP's metadata says only where each chunk lies,
+    and an FSDP2 checkpoint of the unsplit model (the real rows) can place its chunks the same way, so the
+    rows cannot be put back with certainty: such tensors are refused, never guessed. A tensor is named when
+    the plan splits it by blocks along a dimension along which the checkpoint stores two or more equal
+    pieces that tile it (what the engine writes at that many ranks). Tensors stored whole (one process, or
+    `tp.save_sharded`'s real tensors read through DCP) pass.
+    """
+    suspects: dict[str, tuple[str, int, int]] = {}  # canonical name -> (name in the source, dim, pieces)
+    for entry, found in fitting:
+        for dim, size in enumerate(entry.shape):
+            pieces = source.pieces_along(found, dim)
+            if _equal_tiling(pieces, size):
+                suspects.setdefault(entry.name, (found, dim, len(pieces)))
+    if not suspects:
+        return []
+    fused = _fused_dims(layout, suspects)
+    return [
+        f"{found} ({n} pieces along dim {dim}, as {n} ranks hold it)"
+        for name, (found, dim, n) in suspects.items()
+        if fused.get(name) == dim
+    ]
+
+
+def _equal_tiling(pieces: Sequence[tuple[int, int]], size: int) -> bool:
+    """Two or more ranges of one length, end to end, covering [0, size)."""
+    if len(pieces) < 2 or pieces[0][0] != 0 or pieces[-1][1] != size:
+        return False
+    length = pieces[0][1] - pieces[0][0]
+    return all(b - a == length for a, b in pieces) and all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))
+
+
+def _fused_dims(layout: ModelLayout, names) -> dict[str, int]:
+    """Canonical name -> the dimension along which the plan splits the tensor by two or more blocks.
+
+    At 2+ ranks a split by blocks gives some rank several separate ranges (its piece of each block). A
+    model held whole here (a plain module, or split over one device, where every partition is one range)
+    is asked how its plan (given, else the one `tp.parallelize` would infer) splits it at 2 devices; if
+    that fails nothing is named (logged), as before this check existed.
+    """
+    out, unknown = {}, []
+    for name in names:
+        placement = layout.entries[name].placement
+        if placement is not None and any(len(r) > 1 for r in placement[1].ranges):
+            out[name] = placement[0]
+        elif layout.world_size == 1:
+            unknown.append(name)
+    if unknown:
+        try:
+            from ..plans import resolve_plan  # deferred: the plan machinery is needed on this path only
+            from ..plans.sharding import shard_plan
+
+            root = layout.root
+            splits = shard_plan(root, resolve_plan(root, layout.plan, 2, check=False), 2).slice_map(root)
+        except Exception as e:  # noqa: BLE001 - only a check: a model no plan splits loads as it did
+            logger.info("could not tell how a plan would split %s (%s: %s); its DCP chunks are read as stored",
+                        describe_names(unknown), type(e).__name__, e)
+            return out
+        for name in unknown:
+            split = next((splits[n] for n in layout.entries[name].names if splits.get(n) is not None), None)
+            if split is not None and any(len(r) > 1 for r in split[1].ranges):
+                out[name] = split[0]
+    return out
 
 
 def fill(
