@@ -29,7 +29,10 @@ but PEFT objects taking a split model) steps in at two moments:
 the tensors as it would for an unsplit model), with two differences: the adapter's tensors are gathered
 (only the adapter's, one at a time: never the frozen base weights), and, in one process, PEFT looks at the
 first device's shard, whose module names are the unsplit model's, while tensors loaded into it go to the
-split model, which gives each device its slices. ``transformers.Trainer`` checkpoints, ``save_model`` and
+split model, which gives each device its slices. Under torchrun, PEFT's own resharding of what it loads (a
+contiguous chunk per rank) is preceded by the engine's (`_engine_slices_first`: fused blocks such as GPT-2's
+q|k|v, uneven and padded splits), for every PeftModel holding a model tensorshard split in place, in either
+order. ``transformers.Trainer`` checkpoints, ``save_model`` and
 ``resume_from_checkpoint`` go through these two methods. ``get_nb_trainable_parameters`` (and so
 ``print_trainable_parameters``) counts the unsplit model's parameters, each once. Methods that rebuild the module tree
 (``merge_and_unload``, ``unload``, ``add_weighted_adapter``, ``delete_adapter``) are refused as for a PeftModel split
@@ -48,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_module_registration_hook
 
 from ..checkpoint.atomic import write_into_folder
@@ -92,6 +96,7 @@ def _on_registration(module: nn.Module, name: str, submodule: nn.Module | None) 
     peft = sys.modules.get("peft")
     if peft is None:
         return None
+    _slice_peft_loads(peft)
     if name == "model" and _is_tuner(module, peft) and _is_split(submodule):
         _before_injection(module, submodule)
     elif name == "base_model" and is_peft_model(module):
@@ -339,15 +344,76 @@ class AroundSplit(RestructuringRefused):
 
 def _local_for_torchrun(root: nn.Module, state_dict):
     """Whole tensors headed for the parameters of a parallelized model: this rank's slices, as the DTensors
-    the parameters are (a tensor already a DTensor passes as it is)."""
+    the parameters are (a tensor already a DTensor passes as it is: `_engine_slices_first` made those PEFT
+    loads)."""
     state = root.tensorshard
     out = dict(state_dict)
     for key, value in state_dict.items():
-        name = key.removeprefix(PEFT_PREFIX)
-        layout = state.layouts.get(name)
-        if layout is None or type(value).__name__ == "DTensor":
-            continue
-        split = state.splits.get(name)
-        local = value if split is None else split[1].take(value, split[0], state.comm.rank)
-        out[key] = layout.to_dtensor(local.to(mesh_device(state.mesh)).contiguous(), state.mesh)
+        local = _local_slice(state, key.removeprefix(PEFT_PREFIX), value)
+        if local is not None:
+            out[key] = local
     return out
+
+
+def _local_slice(state, name: str, value):
+    """This rank's slice of `value`, the whole tensor `name` of a parallelized model (`state`: its TorchrunState),
+    as the DTensor the parameter is; None where tensorshard does not hold `name`, `value` is a DTensor already, or
+    it is not the whole tensor (left for the load to report its shape)."""
+    layout = state.layouts.get(name)
+    if layout is None or isinstance(value, DTensor):
+        return None
+    split = state.splits.get(name)
+    if split is not None and (value.dim() <= split[0] or value.shape[split[0]] != split[1].size):
+        return None
+    local = value if split is None else split[1].take(value, split[0], state.comm.rank)
+    return layout.to_dtensor(local.to(mesh_device(state.mesh)).contiguous(), state.mesh)
+
+
+def _local_for_parallelized(model: nn.Module, state_dict: dict) -> dict:
+    """`state_dict` (by `model`'s names) with every whole tensor headed for a module that tensorshard split in
+    place (`model` itself, or one inside it) replaced by this rank's slice, as the DTensor the parameter is."""
+    roots = [(f"{prefix}." if prefix else "", m.tensorshard) for prefix, m in model.named_modules()
+             if "tensorshard" in vars(m) and is_parallelized(m)]
+    if not roots:
+        return state_dict
+    roots.sort(key=lambda root: len(root[0]), reverse=True)  # the innermost split module holding a name wins
+    out = dict(state_dict)
+    for key, value in state_dict.items():
+        for prefix, state in roots:
+            local = _local_slice(state, key[len(prefix):], value) if key.startswith(prefix) else None
+            if local is not None:
+                out[key] = local
+                break
+    return out
+
+
+def _engine_slices_first(reshard):
+    """PEFT's `_reshard_dtensor_values_for_load`, after this rank has taken its slices of the tensors headed for a
+    model split by tensorshard.
+
+    PEFT (>= 0.21, with transformers' DTensor tensor parallelism) turns each whole tensor it loads into a
+    DTensor with the parameter's placement: a `Shard(0)` parameter gets a contiguous chunk of the saved rows.
+    tensorshard's parameters are `Shard` DTensors of its own layout (comm/dtensor.py): fused blocks (GPT-2's
+    q|k|v in one c_attn: rank 0 holds rows 0-31, 64-95 and 128-159 of 192) are stored as the rank-order
+    concatenation of the slices, the same global shape as the saved tensor, so PEFT's chunk loaded the wrong
+    rows without a word. Here the engine's partition slices them first (blocks, uneven and padded splits as
+    `parallelize` did), and PEFT passes DTensors through; every other tensor is left to PEFT."""
+
+    @functools.wraps(reshard)
+    def resharded(model: nn.Module, state_dict: dict) -> dict:
+        return reshard(model, _local_for_parallelized(model, state_dict))
+
+    resharded.tensorshard_slices_first = True
+    return resharded
+
+
+def _slice_peft_loads(peft) -> None:
+    """Install `_engine_slices_first` around PEFT's resharding of loaded tensors, once, when PEFT is first seen
+    building a model (every PEFT load goes into such a model). A PEFT without that function does not reshard:
+    it hands whole tensors to ``load_state_dict`` (`AroundSplit`'s slices them)."""
+    loading = getattr(getattr(peft, "utils", None), "save_and_load", None)
+    reshard = getattr(loading, "_reshard_dtensor_values_for_load", None)
+    if reshard is None or getattr(reshard, "tensorshard_slices_first", False):
+        return
+    loading._reshard_dtensor_values_for_load = _engine_slices_first(reshard)
+    logger.debug("PEFT's loads into models split by tensorshard take the engine's slices first")
