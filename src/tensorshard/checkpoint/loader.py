@@ -23,6 +23,8 @@ from typing import Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..plans import resolve_plan
+from ..plans.sharding import shard_plan
 from .layout import ModelLayout, TensorEntry, local_view, rank_pieces
 from .sources import Source, describe_names
 
@@ -189,9 +191,6 @@ def _fused_dims(layout: ModelLayout, names) -> dict[str, int]:
             unknown.append(name)
     if unknown:
         try:
-            from ..plans import resolve_plan  # deferred: the plan machinery is needed on this path only
-            from ..plans.sharding import shard_plan
-
             root = layout.root
             splits = shard_plan(root, resolve_plan(root, layout.plan, 2, check=False), 2).slice_map(root)
         except Exception as e:  # noqa: BLE001 - only a check: a model no plan splits loads as it did
