@@ -54,18 +54,23 @@ def check_training_parity(
         assert rel_err(output(model, x), output(ref, x)) < train_tol
 
 
-def train_both_causal_lm(model: nn.Module, ref: nn.Module, batches, *, lr: float = 1e-2) -> list[tuple[float, float]]:
-    """AdamW over the trainable parameters of each, one step per batch of token ids (the labels too); the
-    losses of each step as (split, unsplit)."""
-    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr) for m in (model, ref)]
+def train_causal_lms(models, batches, *, lr: float = 1e-2) -> list[list[float]]:
+    """AdamW over the trainable parameters of each model, one step per batch of token ids (the labels too),
+    the models taking turns; each step's losses, in the models' order."""
+    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr) for m in models]
     losses = []
     for x in batches:
-        pair = []
-        for m, opt in zip((model, ref), optimizers):
+        row = []
+        for m, opt in zip(models, optimizers):
             loss = m(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
-            pair.append(loss.item())
-        losses.append((pair[0], pair[1]))
+            row.append(loss.item())
+        losses.append(row)
     return losses
+
+
+def train_both_causal_lm(model: nn.Module, ref: nn.Module, batches, *, lr: float = 1e-2) -> list[tuple[float, float]]:
+    """`train_causal_lms` of a split model and its unsplit reference: each step's losses as (split, unsplit)."""
+    return [(split, unsplit) for split, unsplit in train_causal_lms((model, ref), batches, lr=lr)]

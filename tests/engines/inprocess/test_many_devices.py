@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tensorshard as tp
-from support.helpers import rel_err, split_copy
+from support.helpers import rel_err, split_copy, train_causal_lms
 from support.models import FeedForward
 from tensorshard.comm.reduce import EACH_MIN_BYTES, sum_chunk_into, sum_on
 
@@ -68,16 +68,6 @@ def test_a_llama_at_many_devices_decodes_and_trains_as_unsplit(n, gen):
         assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False),
                            ref.generate(prompt, max_new_tokens=8, do_sample=False))
     ref.train(), model.train()
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, model)]
-    losses = []
-    for m, opt in zip((ref, model), opts):
-        run = []
-        for _ in range(3):
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            run.append(loss.item())
-        losses.append(run)
+    losses = [list(run) for run in zip(*train_causal_lms((ref, model), [ids] * 3))]  # per model: its 3 losses
     assert losses[0][-1] != losses[0][0]  # it trained
     assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(*losses))

@@ -12,6 +12,7 @@ import torch
 
 import tensorshard as tp
 from support.harness import world_mesh
+from support.helpers import train_causal_lms
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,18 +112,8 @@ def methods_task(method: str, folder: str) -> dict:
     late.save_pretrained(f"{folder}/late")  # every rank calls it; rank 0 writes
     pairs["split then adapter"] = (late, plain(f"{folder}/late"))
     models = [m for pair in pairs.values() for m in pair]
-    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
     out["logits"] = {route: err(model, ref) for route, (model, ref) in pairs.items()}
-    losses = []
-    for step in range(3):
-        row = []
-        for m, opt in zip(models, optimizers):
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            row.append(loss.item())
-        losses.append(row)
+    losses = train_causal_lms(models, [ids] * 3)
     out["losses"] = {route: [(row[2 * i], row[2 * i + 1]) for row in losses] for i, route in enumerate(pairs)}
     out["saved"] = {}
     for route, (model, _) in pairs.items():  # after training: PEFT's format, the split model's logits

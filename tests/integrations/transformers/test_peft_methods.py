@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import tensorshard as tp
 from support.hf_configs import FAMILIES
-from support.helpers import rel_err, split_copy
+from support.helpers import rel_err, split_copy, train_causal_lms
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,19 +54,7 @@ def logits(model) -> torch.Tensor:
 
 def train(models) -> list[list[float]]:
     """Three AdamW steps on each model; each step's losses, in the models' order."""
-    optimizers = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
-    losses = []
-    for step in range(3):
-        x = ids(10 + step)
-        row = []
-        for m, opt in zip(models, optimizers):
-            loss = m(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            row.append(loss.item())
-        losses.append(row)
-    return losses
+    return train_causal_lms(models, [ids(10 + step) for step in range(3)])
 
 
 def assert_trains_like(model, ref) -> None:
