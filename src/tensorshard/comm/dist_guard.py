@@ -211,9 +211,8 @@ class GroupGuard:
 
     def _stop_if_another_failed(self, n: int, what: str) -> None:
         first = self._first_failure(n)
-        if first is not None and first["done"] == n - 1 and (elsewhere := self._elsewhere(n, what)):
-            # a peer that gave up at its collective #n, another one than ours: the same error it got
-            raise self._differ(n, what, elsewhere, f"so none finished within {self.timeout:g} s")
+        if (differ := self._gave_up_elsewhere(first, n, what)) is not None:
+            raise differ
         if first is not None:
             self.failed_after.add(n - 1)
             raise mark_reported(CollectiveAborted(
@@ -230,9 +229,8 @@ class GroupGuard:
         if "timed out" in str(error).lower() or "timeout" in str(error).lower():
             return self._timed_out(n, what, began)
         first = self._first_failure(n)  # a rank that failed and reported it before its process ended
-        if first is not None and first["done"] == n - 1 and (elsewhere := self._elsewhere(n, what)):
-            # it gave up at another collective #n than ours and ended before our own limit: its error, not "lost"
-            return self._differ(n, what, elsewhere, f"so none finished within {self.timeout:g} s")
+        if (differ := self._gave_up_elsewhere(first, n, what)) is not None:  # and ended before our own limit
+            return differ
         if first is not None:
             cause = f"rank {first['rank']} {first['what']}"
         elif gone := self._ended_peers():
@@ -263,6 +261,14 @@ class GroupGuard:
             "legitimately takes longer, raise the limit: parallelize(..., timeout=S) or TENSORSHARD_TIMEOUT=S. "
             + _AFTERWARDS
         ))
+
+    def _gave_up_elsewhere(self, first: dict | None, n: int, what: str) -> BaseException | None:
+        """The error of a peer (`first`, its report) that gave up at its collective #n, another one than ours:
+        the same one for this rank, not "lost a peer"; None otherwise."""
+        if first is None or first["done"] != n - 1:
+            return None
+        elsewhere = self._elsewhere(n, what)
+        return self._differ(n, what, elsewhere, f"so none finished within {self.timeout:g} s") if elsewhere else None
 
     def _differ(self, n: int, what: str, elsewhere: dict[int, str], why: str) -> BaseException:
         """Every rank is at its collective #n, but not the same one: they ran different code (e.g. one rank read
