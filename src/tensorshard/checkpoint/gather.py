@@ -115,18 +115,16 @@ def save_tensor_parallel(model: nn.Module) -> Iterator[nn.Module]:
 def _split_inside(model: nn.Module) -> tuple[nn.Module, str]:
     """`model` itself when it is split; else the one split model inside it that holds every tensor it has, with
     its path (``base_model.model.``); else the TypeError of `_require_split`."""
-    if is_split_model(model) or is_parallelized(model) or not isinstance(model, nn.Module):
-        _require_split(model, "save_tensor_parallel")
-        return model, ""
-    inside = [(name, m) for name, m in model.named_modules() if name and (is_split_model(m) or is_parallelized(m))]
-    outermost = [(name, m) for name, m in inside if not any(name.startswith(other + ".") for other, _ in inside)]
-    if len(outermost) == 1:
-        name, split = outermost[0]
-        held = {id(t) for t in (*split.parameters(), *split.buffers())}
-        if all(id(t) in held for t in (*model.parameters(), *model.buffers())):
-            return split, name + "."
+    if isinstance(model, nn.Module) and not (is_split_model(model) or is_parallelized(model)):
+        inside = [(name, m) for name, m in model.named_modules() if name and (is_split_model(m) or is_parallelized(m))]
+        outermost = [(name, m) for name, m in inside if not any(name.startswith(other + ".") for other, _ in inside)]
+        if len(outermost) == 1:
+            name, split = outermost[0]
+            held = {id(t) for t in (*split.parameters(), *split.buffers())}
+            if all(id(t) in held for t in (*model.parameters(), *model.buffers())):
+                return split, name + "."
     _require_split(model, "save_tensor_parallel")
-    raise AssertionError("unreachable")  # _require_split raised: `model` is not split
+    return model, ""
 
 
 def save_gathered(
