@@ -26,7 +26,7 @@ import torch
 from torch.autograd import Function
 
 from ..partition import Partition
-from . import per_shard
+from . import compiled, per_shard
 from .base import Comm
 from .counter import record
 from .partial_grads import PartialGrads
@@ -122,6 +122,7 @@ class ThreadComm(Comm):
 
     def __init__(self, group: ThreadGroup, rank: int) -> None:
         self.group, self.rank, self.world_size = group, rank, group.world_size
+        self.handle = compiled.handle_of(self)  # its name in compiled graphs (comm/compiled.py)
 
     def _exchange(self, op: str, where: str, x: Any, compute: Callable[[list[Any]], list[Any]], signature: Any) -> Any:
         return self.group.exchange(self.rank, op, where, x, compute, signature)
@@ -134,8 +135,13 @@ class ThreadComm(Comm):
                 "or output is not laid out as the plan says; check its blocks and Heads entry."
             )
 
-    @_not_compiled
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
+            return compiled.all_reduce(x, self.handle, where)  # one operator inside the graph
+        return self.eager_all_reduce(x, where=where)
+
+    @_not_compiled
+    def eager_all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
         if self.group.own_graphs:
@@ -150,11 +156,14 @@ class ThreadComm(Comm):
 
         return self._exchange("all_reduce", where, x, compute, _signature(x))
 
-    @_not_compiled
     def copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
-        # Identity in forward: only needed when a gradient will flow back through x.
+        # Identity in forward: only needed when a gradient will flow back through x (traced as such when compiled).
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
+        return self._copy_to_parallel(x, where=where)
+
+    @_not_compiled
+    def _copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         cache = self.group.parallel_inputs(self.rank, "copy_to_parallel", where)
         hit = cache.get(id(x))
         if hit is not None and hit[0] is x:
@@ -166,9 +175,17 @@ class ThreadComm(Comm):
         cache[id(x)] = (x, y)
         return y
 
-    @_not_compiled
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or where in self.group.left_split[self.rank]:
+            return x
+        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+            return compiled.all_gather(x, self.handle, dim % x.dim(), compiled.layout_of(partition), where)
+        return self.eager_all_gather(x, dim, partition, where=where)
+
+    @_not_compiled
+    def eager_all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
+        """The all-gather itself (`all_gather` without the check for an output left split)."""
+        if self.world_size == 1:
             return x
         dim %= x.dim()
         self._check_size("all_gather", where, x, dim, partition.local_size(self.rank), f"this device's slice of {partition.size}")
@@ -212,11 +229,16 @@ class ThreadComm(Comm):
         finally:
             left.discard(where)
 
-    @_not_compiled
     def assemble(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         """The all-gather of a result no shard changes afterwards (a model's output): every shard gets a view
         of one whole tensor, each having copied its slice into it (comm/per_shard.py). Shards that own their
-        graphs only: the caller checks `group.own_graphs`."""
+        graphs only: the caller checks `group.own_graphs`. Compiled, every shard gets a whole copy instead."""
+        if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
+            return compiled.all_gather(x, self.handle, dim % x.dim(), compiled.layout_of(partition), where)
+        return self._assemble(x, dim, partition, where=where)
+
+    @_not_compiled
+    def _assemble(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
         dim %= x.dim()

@@ -11,6 +11,7 @@ import importlib.util
 import sys
 from typing import Any
 
+import torch
 from torch import nn
 
 EXTRA = "pip install 'tensorshard[quant]'"  # bitsandbytes, version range in pyproject.toml
@@ -20,6 +21,8 @@ _WEIGHT_CLASSES = {"Params4bit": "4bit", "Int8Params": "8bit"}
 
 def weight_kind(tensor: Any) -> str | None:
     """'4bit' for a bitsandbytes Params4bit, '8bit' for an Int8Params, else None (by class name)."""
+    if type(tensor) is nn.Parameter or type(tensor) is torch.Tensor:  # the common case, and one torch.compile traces
+        return None
     for cls in type(tensor).__mro__:
         if cls.__name__ in _WEIGHT_CLASSES and cls.__module__.startswith("bitsandbytes"):
             return _WEIGHT_CLASSES[cls.__name__]

@@ -212,13 +212,22 @@ class TensorParallel(PackageNames, nn.Module):
     # -- running -----------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run_modules(args, kwargs)
+
+    def run_modules(
+        self, args: tuple, kwargs: dict, module: Callable[[int, tuple, dict], Any] | None = None, *, serial: bool | None = None
+    ) -> Any:
+        """One call of the split model: `module(rank, args, kwargs)` runs shard `rank` on its copy of the inputs
+        (default: the shard module itself; compiled_steps.py gives each shard's compiled forward). `serial`: the
+        shards one at a time (True) or together (False); default: as the call schedule chooses (schedule.py)."""
         _check_loaded(self)
         adopt_late_modules(self)  # LoRA added after splitting follows the split (late_adapters.py)
         shards, devices, group = self.module_shards, self._placement, self._group
+        call = module if module is not None else (lambda rank, a, kw: shards[rank](*a, **kw))
         if len(shards) == 1:
             args, kwargs = to_device((args, kwargs), devices[0])
             with _as_rank(0):
-                return to_device(shards[0](*args, **kwargs), self.output_device)
+                return to_device(call(0, args, kwargs), self.output_device)
 
         if group.running_here():
             raise RuntimeError(
@@ -239,10 +248,10 @@ class TensorParallel(PackageNames, nn.Module):
         def run(rank: int):
             with state.applied(devices[rank]), dropout.mode(rank) if dropout is not None else nullcontext():
                 a, kw = per_rank_inputs(rank)
-                return shards[rank](*a, **kw)
+                return call(rank, a, kw)
 
-        timing = self._schedule.begin(args, kwargs) if self._schedule is not None else None
-        outputs = self._run_shards("forward", run, serial=timing is not None and timing.serial)
+        timing = self._schedule.begin(args, kwargs) if self._schedule is not None and serial is None else None
+        outputs = self._run_shards("forward", run, serial=serial if serial is not None else timing is not None and timing.serial)
         if timing is not None:
             self._schedule.end(timing, self._collectives)
         if graphs is not None:

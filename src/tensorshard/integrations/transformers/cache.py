@@ -105,11 +105,6 @@ def shard_cache(cache: Any, world_size: int, split_filled: Callable[[Cache], lis
             f"past_key_values must be a transformers Cache (e.g. DynamicCache()) or None; got {type(cache).__name__}. "
             "Tuples of tensors are no longer accepted by transformers."
         )
-    if _layers(cache, StaticLayer):
-        raise NotImplementedError(
-            f"{type(cache).__name__} pre-allocates keys and values for every head; a split model keeps only each "
-            "device's heads. Use the default dynamic cache (generate(..., cache_implementation=None))."
-        )
     ranks = split_filled(cache) if _seq_length(cache) > 0 else [copy.deepcopy(cache) for _ in range(world_size)]
     return _dispatch_over(cache, ranks)
 

@@ -57,6 +57,7 @@ from ...engines.inprocess.shard_attributes import set_everywhere
 from ...layers import is_transformers_model
 from .adapters import SplitAdapters
 from .cache import shard_cache
+from .fast_decode import compiled_call, wants_compiled_decode
 from .unsplit_cache import split_filled_cache
 from .views import on_every_shard, part_view, submodule_view, top_level_tensor
 
@@ -130,6 +131,10 @@ class TransformersTensorParallel(TensorParallel):
     # -- running -----------------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return super().forward(**self.split_call(args, kwargs))  # caches the shards build are joined into one (cache.py)
+
+    def split_call(self, args: tuple, kwargs: dict) -> dict:
+        """A call's arguments as the shards take them: by name, with every cache turned into one per device."""
         kwargs = self._keywords(args, kwargs)
         if kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False):
             raise NotImplementedError(
@@ -140,7 +145,7 @@ class TransformersTensorParallel(TensorParallel):
             if isinstance(value, Cache) or (key == "past_key_values" and value is not None):
                 # (past_key_values: refuses legacy tuples; one filled by the unsplit model is divided by heads)
                 kwargs[key] = shard_cache(value, self.world_size, functools.partial(split_filled_cache, model=self))
-        return super().forward(**kwargs)  # caches the shards build are joined into one (cache.py)
+        return kwargs
 
     def _keywords(self, args: tuple, kwargs: dict) -> dict:
         """Positional arguments as keywords, named as in the model's forward."""
@@ -155,6 +160,14 @@ class TransformersTensorParallel(TensorParallel):
         return {**dict(zip(names, args)), **kwargs}
 
     # -- what transformers code asks of a model ------------------------------------------------------------
+
+    def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
+        """generate(): decode through compiled shards with a static cache, on every device type (fast_decode.py)."""
+        return wants_compiled_decode(self, model_kwargs, generation_config)
+
+    def get_compiled_call(self, compile_config) -> Any:
+        """generate(): each shard's forward compiled, in place of the split model's call (fast_decode.py)."""
+        return compiled_call(self, compile_config)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,116 @@
+"""Each shard's forward compiled once and replayed per call: the fast decoding path of the in-process engine.
+
+Decoding a token is mostly Python and operator dispatch (a small Llama on CPU: ~11 ms of Python for ~1 ms of
+arithmetic), and every shard of a split model runs the model's whole Python, one thread at a time under the GIL,
+so N shards cost about N times the unsplit model's token. A compiled shard runs no model Python per token: the
+forward is one graph of generated kernels whose only calls back into Python are the collectives, kept inside
+the graph as operators (comm/compiled.py).
+
+    steps = CompiledSteps(split, options={"dynamic": False})
+    out = steps(input_ids=..., past_key_values=cache, ...)    # the split model's call, each shard compiled
+
+What happens per call:
+- the inputs are copied to every device as in any call (boundary.py); an object the engine gives each shard its
+  own copy of (a KV cache) is handed over as that shard's own object (`unwrap`), so the compiled code sees a plain
+  transformers cache, not the dispatcher over all of them;
+- the first call of a kind (a new batch size, cache length or dtype: `_kind`) compiles every shard, one shard at
+  a time (the baton passes at every collective: schedule.py's serial way), since `torch.compile` is not
+  thread-safe; each shard compiles its own graphs, under a code object of its own (`_entry`);
+- later calls run the shards as the call schedule finds fastest, at the same time or one at a time (schedule.py):
+  compiled code with little arithmetic per collective gains nothing from threads on CPU slots, while on GPUs the
+  compiled kernels are queued asynchronously and the devices overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from typing import Any, Callable, Hashable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledSteps:
+    """The shards of `model` (a TensorParallel), each behind its own `torch.compile`.
+
+    Args:
+        model: the split model.
+        options: `torch.compile` keyword arguments (fullgraph, dynamic, backend, mode, options).
+        unwrap: (object, rank) -> the object shard `rank` should be given instead (its own KV cache), or the
+            object itself.
+        rewrap: (shard's output, the call's inputs) -> the output as the engine should see it (the dispatcher cache
+            back in place of the shard's own).
+        prepare: (args, kwargs) -> the keyword arguments of the call (a transformers model names its arguments
+            and shards its cache there).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        options: dict[str, Any],
+        *,
+        unwrap: Callable[[Any, int], Any] = lambda x, rank: x,
+        rewrap: Callable[[Any, dict], Any] = lambda out, kwargs: out,
+        prepare: Callable[[tuple, dict], dict] | None = None,
+    ) -> None:
+        self.model = model
+        self.options = dict(options)
+        self.unwrap, self.rewrap, self.prepare = unwrap, rewrap, prepare
+        self.compiled = [torch.compile(_entry(shard, rank), **self.options) for rank, shard in enumerate(model.module_shards)]
+        self.kinds: set[Hashable] = set()  # kinds of call compiled so far
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        world = len(self.compiled)
+        if self.prepare is not None:
+            args, kwargs = (), self.prepare(args, kwargs)
+        kind = _kind(args, kwargs)
+        first = kind not in self.kinds
+        started = time.perf_counter()
+        # A graph torch.compile fails to make (an internal error at a recompile) runs that frame eagerly, as a
+        # failure to compile does without graph breaks allowed: the numbers are the same, only slower.
+        with torch._dynamo.config.patch(suppress_errors=not self.options.get("fullgraph", False)):
+            out = self.model.run_modules(args, kwargs, self._run, serial=True if first else None)
+        if first:
+            self.kinds.add(kind)
+            logger.info(
+                "compiled the decode step of %s on each of %d device(s) in %.1f s (%s; inputs %s)",
+                type(self.model).__name__, world, time.perf_counter() - started, _describe(self.options), kind,
+            )
+        return out
+
+    def _run(self, rank: int, args: tuple, kwargs: dict) -> Any:
+        args = tuple(self.unwrap(a, rank) for a in args)
+        own = {k: self.unwrap(v, rank) for k, v in kwargs.items()}
+        return self.rewrap(self.compiled[rank](*args, **own), kwargs)
+
+
+def _entry(shard: nn.Module, rank: int) -> Callable[..., Any]:
+    """`shard(...)` as a function with a code object of its own. torch.compile keeps its graphs and guards per code
+    object: compiled as it is, every shard of every split model would share the code of the model's (or the engine
+    wrapper's) forward, and so one recompile limit, each shard's graph tried against the others' guards first."""
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        return shard(*args, **kwargs)
+
+    code = step.__code__.replace(co_name=f"shard{rank}_step_{id(shard):x}")
+    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+
+
+def _kind(args: tuple, kwargs: dict) -> Hashable:
+    """What a compiled graph is specialised on, as far as the inputs tell: each tensor's shape and dtype, and the
+    length of a static KV cache (its tensors' shapes)."""
+    leaves, _ = tree_flatten((args, kwargs))
+    return tuple(
+        (tuple(x.shape), str(x.dtype).removeprefix("torch.")) if isinstance(x, torch.Tensor)
+        else (type(x).__name__, getattr(x, "max_cache_len", None))
+        for x in leaves if isinstance(x, torch.Tensor) or hasattr(x, "max_cache_len")
+    )
+
+
+def _describe(options: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in options.items() if v is not None) or "defaults"

@@ -1,0 +1,89 @@
+"""`generate(..., cache_implementation="static")` on a split model: every shard's decode step compiled.
+
+transformers' own fast decoding is a static KV cache plus `torch.compile` of the model's forward, which
+`generate` turns on by itself on CUDA (`_valid_auto_compile_criteria`, `get_compiled_call`): the prefill runs
+eagerly, every later token through the compiled call. A split model answers the same two questions its own way:
+
+- whether to compile: whenever the cache is compileable (a static cache) and `generation_config.disable_compile`
+  is not set, on every device type: a split model's token is dominated by its shards' Python, which compiling
+  removes, on CPU slots as on GPUs;
+- what to compile: not the split model's call (threads and a rendezvous: nothing a compiler can trace), but each
+  shard's forward, once, with the collectives kept inside the graphs (engines/inprocess/compiled_steps.py,
+  comm/compiled.py). The compile options are `generation_config.compile_config`'s, except that
+  `mode="reduce-overhead"` (CUDA graphs, transformers' default) applies only where every device is a GPU.
+
+The compiled steps are kept on the model (one set per compile options) and reused by every later `generate`.
+What recompiles them: a new batch size, a new cache length (`max_cache_len`, which `generate` sets from
+`max_new_tokens` unless the cache is passed in), a new dtype, or different options. Each compile is logged with
+its duration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from transformers.cache_utils import Cache
+
+from ...engines.inprocess.compiled_steps import CompiledSteps
+from .cache import ShardedCache, rank_caches
+
+logger = logging.getLogger(__name__)
+
+_STEPS = "_tensorshard_compiled_steps"
+
+
+def wants_compiled_decode(model, model_kwargs: dict, generation_config) -> bool:
+    """`generate`'s question: decode through compiled shards? Yes for a compileable (static) cache, on any device,
+    unless `generation_config.disable_compile`."""
+    if getattr(generation_config, "disable_compile", False):
+        return False
+    cache = next((v for k, v in model_kwargs.items() if k in ("cache", "past_key_values") and v is not None), None)
+    if not isinstance(cache, Cache) or not getattr(cache, "is_compileable", False):
+        return False
+    inner = getattr(cache, "self_attention_cache", cache)  # an encoder-decoder cache: the decoder's own
+    return type(inner).__name__ != "DynamicCache" and getattr(inner, "is_compileable", False)
+
+
+def compiled_call(model, compile_config) -> CompiledSteps:
+    """The compiled steps of `model` for these options (made once, kept on the model)."""
+    options = _options(model, compile_config)
+    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    kept = model.__dict__.setdefault(_STEPS, {})
+    if key not in kept:
+        kept[key] = CompiledSteps(model, options, unwrap=_own_cache, rewrap=_dispatcher_back, prepare=model.split_call)
+    return kept[key]
+
+
+def _options(model, compile_config) -> dict[str, Any]:
+    config = compile_config if compile_config is not None else getattr(model.generation_config, "compile_config", None)
+    options = dataclasses.asdict(config) if config is not None and dataclasses.is_dataclass(config) else {}
+    options = {k: v for k, v in options.items() if not k.startswith("_")}
+    options.setdefault("fullgraph", False)
+    options.setdefault("dynamic", False)
+    if options.get("mode") == "reduce-overhead" and any(d.type != "cuda" for d in model.devices):
+        options["mode"] = None  # CUDA graphs: GPUs only
+    if options.get("mode") is None:
+        options.pop("mode", None)
+    if options.get("options") is None:
+        options.pop("options", None)
+    return options
+
+
+def _own_cache(value: Any, rank: int) -> Any:
+    """A shard is handed its own cache, not the dispatcher over every device's."""
+    return rank_caches(value)[rank] if isinstance(value, ShardedCache) else value
+
+
+def _dispatcher_back(out: Any, kwargs: dict) -> Any:
+    """The shard returns its own cache; the engine joins the dispatcher the call was given."""
+    given = next((v for v in kwargs.values() if isinstance(v, ShardedCache)), None)
+    if given is None:
+        return out
+    own = set(map(id, rank_caches(given)))
+    if hasattr(out, "keys"):  # a ModelOutput
+        for key in list(out.keys()):
+            if id(out[key]) in own:
+                out[key] = given
+    return out
