@@ -51,6 +51,9 @@ class Run:
     devices: list[str]
     tokens: torch.Tensor | None = None  # generated ids, prompt excluded
     generate_s: float = 0.0
+    fast_tokens: torch.Tensor | None = None  # the same answer on the fast path (static cache, compiled shards)
+    fast_s: float = 0.0
+    compile_s: float = 0.0
     split_s: float = 0.0
     losses: list[float] = field(default_factory=list)
     step_s: float = 0.0
@@ -114,6 +117,20 @@ def answer(model, ids: torch.Tensor, max_new_tokens: int, run: Run) -> None:
     run.tokens = out[0, ids.shape[1]:].cpu()
 
 
+def answer_fast(model, ids: torch.Tensor, max_new_tokens: int, run: Run) -> None:
+    """The answer through `generate(..., cache_implementation="static")`: every shard's decode step compiled (the
+    first call, untimed, compiles; its time is `compile_s`)."""
+    ids = ids.to(model.device)
+    with torch.no_grad():
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, cache_implementation="static")
+        run.compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, cache_implementation="static")
+    run.fast_s = time.perf_counter() - start
+    run.fast_tokens = out[0, ids.shape[1]:].cpu()
+
+
 def fine_tune(model, ids: torch.Tensor, steps: int, lr: float, run: Run) -> None:
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)  # split on CPU slots: each device steps in its thread
@@ -139,8 +156,9 @@ def heads_per_device(model) -> str:
 
 
 def run_demo(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new_tokens: int, steps: int,
-             lr: float = 1e-4, out=print) -> list[Run]:
-    """Everything after loading. `model` is left as it was (each configuration works on a copy)."""
+             lr: float = 1e-4, fast: bool = True, out=print) -> list[Run]:
+    """Everything after loading. `model` is left as it was (each configuration works on a copy). `fast`: the first
+    split also answers on the fast decoding path (docs/generation.md)."""
     config = model.config
     out(
         f"SmolLM2-135M-Instruct: {config.num_hidden_layers} layers, {config.num_attention_heads} query heads in "
@@ -169,6 +187,13 @@ def run_demo(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new
         same = torch.equal(run.tokens, ref.tokens)
         out(f"  token-identical to the unsplit model: {'yes' if same else 'NO'} ({len(run.tokens)} tokens){_first_difference(run, ref)}")
         _print_answer(out, run, tokenizer)
+        if fast and len(runs) == 1:
+            answer_fast(split, ids, max_new_tokens, run)
+            same = torch.equal(run.fast_tokens, ref.tokens)
+            out(
+                f"  fast path (cache_implementation=\"static\": each shard's decode step compiled, in {run.compile_s:.0f} s "
+                f"on the first call): {len(run.fast_tokens) / run.fast_s:.1f} tokens/s, token-identical: {'yes' if same else 'NO'}"
+            )
         fine_tune(split, text_ids, steps, lr, run)
         runs.append(run)
         del split
@@ -295,10 +320,11 @@ def _print_memory(out, runs: list[Run]) -> None:
 def _print_timings(out, runs: list[Run]) -> None:
     out("\nTimings (seconds; CPU slots are threads of this process, one core each, on a machine that may be busy)")
     rows = [
-        [r.label, f"{r.split_s:.2f}" if r.split_s else "", f"{len(r.tokens) / r.generate_s:.1f}", f"{r.step_s:.2f}"]
+        [r.label, f"{r.split_s:.2f}" if r.split_s else "", f"{len(r.tokens) / r.generate_s:.1f}",
+         f"{len(r.fast_tokens) / r.fast_s:.1f}" if r.fast_s else "", f"{r.step_s:.2f}"]
         for r in runs
     ]
-    _table(out, ["", "split", "tokens/s", "train step"], rows)
+    _table(out, ["", "split", "tokens/s", "fast path tokens/s", "train step"], rows)
 
 
 # --- entry point --------------------------------------------------------------------------------------
@@ -320,6 +346,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lora", action=argparse.BooleanOptionalAction, default=True,
         help="also fine-tune with a PEFT LoRA adapter, split and unsplit, save it and reload it unsplit (default: on)",
     )
+    parser.add_argument(
+        "--fast", action=argparse.BooleanOptionalAction, default=True,
+        help="also answer on the fast decoding path (static cache, compiled shards) at the first device count (default: on)",
+    )
     parser.add_argument("--adapter-dir", type=Path, default=None, help="where to save the adapter (default: a temporary folder)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.steps < 1:
@@ -338,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
         # model on one core too (several threads per slot would fight over the cores and blur the timings).
         torch.set_num_threads(1)
         print("CPU slots: one thread each (torch.set_num_threads(1)); the unsplit model runs on one core too")
-    run_demo(model, tokenizer, prompt=args.prompt, devices=devices, max_new_tokens=args.max_new_tokens, steps=args.steps)
+    run_demo(model, tokenizer, prompt=args.prompt, devices=devices, max_new_tokens=args.max_new_tokens, steps=args.steps,
+             fast=args.fast)
     if args.lora:
         with tempfile.TemporaryDirectory() as tmp:
             run_lora(model, tokenizer, prompt=args.prompt, devices=devices, max_new_tokens=args.max_new_tokens,

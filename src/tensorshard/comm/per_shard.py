@@ -40,7 +40,7 @@ from .counter import record
 from .reduce import copies, each_computes_its_own, nbytes as _nbytes, signature as _signature, sum_chunk_into, sum_to_all
 
 
-def _summed(comm: Comm, op: str, where: str, x: torch.Tensor, phase: str) -> torch.Tensor:
+def summed(comm: Comm, op: str, where: str, x: torch.Tensor, phase: str) -> torch.Tensor:
     devices = comm.group.devices
     if each_computes_its_own(devices, _nbytes(x)):
         # Each shard brings its input and an empty result, sums its own chunk of every element into all the
@@ -62,7 +62,7 @@ def _summed(comm: Comm, op: str, where: str, x: torch.Tensor, phase: str) -> tor
     return comm._exchange(op, where, x, compute, _signature(x))
 
 
-def _gathered(comm: Comm, op: str, where: str, x: torch.Tensor, dim: int, part, phase: str) -> torch.Tensor:
+def gathered(comm: Comm, op: str, where: str, x: torch.Tensor, dim: int, part, phase: str) -> torch.Tensor:
     devices = comm.group.devices
     full = list(x.shape)
     full[dim] = part.size
@@ -111,7 +111,7 @@ def _assembled(comm: Comm, where: str, x: torch.Tensor, dim: int, part) -> torch
 class AllReduce(Function):
     @staticmethod
     def forward(ctx, comm, where, x):
-        return _summed(comm, "all_reduce", where, x, "forward")
+        return summed(comm, "all_reduce", where, x, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -126,14 +126,14 @@ class CopyToParallel(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, _summed(ctx.comm, "copy_to_parallel", ctx.where, grad, "backward")
+        return None, None, summed(ctx.comm, "copy_to_parallel", ctx.where, grad, "backward")
 
 
 class AllGather(Function):
     @staticmethod
     def forward(ctx, comm, where, part, dim, x):
         ctx.part, ctx.dim, ctx.rank = part, dim, comm.rank
-        return _gathered(comm, "all_gather", where, x, dim, part, "forward")
+        return gathered(comm, "all_gather", where, x, dim, part, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -160,7 +160,7 @@ class Split(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        full = _gathered(ctx.comm, "split", ctx.where, grad.contiguous(), ctx.dim, ctx.part, "backward")
+        full = gathered(ctx.comm, "split", ctx.where, grad.contiguous(), ctx.dim, ctx.part, "backward")
         return None, None, None, None, full
 
 
@@ -178,8 +178,8 @@ class Tie(Function):
         def compute(grads):
             grads = list(grads)
             for ranks in groups:
-                summed = sum_to_all([grads[r] for r in ranks], [devices[r] for r in ranks])
-                for r, g in zip(ranks, summed):
+                total = sum_to_all([grads[r] for r in ranks], [devices[r] for r in ranks])
+                for r, g in zip(ranks, total):
                     grads[r] = g
             if groups:
                 record("all_reduce", _nbytes(grads[0]), "backward", ctx.where)

@@ -33,7 +33,8 @@ def test_demo_prints_answer_identity_losses_and_memory(smollm2):
     lines = []
     runs = demo.run_demo(
         model, tokenizer, prompt="Name three colors.", devices=[["cpu"] * 3], max_new_tokens=14, steps=2,
-        out=lines.append,
+        fast=False, out=lines.append,  # compiling SmolLM2's shards takes minutes here; test_static_cache.py compiles
+
     )
     text = "\n".join(lines)
     assert "1. Red\n  2. Blue\n  3. Green" in text
@@ -49,5 +50,6 @@ def test_demo_arguments():
     args = demo.parse_args(["--prompt", "Hi", "--devices", "2", "cpu,cpu,cpu", "--max-new-tokens", "5", "--steps", "1"])
     assert (args.prompt, args.max_new_tokens, args.steps) == ("Hi", 5, 1)
     assert demo.device_lists(args.devices) == [["cpu", "cpu"], ["cpu", "cpu", "cpu"]]  # no GPU here
+    assert args.fast and not demo.parse_args(["--no-fast"]).fast
     with pytest.raises(SystemExit):
         demo.parse_args(["--steps", "0"])

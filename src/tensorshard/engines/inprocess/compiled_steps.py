@@ -16,9 +16,10 @@ What happens per call:
 - the first call of a kind (a new batch size, cache length or dtype: `_kind`) compiles every shard, one shard at
   a time (the baton passes at every collective: schedule.py's serial way), since `torch.compile` is not
   thread-safe; each shard compiles its own graphs, under a code object of its own (`_entry`);
-- later calls run the shards as the call schedule finds fastest, at the same time or one at a time (schedule.py):
-  compiled code with little arithmetic per collective gains nothing from threads on CPU slots, while on GPUs the
-  compiled kernels are queued asynchronously and the devices overlap.
+- later calls on CPU slots run the shards one at a time too: compiled code does little between two collectives,
+  and two threads running it at once hand the GIL back and forth at every kernel (measured on 2 cores: a third
+  of the speed of one thread after the other);
+  on GPUs, whose compiled kernels are queued asynchronously, the call schedule chooses (schedule.py).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class CompiledSteps:
         self.unwrap, self.rewrap, self.prepare = unwrap, rewrap, prepare
         self.compiled = [torch.compile(_entry(shard, rank), **self.options) for rank, shard in enumerate(model.module_shards)]
         self.kinds: set[Hashable] = set()  # kinds of call compiled so far
+        self.cpu_only = all(torch.device(d).type == "cpu" for d in model.devices)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         world = len(self.compiled)
@@ -73,8 +75,9 @@ class CompiledSteps:
         started = time.perf_counter()
         # A graph torch.compile fails to make (an internal error at a recompile) runs that frame eagerly, as a
         # failure to compile does without graph breaks allowed: the numbers are the same, only slower.
+        serial = True if first or self.cpu_only else None
         with torch._dynamo.config.patch(suppress_errors=not self.options.get("fullgraph", False)):
-            out = self.model.run_modules(args, kwargs, self._run, serial=True if first else None)
+            out = self.model.run_modules(args, kwargs, self._run, serial=serial)
         if first:
             self.kinds.add(kind)
             logger.info(

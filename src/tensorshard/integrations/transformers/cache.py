@@ -14,7 +14,8 @@ cache is the caller's Cache object turned, in place, into a dispatcher over one 
 It stays an instance of its original class (a DynamicCache is still a DynamicCache, an EncoderDecoderCache
 still an EncoderDecoderCache), so transformers' isinstance checks hold. Sliding-window layers (gemma2) and
 encoder-decoder caches (t5) work because each device's cache is a deep copy of the empty original, built by
-transformers' own code. Static caches pre-allocate with the full head count and are refused; a cache already
+transformers' own code. A static cache (StaticCache, generate(cache_implementation="static")) allocates its layers
+from the first keys and values it is given, so each device's copy holds that device's heads; a cache already
 filled by the unsplit model is divided by heads (unsplit_cache.py). A model's own cache class that is not a
 `Cache` (Reformer's ReformerDynamicCache) is sharded the same way when empty: shared, every device would
 append its own states to it; filled elsewhere, it is refused (`is_cache`).
@@ -29,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_leaves
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache
 
 from ...engines.inprocess.boundary import PerDevice, register_per_device
 from ...engines.inprocess import current_rank
@@ -170,7 +171,3 @@ def _seq_length(cache: Cache) -> int:
         layers = getattr(inner, "layers", [])
         return int(any(any(getattr(layer, "has_previous_state", {}).values()) for layer in layers))
 
-
-def _layers(cache: Cache, kind: type) -> bool:
-    caches = [getattr(cache, a) for a in ("self_attention_cache", "cross_attention_cache") if hasattr(cache, a)] or [cache]
-    return any(isinstance(layer, kind) for c in caches for layer in getattr(c, "layers", []))

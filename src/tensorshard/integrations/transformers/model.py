@@ -32,7 +32,9 @@ shards. The configuration objects are the ones every shard reads (engines/shared
   shard's own backward pass (engines/inprocess/shard_backward.py); not in debug mode on a GPU;
 - ``num_parameters()`` is the unsplit model's count (engines/inprocess/param_count.py), not the sum over the
   devices' tensors (which counts a replicated norm once per device);
-- unsupported, with an error saying so: output_attentions, static caches, resizing embeddings;
+- ``generate(..., cache_implementation="static")`` decodes through every shard's compiled forward (fast_decode.py),
+  on every device type; ``generation_config.disable_compile=True`` keeps it eager;
+- unsupported, with an error saying so: output_attentions, resizing embeddings;
 - training with dropout: replicated activations get one mask on every device (comm/dropout.py).
 """
 

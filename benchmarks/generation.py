@@ -1,0 +1,138 @@
+"""Greedy decoding per token, in one process: unsplit and split, eager and on the fast path (static cache + compile).
+
+    TORCHINDUCTOR_COMPILE_THREADS=1 python benchmarks/generation.py [--devices 1 2 4 8] [--rounds 5] [--quick]
+        # writes benchmarks/results/generation.json and prints a markdown table (BENCHMARKS.md, section 5)
+
+The model is scaling.py's "small" Llama (hidden 256, 8 layers, 8 heads over 4 KV heads, vocabulary 2048): the regime
+GPU decoding lives in, where a token is Python and dispatch, not arithmetic. Batch 1, a 16-token prompt, 32 new
+tokens, greedy, one intra-op thread per device. What is timed, per generated token (the whole `generate` call / 32,
+its prefill included):
+
+- unsplit eager: `model.generate(...)` with the dynamic cache;
+- unsplit fast: transformers' own fast path, `cache_implementation="static"` with its compile forced on CPU
+  (`CompileConfig._compile_all_devices`; transformers compiles by itself only on GPUs);
+- split default: `tp.tensor_parallel(model, ["cpu"] * n).generate(...)` with the dynamic cache;
+- split fast: the same split model with `cache_implementation="static"`: each shard's compiled step.
+
+Every variant runs in one process, in interleaved rounds (the same conditions for all), after one untimed call
+that compiles (its time is reported as "first call"). Wall time is the median over the rounds; CPU time is the
+process's, summed over its threads. Inductor's compile workers slow later eager code, so set
+TORCHINDUCTOR_COMPILE_THREADS=1 (the script does, unless it is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+RESULTS = Path(__file__).resolve().parent / "results" / "generation.json"
+SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def variants(model, devices: list[int]):
+    """name -> a function that runs one greedy generate, for the unsplit model and each split."""
+    import torch
+    from transformers import CompileConfig
+
+    import tensorshard as tp
+
+    compile_anywhere = CompileConfig()
+    compile_anywhere._compile_all_devices = True  # transformers' own switch for compiling off-GPU
+    out = {
+        "unsplit eager": (model, {}),
+        "unsplit fast": (model, {"cache_implementation": "static", "compile_config": compile_anywhere}),
+    }
+    for n in devices:
+        split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n)
+        out[f"split {n} default"] = (split, {})
+        out[f"split {n} fast"] = (split, {"cache_implementation": "static"})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="a tiny model, 2 devices, 2 rounds: checks that it runs")
+    args = parser.parse_args()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    if args.quick:
+        args.devices, args.rounds, args.new_tokens = [2], 2, 8
+    torch.manual_seed(0)
+    config = LlamaConfig(**(TINY if args.quick else SMALL))
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    new = args.new_tokens
+    runs = variants(model, args.devices)
+    reference = None
+    first, wall, cpu, same = {}, {k: [] for k in runs}, {k: [] for k in runs}, {}
+
+    def generate(name):
+        m, kwargs = runs[name]
+        with torch.no_grad():
+            return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+
+    for name in runs:  # the untimed first call: compiles where the variant compiles
+        started = time.perf_counter()
+        tokens = generate(name)
+        first[name] = time.perf_counter() - started
+        reference = tokens if reference is None else reference
+        same[name] = bool(torch.equal(tokens, reference))
+        print(f"{name}: first call {first[name]:.1f} s, tokens {'equal' if same[name] else 'DIFFER'}", file=sys.stderr)
+    for _ in range(args.rounds):
+        for name in runs:
+            c, w = time.process_time(), time.perf_counter()
+            generate(name)
+            wall[name].append((time.perf_counter() - w) / new * 1e3)
+            cpu[name].append((time.process_time() - c) / new * 1e3)
+    rows = {
+        name: {"ms_per_token": statistics.median(wall[name]), "cpu_ms_per_token": statistics.median(cpu[name]),
+               "first_call_s": first[name], "same_tokens": same[name]}
+        for name in runs
+    }
+    result = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_at_start": os.getloadavg()[0],
+        "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "model": "tiny" if args.quick else "small", "new_tokens": new, "rounds": args.rounds, "rows": rows,
+    }
+    if not args.quick:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+
+
+def table(result: dict) -> str:
+    rows = result["rows"]
+    eager, fast = rows["unsplit eager"]["ms_per_token"], rows["unsplit fast"]["ms_per_token"]
+    lines = [
+        f"{result['date']}, {result['cores']} cores, load {result['load_at_start']:.1f} at the start, torch {result['torch']}, "
+        f"{result['model']} Llama, {result['new_tokens']} new tokens, medians of {result['rounds']} rounds",
+        "",
+        "| variant | ms/token | x unsplit eager | x unsplit fast | CPU ms/token | first call (s) | tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        lines.append(
+            f"| {name} | {r['ms_per_token']:.1f} | {r['ms_per_token'] / eager:.2f} | {r['ms_per_token'] / fast:.2f} | "
+            f"{r['cpu_ms_per_token']:.1f} | {r['first_call_s']:.1f} | {'same' if r['same_tokens'] else 'DIFFER'} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
