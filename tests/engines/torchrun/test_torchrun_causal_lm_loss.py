@@ -242,10 +242,10 @@ def one_reader(rank: int) -> None:
             model(input_ids=ids, labels=labels)
     finally:
         spawned.report("seconds", time.monotonic() - began)
-        # Stay up a while: the other rank, behind by milliseconds (seconds on a loaded machine), must reach its own
-        # time limit rather than see this process gone (which stops it at once, as CollectiveAborted: another
-        # outcome, tested elsewhere).
-        time.sleep(6)
+        # Stay up until the other rank has failed too: behind by milliseconds (seconds on a loaded machine), it must
+        # reach its own time limit rather than see this process gone (which stops it at once, as
+        # CollectiveAborted: another outcome, tested elsewhere).
+        spawned.wait_for_all("failed", timeout=20)
 
 
 @pytest.mark.parametrize("transport", ["shared memory", "gloo"])
