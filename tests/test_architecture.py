@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # (layer number, module-name prefixes); a module belongs to the layer of its longest matching prefix.
 LAYERS = [
     (0, ["tensorshard.partition", "tensorshard.devices", "tensorshard.layers", "tensorshard.memory", "tensorshard.quant",
-         "tensorshard.registrations", "tensorshard.trees"]),
+         "tensorshard.registrations", "tensorshard.trees", "tensorshard.logs"]),
     (1, ["tensorshard.comm"]),
     (2, ["tensorshard.styles", "tensorshard.loss_parallel"]),
     (3, ["tensorshard.plans"]),

@@ -1,9 +1,12 @@
-"""Docs cannot rot: every ```python block of README.md and docs/*.md runs, on CPU.
+"""Docs cannot rot, and a reader can copy any example: every ```python block of README.md and docs/*.md runs,
+on CPU, on its own.
 
-How it runs: the blocks of one file run in order, in one namespace (a later block may use what an earlier one
-defined), in a fresh Python process whose working folder is a temporary one (blocks may write files), with
-TENSORSHARD_TIMEOUT=60. A block that raises fails the test with the file, the block's line and the traceback.
-The test id says how many blocks of the file run and how many are skipped: ``README.md: 2 run, 4 skipped``.
+How it runs (tests/support/docs.py): each block in a fresh namespace, unless its first line is
+``# continues the block above``, which runs it after the block above, in that block's namespace. All files run
+once per session in one fresh Python process, each file in a temporary working folder of its own (blocks may
+write files), with TENSORSHARD_TIMEOUT=60. A block that raises fails the test with the file, the block's line and
+the traceback. The test id says how many blocks of the file run, continue the block above, and are skipped:
+``docs/checkpoints.md: 7 run (3 continue the block above), 1 skipped``.
 
 Marking a block that cannot run here (it needs GPUs, torchrun or several processes, a downloaded model, or it is
 a sketch using names it does not define): put this HTML comment, invisible on GitHub, on the line right
@@ -15,29 +18,22 @@ before its fence, with the reason:
     ```
 
 A skipped block is still compiled (a syntax error fails the test) and its top-level ``import`` /
-``from ... import`` statements run, so imports of names that do not exist fail too, and later blocks can use
-the modules it imports. Blocks of other languages (```bash, plain ```) are not Python and are not run.
+``from ... import`` statements run, so imports of names that do not exist fail too. Blocks of other languages
+(```bash, plain ```) are not Python and are not run. Per-doc tests (docs/finetuning.md, migrating.md, ...) check
+what these same runs printed.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
-import json
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SKIP = re.compile(r"<!--\s*docs-test:\s*skip\s*\((.+?)\)\s*-->")
-FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+from support import ROOT
+from support.docs import CONTINUES, DOCS, Block, blocks, docs_runs, run_blocks
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(450)
 
 # Optional packages (extras): a file whose blocks import one, or use it through transformers as listed here, is
 # skipped by the package's name where it is not installed.
@@ -45,66 +41,19 @@ OPTIONAL = {"bitsandbytes", "gguf", "peft", "lightning", "rich", "accelerate", "
 USES = {"docs/quantization.md": {"bitsandbytes"}}  # BitsAndBytesConfig loads it inside transformers
 
 
-def blocks(path: Path) -> list[dict]:
-    """Each ```python block: its code, its first line number and the skip reason marked before it (or None)."""
-    text = path.read_text()
-    out = []
-    for m in FENCE.finditer(text):
-        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        skip = SKIP.search(before)
-        out.append({"code": m.group(1), "line": text.count("\n", 0, m.start()) + 2, "skip": skip.group(1) if skip else None})
-    return out
-
-
-def _id(path: Path) -> str:
+def _id(path) -> str:
     found = blocks(path)
-    skipped = sum(b["skip"] is not None for b in found)
-    return f"{path.relative_to(ROOT)}: {len(found) - skipped} run, {skipped} skipped"
+    skipped = sum(b.skip is not None for b in found)
+    continuing = sum(b.continues and b.skip is None for b in found)
+    more = f" ({continuing} continue{'s' if continuing == 1 else ''} the block above)" if continuing else ""
+    return f"{path.relative_to(ROOT)}: {len(found) - skipped} run{more}, {skipped} skipped"
 
 
-# The driver, run once in a fresh process for all files (one start-up, not one per file): each file's blocks
-# in a namespace of their own; prints one JSON line per file: {"file": ..., "error": None or the traceback}.
-DRIVER = r"""
-import ast, json, sys, traceback
-import torch
-torch.set_num_threads(1)
-for name, blocks in json.load(sys.stdin):
-    namespace, error = {"__name__": "__main__"}, None
-    for b in blocks:
-        where = f"{name}, the block at line {b['line']}"
-        try:
-            tree = compile(b["code"], where, "exec", ast.PyCF_ONLY_AST)
-            if b["skip"] is not None:
-                tree.body = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-            exec(compile(tree, where, "exec"), namespace)
-        except BaseException:
-            skipped = f" (skipped: {b['skip']}; its imports)" if b["skip"] else ""
-            error = f"{where}{skipped} raised:\n{traceback.format_exc()}"
-            break
-    print("DOCS-RESULT " + json.dumps({"file": name, "error": error}), flush=True)
-"""
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, str | None]:
-    files = [(str(p.relative_to(ROOT)), blocks(p)) for p in DOCS if blocks(p)]
-    env = dict(os.environ, TENSORSHARD_TIMEOUT="60", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
-    done = subprocess.run(
-        [sys.executable, "-c", DRIVER], input=json.dumps(files), text=True, capture_output=True,
-        cwd=tmp_path_factory.mktemp("docs"), env=env, timeout=280,
-    )
-    found = [json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("DOCS-RESULT ")]
-    out = {r["file"]: r["error"] for r in found}
-    for name, _ in files:
-        out.setdefault(name, f"the driver stopped before this file (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return out
-
-
-def missing_packages(path: Path) -> list[str]:
+def missing_packages(path) -> list[str]:
     """The optional packages `path`'s blocks need that are not installed here."""
     needed = set(USES.get(str(path.relative_to(ROOT)), ()))
     for b in blocks(path):
-        for node in ast.walk(ast.parse(b["code"])):
+        for node in ast.walk(ast.parse(b.code)):
             if isinstance(node, ast.Import):
                 needed |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -113,11 +62,44 @@ def missing_packages(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("path", [p for p in DOCS if blocks(p)], ids=_id)
-def test_docs_python_blocks_run(path, results):
+def test_docs_python_blocks_run(path):
     missing = missing_packages(path)
     if missing:
         pytest.skip(f"{path.relative_to(ROOT)} needs {', '.join(missing)}, not installed")
-    error = results[str(path.relative_to(ROOT))]
-    if error is not None:
-        pytest.fail(error, pytrace=False)
+    errors = docs_runs()[str(path.relative_to(ROOT))].errors
+    if errors:
+        pytest.fail("\n\n".join(errors), pytrace=False)
     print(_id(path))
+
+
+def _block(code: str, *, skip: str | None = None) -> Block:
+    return Block(code=code, line=1, skip=skip, continues=code.startswith(CONTINUES))
+
+
+def test_a_block_that_uses_a_name_from_the_block_above_fails_unless_it_says_it_continues():
+    defines, uses = _block("x = 2\n"), _block("assert x == 2\n")
+    errors, _ = run_blocks("doc.md", [defines, uses])
+    assert len(errors) == 1 and "NameError: name 'x' is not defined" in errors[0]
+    assert "on its own (it does not continue the block above)" in errors[0]
+
+    continued = _block(f"{CONTINUES}\nassert x == 2\ny = x + 1\n")
+    further = _block(f"{CONTINUES}\nassert y == 3\n")
+    errors, namespace = run_blocks("doc.md", [defines, continued, further, _block("z = 1\n")])
+    assert errors == [] and "x" not in namespace  # the last block started afresh
+
+
+def test_a_continuing_block_needs_a_block_above_that_ran():
+    errors, _ = run_blocks("doc.md", [_block(f"{CONTINUES}\nx = 1\n")])
+    assert len(errors) == 1 and "first block" in errors[0]
+    # the block above fails: the one continuing it is not run (one error, not two), the next standalone one is
+    errors, _ = run_blocks("doc.md", [_block("1 / 0\n"), _block(f"{CONTINUES}\nx\n"), _block("w\n")])
+    assert [e.splitlines()[-1] for e in errors] == ["ZeroDivisionError: division by zero",
+                                                    "NameError: name 'w' is not defined"]
+
+
+def test_a_skipped_block_runs_only_its_imports():
+    sketch = _block("import json\nundefined_model.train()\n", skip="a sketch")
+    errors, namespace = run_blocks("doc.md", [sketch])
+    assert errors == [] and "json" in namespace
+    errors, _ = run_blocks("doc.md", [_block("from json import no_such_name\n", skip="a sketch")])
+    assert len(errors) == 1 and "ImportError" in errors[0]

@@ -10,15 +10,16 @@ must be visible; other device types (xpu, mps, ...) must be available in this Py
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping, MappingView, Sequence, Set
 
 import torch
 
+from .logs import get_logger
+
 DeviceLike = "torch.device | str | int"
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def default_devices() -> list[torch.device]:

@@ -1,18 +1,17 @@
-"""docs/migrating.md: its examples run as written (```python blocks, in order, one namespace), and its table of the
+"""docs/migrating.md: its examples run as written (checked on the run of tests/test_docs_snippets.py), and its table of the
 tensor_parallel package's names covers every public name of the original 2.0, each marked works / differs /
 refused, and what it marks as working (or working differently) exists in tensorshard.compat."""
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 import tensorshard.compat as tp
-from support.docs import python_blocks, run_python_blocks
+from support.docs import docs_runs, python_blocks
 from support.hf_configs import tiny_model
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(450)  # the first test to ask runs every doc once (support.docs.docs_runs)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "migrating.md"
 
@@ -62,17 +61,11 @@ ORIGINAL = [
 ]
 
 
-def test_migrating_doc_examples_run(capsys):
-    blocks = python_blocks(DOC)
-    assert len(blocks) >= 5
-    before = set(sys.modules)
-    try:
-        run_python_blocks(DOC, blocks)
-    finally:  # the doc installs the tensor_parallel aliases: keep them out of the other tests
-        for name in set(sys.modules) - before:
-            if name == "tensor_parallel" or name.startswith("tensor_parallel."):
-                del sys.modules[name]
-    printed = capsys.readouterr().out
+def test_migrating_doc_examples_run():
+    assert len(python_blocks(DOC)) >= 5
+    run = docs_runs()["docs/migrating.md"]  # in a process of its own: the doc's tensor_parallel aliases stay there
+    assert not run.errors, run.errors[0]
+    printed = run.printed
     assert "TensorParallelOPTForCausalLM True" in printed
     assert re.search(r"fc1\s+ColwiseParallel\(\)\nfc2\s+RowwiseParallel\(\)", printed)
     assert "no output rule 'sum' covers it" in printed

@@ -60,6 +60,9 @@ def _step(model, batch):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_predefined_config_splits_as_the_preset_and_computes_as_unsplit(world, gen):
+    # seeded: AdamW's steps amplify fp32 rounding differently for other weights, so an unseeded model made the 1e-4
+    # bound below depend on which tests ran before (failed when run in another order)
+    torch.manual_seed(0)
     ref = tiny_model("llama").train()  # 9 query heads in 3 KV groups: whole groups per device
     config = tp.pretrained_model.find_predefined_tensor_parallel_config(ref.config, ["cpu"] * world)
     assert isinstance(config, tp.Config)

@@ -3,6 +3,7 @@
     result = spawned.run(scenario, world=2)      # scenario(rank) on each rank, gloo over a file:// rendezvous
     result.exit_codes, result.exit_times         # per rank (time.monotonic(), comparable across processes)
     result.events[rank]                          # what scenario(rank) reported: spawned.report(key, value)
+    spawned.wait_for_all("done", timeout=20)     # in a rank: stay until every rank got here (or the limit)
 
 A scenario that raises is reported as event "raised" (type, message, notes, time) and then ends its process
 with exit code 1, as an uncaught error ends a training script; a scenario that returns ends it with 0. Both skip
@@ -23,11 +24,26 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 _events = None  # in a spawned rank: the queue to the parent
+_folder = None  # in a spawned rank: the run's temporary folder, which every rank sees
 
 
 def report(key: str, value: Any) -> None:
     """From a rank: hand `value` to the test (picklable)."""
     _events.put((int(os.environ["RANK"]), key, value))
+
+
+def wait_for_all(name: str, timeout: float) -> bool:
+    """From a rank: mark `name` as reached, then wait until every rank has (True) or `timeout` s pass (False).
+    Not a collective: it works with a process group left out of step, and a rank that died is waited for only
+    until the limit."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    open(os.path.join(_folder, f"{name}.{rank}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(_folder, f"{name}.{r}")) for r in range(world)):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def describe(error: BaseException) -> dict:
@@ -40,11 +56,11 @@ def describe(error: BaseException) -> dict:
 
 
 def _main(fn: Callable, rank: int, world: int, init_file: str, events) -> None:
-    global _events
+    global _events, _folder
     import torch
     import torch.distributed as dist
 
-    _events = events
+    _events, _folder = events, os.path.dirname(init_file)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

@@ -28,7 +28,6 @@ Inkling's expert ops, quantizer ops): those are refused before loading, with the
 from __future__ import annotations
 
 import copy
-import logging
 import sys
 from types import SimpleNamespace
 from typing import Any, Sequence
@@ -36,10 +35,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..logs import get_logger
 from .layout import Box
 from .sources import Source, Target, describe_names
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # transformers' operations that are plain functions of whole tensors (and of the config, or of the model's
 # parameter shapes, which `_Shapes` answers): applying them to the whole stored tensors gives the whole

@@ -20,7 +20,6 @@ transformers model's own ``save_pretrained`` is routed here by `parallelize` (`g
 from __future__ import annotations
 
 import json
-import logging
 import os
 from contextlib import contextmanager
 from functools import partial
@@ -32,6 +31,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..layers import is_peft_model, is_transformers_model
+from ..logs import get_logger
 from ..plans.adapters import is_adapter_tensor
 from ..plans.slices import after_split
 from .atomic import atomic_write, fsync_dir, publish, write_into_folder
@@ -41,7 +41,7 @@ from .layout import ModelLayout, TensorEntry, is_split_model
 from .sources import HF_INDEX_NAME, HF_SINGLE_NAME
 from .torchrun import TorchrunJob, is_parallelized, job_of
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def gather_entry(layout: ModelLayout, entry: TensorEntry, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -17,18 +17,18 @@ Host memory beyond the destination tensors: what the source needs for one tensor
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from ..logs import get_logger
 from ..plans import resolve_plan
 from ..plans.sharding import shard_plan
 from .layout import ModelLayout, TensorEntry, local_view, rank_pieces
 from .sources import Source, describe_names
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def match_tensors(

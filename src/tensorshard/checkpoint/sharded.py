@@ -30,7 +30,6 @@ Memory: saving moves one slice at a time to the host; loading reads one tensor a
 from __future__ import annotations
 
 import json
-import logging
 import os
 from functools import partial
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..logs import get_logger
 from ..plans.plan import Plan
 from .atomic import atomic_write, fsync_dir, is_temp_name, publish
 from .describe import model_layout
@@ -50,7 +50,7 @@ from .optimizer import check_optimizer_section, load_optimizer, optimizer_files
 from .sources import INDEX_NAME, SafetensorsSource
 from .torchrun import job_of
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 OPTIMIZER_DIR = "optimizer"
 

@@ -15,7 +15,6 @@ are released before the next tensor (host memory beyond the destination: at most
 from __future__ import annotations
 
 import json
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,10 +22,11 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from ..logs import get_logger
 from .files import DCP_SHARDING_INFO, DTYPES_BY_CODE, DTYPES_BY_NAME, DTYPE_CODES, check_file
 from .layout import Box
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 INDEX_NAME = "tensorshard.json"  # a tensorshard sharded checkpoint
 HF_INDEX_NAME = "model.safetensors.index.json"

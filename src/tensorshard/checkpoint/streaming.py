@@ -29,7 +29,6 @@ For those who load by hand (the `tensor_parallel` package's flow), see dispatch.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +37,7 @@ import torch
 from torch import nn
 
 from .. import quant
+from ..logs import get_logger
 from ..plans.plan import Plan
 from .conversions import HubConversions
 from .describe import model_layout
@@ -48,7 +48,7 @@ from .loader import fill, match_tensors, still_meta
 from .sources import INDEX_NAME, SafetensorsSource, describe_names
 from .torchrun import job_of
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 # --- loading a pretrained model ---------------------------------------------------------------------------

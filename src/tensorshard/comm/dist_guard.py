@@ -30,7 +30,6 @@ poll: NCCL's watchdog ends a stuck collective after the timeout and reports it.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 import time
@@ -40,11 +39,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..logs import get_logger
 from .rendezvous import CollectiveAborted
 from .shm import CollectivesDiffer, process_alive
 from .timeout import resolve_timeout
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 POLL_FIRST, POLL_MAX = 0.05, 0.5  # seconds between looks at the store while a collective waits
 ANNOUNCE_AFTER = 1.0  # a rank waiting this long (or a quarter of the limit) writes where it waits

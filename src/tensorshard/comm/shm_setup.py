@@ -16,7 +16,6 @@ Sizes: at most `BUDGET` bytes per group, two buffer sets of N slots plus a resul
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import select
@@ -24,9 +23,10 @@ import shutil
 import tempfile
 from datetime import timedelta
 
+from ..logs import get_logger
 from .shm import HEADER, SharedMemoryGroup
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 ENV = "TENSORSHARD_SHM"  # "0": every collective through the process group's backend (gloo)
 BUDGET = 32 << 20  # at most this many bytes per group: 2 buffer sets x (N slots + result area)

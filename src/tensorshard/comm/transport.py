@@ -20,17 +20,17 @@ tensor of the collective's shape: no data moves for it.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
+from ..logs import get_logger
 from .dist_guard import GroupGuard, collective, guard_for
 from . import shm_setup
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # torch 2.13 renamed the single-tensor collectives; 2.12 (the oldest accepted) has only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

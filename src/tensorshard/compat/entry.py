@@ -17,7 +17,6 @@ tensorshard `Plan` is accepted as is. The module given stays usable, as with the
 
 from __future__ import annotations
 
-import logging
 import re
 import sys
 from typing import Any, Collection, Sequence
@@ -28,10 +27,11 @@ from torch import nn
 import tensorshard as ts
 from ..devices import resolve_devices
 from ..layers import is_peft_model, is_transformers_model
+from ..logs import get_logger
 from .config import Config
 from .keep import split_copy, split_keeping
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def tensor_parallel(

@@ -30,7 +30,6 @@ types without a preset: ``tensor_parallel_config=None`` then splits with the pre
 from __future__ import annotations
 
 import copy
-import logging
 import re
 import sys
 from typing import Any, Iterable
@@ -39,6 +38,7 @@ import torch
 from torch import nn
 
 from ..layers import CONV, EMBEDDING, layer_kind
+from ..logs import get_logger
 from ..partition import HeadGroups, parse_block
 from ..plans.plan import Plan, match_pattern
 from ..plans.presets import PRESETS, base_model, preset_for
@@ -48,7 +48,7 @@ from .check import UntranslatableConfig
 from .config import Config
 from .state_actions import Scale, Split, SplitInChunks, SplitInGroupedChunks
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class PerDevice:

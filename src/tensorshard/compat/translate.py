@@ -41,7 +41,6 @@ Finally the plan is checked against the config itself (check.py).
 
 from __future__ import annotations
 
-import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from typing import Any
 from torch import nn
 
 from ..layers import CONV, EMBEDDING, layer_kind
+from ..logs import get_logger
 from ..partition import HeadGroups
 from ..plans.plan import Plan, match_pattern
 from ..styles import (
@@ -59,7 +59,7 @@ from .bare import bare_modules, bare_tensors
 from .check import UntranslatableConfig, check_against_config
 from .rules import Rule, RuleTables, compile_pattern, pattern_text, read_action
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @dataclass

@@ -9,15 +9,15 @@ naming the largest layers left whole and why: the reason plan inference recorded
 
 from __future__ import annotations
 
-import logging
 
 from torch import nn
 
 from ..layers import EMBEDDING, layer_kind
+from ..logs import get_logger
 from ..plans.plan import Plan
 from ..styles import ColwiseParallel, EmbeddingParallel, Replicate, VocabParallelHead
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SPLIT_AT_LEAST = 0.5  # of the model's parameters; below it the split is reported as a warning
 

@@ -10,18 +10,18 @@ all checks off.
 
 from __future__ import annotations
 
-import logging
 
 from torch import nn
 
 from ..layers import is_transformers_model
+from ..logs import get_logger
 from ..plans.plan import Plan
 from ..plans.presets import PRESETS, preset_for
 from ..plans.sharding import shard_plan
 from .infer import infer_plan
 from .selfcheck import check_plan
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, example_inputs=None) -> Plan:

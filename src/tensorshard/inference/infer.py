@@ -28,6 +28,7 @@ from typing import Any
 from torch import nn
 
 from ..layers import layer_kind
+from ..logs import get_logger
 from ..plans.plan import Plan, match_pattern
 from ..plans.sharding import shard_plan
 from ..styles import Style
@@ -40,7 +41,7 @@ from .own_forward import gathered_own_forward
 from .selfcheck import check_entries
 from .trace import Trace, trace_model
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 MAX_ROUNDS = 8
 

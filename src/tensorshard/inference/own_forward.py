@@ -20,18 +20,18 @@ everywhere would trade a pair's one all-reduce for one all-gather per layer.
 
 from __future__ import annotations
 
-import logging
 
 from torch import nn
 
 from .. import quant
 from ..layers import CONV, LINEAR, layer_kind
+from ..logs import get_logger
 from ..styles import ColwiseParallel
 from .groups import Group, validate_entries
 from .selfcheck import check_entries
 from .trace import Trace
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _BASE_FORWARDS = {nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward}
 

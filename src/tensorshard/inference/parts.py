@@ -15,18 +15,18 @@ output, not ids). A part whose input cannot be built stays whole, with a log lin
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, TypeVar
 
 from torch import nn
 
 from ..layers import EMBEDDING, layer_kind
+from ..logs import get_logger
 from ..plans.plan import Plan
 from .groups import escape
 
 R = TypeVar("R")
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def unreached_parts(module: nn.Module, reached: set[str]) -> list[str]:

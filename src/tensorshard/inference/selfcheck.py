@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import quant
 from ..engines.inprocess import TensorParallel
+from ..logs import get_logger
 from ..plans.plan import Plan
 from ..styles import ColwiseParallel, Heads, Replicate, Style
 from .groups import find_groups, shared_path
@@ -37,7 +38,7 @@ from .trace import Trace, fresh_state, output_tensors, trace_model
 
 TOLERANCE = 1e-4  # relative (norm) error, fp32; a wrong split is off by O(1)
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def check_entries(
@@ -243,8 +244,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 def _quiet():
     """Keep the engine's per-split log lines (engines/split_report.py: a region is a small part of the
     model) out of the user's log while checking."""
-    engine = logging.getLogger("tensorshard.engines.inprocess.engine")
-    report = logging.getLogger("tensorshard.engines.split_report")
+    engine = get_logger("tensorshard.engines.inprocess.engine")
+    report = get_logger("tensorshard.engines.split_report")
     levels = engine.level, report.level
     engine.setLevel(logging.WARNING)
     report.setLevel(logging.ERROR)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,13 +39,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..layers import CONV, EMBEDDING, LayerKind, layer_kind
+from ..logs import get_logger
 from ..styles.channel import channel_dim, channel_group, is_channelwise
 from .collapses import Collapses
 from .features import FeatureSet, Ids, compact
 from .inputs import synthetic_inputs
 from .oprules import Call, IDENTITY, NO_TRACK, Rules, STRUCTURAL, tensors_of
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 LONG = "long"  # a tensor computed from activations (see Tracer.sources)
 

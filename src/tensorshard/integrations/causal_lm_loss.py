@@ -33,7 +33,6 @@ loss type (sequence classification, ...), a head that is not a plain gathering c
 from __future__ import annotations
 
 import inspect
-import logging
 import sys
 from typing import Any
 
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers import is_transformers_model
+from ..logs import get_logger
 from ..loss_parallel import GroupReductions, sliced_cross_entropy
 from .elementwise_logits import why_not_elementwise
 from .lazy_logits import gather_logits_on_read
@@ -50,7 +50,7 @@ from ..plans.slices import after_split, split_layout
 from ..styles import ColwiseParallel
 from ..styles.base import original_forward, wrap_forward
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 @after_split

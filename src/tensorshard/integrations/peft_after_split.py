@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import sys
 from pathlib import Path
@@ -64,6 +63,7 @@ from ..engines.inprocess.param_count import UnsplitParameter, count_parameters, 
 from ..engines.torchrun.late_adapters import adopt_late_adapters
 from ..engines.torchrun.local_views import building_views
 from ..layers import is_peft_model
+from ..logs import get_logger
 from .adapter_io import (
     ADAPTER_FILES,
     PEFT_PREFIX,
@@ -76,7 +76,7 @@ from .adapter_io import (
     with_adapter_names,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 SUPPORTED_TUNERS = ("LoraModel", "IA3Model")  # the PEFT methods whose layers follow a split (styles/lora.py, ia3.py)
 

@@ -26,16 +26,16 @@ imported: its wrappers are recognised by their attributes.
 
 from __future__ import annotations
 
-import logging
 
 from torch import nn
 
+from ..logs import get_logger
 from ..styles import ColwiseParallel, Replicate, RowwiseParallel, Style
 from ..styles.ia3 import Ia3Parallel, Ia3Scale, ia3_layer_problem
 from ..styles.lora import LoraFactor, LoraMagnitude, LoraParallel, lora_layer_problem
 from .plan import Plan, match_pattern
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def is_adapter_layer(module: nn.Module) -> bool:

@@ -16,14 +16,14 @@ Other combinations are left to `shard_plan`'s error, which says how to split bot
 
 from __future__ import annotations
 
-import logging
 
 from torch import nn
 
+from ..logs import get_logger
 from ..styles import ColwiseParallel, EmbeddingParallel, RowwiseParallel, Style
 from .plan import Plan, escape
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 

@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import ast
 import bisect
-import logging
 import re
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..layers import CONV, CONV1D_HF, LINEAR, layer_kind, weight_shape
+from ..logs import get_logger
 from ..partition import HeadGroups, Partition, block_partition, parse_block
 from ..styles.channel import ChannelParallel, channel_count
 from ..styles.column import ColwiseParallel
@@ -55,7 +55,7 @@ from ..styles.shard_params import ShardParams
 from .direct_reads import _source_tree
 from .module_shard import ModuleShard
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _QUANTITY = {"heads": "num_heads", "kv_heads": "num_kv_heads", "groups": "groups", "features": "features", "kv_features": "kv_features"}
 

@@ -62,10 +62,17 @@ def lora(model):
                                             init_lora_weights=False, modules_to_save=["lm_head"]))
 
 
+@pytest.fixture(scope="module")
+def unsplit_run(tmp_path_factory):
+    """The unsplit model's run, once for every device count: (losses, its folder)."""
+    folder = tmp_path_factory.mktemp("trainer") / "unsplit"
+    return train(tiny(), folder), folder
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_trainer_trains_evaluates_saves_and_resumes(tmp_path, n, monkeypatch):
+def test_trainer_trains_evaluates_saves_and_resumes(tmp_path, n, monkeypatch, unsplit_run):
     original = tiny()
-    want = train(copy.deepcopy(original), tmp_path / "unsplit")
+    want, unsplit_folder = unsplit_run
     stepped = set()  # the threads that ran the Trainer's AdamW update on some parameters
     adam = sys.modules[torch.optim.Adam.__module__]
 
@@ -83,7 +90,7 @@ def test_trainer_trains_evaluates_saves_and_resumes(tmp_path, n, monkeypatch):
     for folder in ("checkpoint-2", "final"):  # checkpoints are plain transformers checkpoints
         with torch.no_grad():
             reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "split" / folder).eval()
-            expected = AutoModelForCausalLM.from_pretrained(tmp_path / "unsplit" / folder).eval()
+            expected = AutoModelForCausalLM.from_pretrained(unsplit_folder / folder).eval()
             assert rel_err(reloaded(ids).logits, expected(ids).logits) < 1e-4  # after training: the loss tolerance
     resumed = train(tp.tensor_parallel(copy.deepcopy(original), ["cpu"] * n), tmp_path / "split", resume=tmp_path / "split" / "checkpoint-2")
     assert close(resumed[0], want[0]) and close(resumed[1], want[1])

@@ -32,17 +32,17 @@ everywhere else the optimizer's step runs as it always did, in the caller's thre
 from __future__ import annotations
 
 import inspect
-import logging
 import weakref
 from typing import Any
 
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from ...logs import get_logger
 from .engine import live_models
 from .optimizer import DeviceSteps, PerDeviceOptimizer
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 PER_PARAMETER = tuple(
     getattr(torch.optim, name)

@@ -22,7 +22,6 @@ model never exists twice) and it is left on the meta device; calling it afterwar
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import threading
@@ -38,6 +37,7 @@ from ...comm.dropout import ShardDropout, ThreadPeers, may_drop
 from ...comm.threads import ThreadGroup
 from ...comm.timeout import resolve_timeout
 from ...devices import as_device, device_labels, resolve_devices
+from ...logs import get_logger
 from ...partition import Partition
 from ...plans import resolve_plan
 from ...plans.plan import Plan
@@ -60,7 +60,7 @@ from .views import follow_root, make_view
 from .workers import ThreadState, WorkerPool
 from .zero import choose_params, shard_replicated
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _shard = threading.local()  # .rank: the shard the current thread is running
 _live: "weakref.WeakSet[TensorParallel]" = weakref.WeakSet()  # models split over several devices

@@ -29,13 +29,13 @@ clipping over ``model.parameters()`` (the Trainer's) counts each element once.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 from torch import nn
 
 from ...comm.dropout import ShardDropout, ThreadPeers, may_drop
 from ...comm.threads import ThreadComm
+from ...logs import get_logger
 from ...plans.adapters import base_kind
 from ...plans.late_adapters import (
     LateAdapters,
@@ -55,7 +55,7 @@ from ...styles.base import ShardContext
 from .views import follow_root, root_of
 from .zero import shard_added
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def module_count(model) -> int:

@@ -29,7 +29,6 @@ write into their param groups during `step()`.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable
@@ -37,10 +36,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ...logs import get_logger
 from .engine import TensorParallel
 from .workers import ThreadState
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _HOOKS = (  # the hook dicts torch.optim.Optimizer keeps per instance
     "_optimizer_step_pre_hooks",

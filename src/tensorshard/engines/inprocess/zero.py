@@ -27,7 +27,6 @@ docs/checkpoints.md.
 from __future__ import annotations
 
 import difflib
-import logging
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -37,9 +36,10 @@ from torch import nn
 from torch.autograd import Function
 
 from ...comm.counter import record
+from ...logs import get_logger
 from ...partition import Partition, split_evenly
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 WHERE = "zero-3"
 

@@ -21,7 +21,6 @@ checkpointing on again on the copy). Copies of a model wrapped by ``fully_shard`
 from __future__ import annotations
 
 import copy
-import logging
 
 import torch
 import torch.distributed as dist
@@ -29,9 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...comm.dist import DistComm
+from ...logs import get_logger
 from ...plans.sharding import direct_tensors
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def keep_skeleton(module: nn.Module) -> tuple[nn.Module | None, str]:

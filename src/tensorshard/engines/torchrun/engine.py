@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +46,7 @@ from ...comm.dropout import DistPeers, ShardDropout, may_drop
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
 from ...comm.timeout import resolve_timeout
+from ...logs import get_logger
 from ...partition import Partition
 from ...plans import resolve_plan
 from ...plans.plan import Plan
@@ -63,7 +63,7 @@ from .data import check_same_inputs
 from .late_adapters import adopt_late_adapters
 from .local_views import swap_adapter_layers, swap_local_views
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_CHECKS = 3  # root calls whose inputs are compared across TP ranks
 

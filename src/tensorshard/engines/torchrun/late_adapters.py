@@ -22,7 +22,6 @@ from them), so that PEFT's own code never mixes DTensors with plain tensors (loc
 
 from __future__ import annotations
 
-import logging
 
 import torch
 import torch.distributed as dist
@@ -32,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from ...comm.dist import gather_partition
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
+from ...logs import get_logger
 from ...plans.adapters import base_kind
 from ...plans.late_adapters import (
     LateAdapters,
@@ -50,7 +50,7 @@ from ...registrations import registrations
 from ...styles.base import ShardContext
 from .local_views import restore_after_building, swap_adapter_layers, swap_local_views
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def adopt_late_adapters(root: nn.Module) -> None:

@@ -17,7 +17,6 @@ PEFT's own API on a split model (the saved files, gathering, the stand-in) is in
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ except ImportError:  # pragma: no cover - without PEFT these methods say how to 
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import save_pretrained_options
 from ...engines.inprocess.late_adapters import adopt_late_modules
+from ...logs import get_logger
 from ..adapter_io import (
     ADAPTER_FILES,
     PEFT_PREFIX,
@@ -42,7 +42,7 @@ from ..adapter_io import (
     standing_in_for,
 )
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class SplitAdapters:

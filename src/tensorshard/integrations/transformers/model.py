@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -57,13 +56,14 @@ from ...engines.inprocess import TensorParallel
 from ...engines.inprocess.param_count import count_parameters, unsplit_parameters
 from ...engines.inprocess.shard_attributes import set_everywhere
 from ...layers import is_transformers_model
+from ...logs import get_logger
 from .adapters import SplitAdapters
 from .cache import shard_cache
 from .fast_decode import compiled_call, wants_compiled_decode
 from .unsplit_cache import split_filled_cache
 from .views import on_every_shard, part_view, submodule_view, top_level_tensor
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _NOT_COPIED = {"hf_device_map", "_hf_hook"}  # accelerate dispatch state of the original: meaningless here
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from torch import nn
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import save_pretrained_options
 from ...engines.inprocess.param_count import count_parameters, unsplit_parameters
+from ...logs import get_logger
 from ...plans.adapters import refuse_prompt_learning
 from ..adapter_io import (
     ADAPTER_FILES,
@@ -45,7 +45,7 @@ from ..adapter_io import (
 )
 from .wrapped import WrapperTensorParallel
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 def tensor_parallel_peft(module: nn.Module, device_ids=None, **kwargs) -> "PeftTensorParallel":
     """Split a PeftModel; the result is also an instance of its class (see the module docstring)."""

@@ -25,7 +25,6 @@ the gathered logits; GPUs keep their gather (the output is moved to `output_devi
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any
 
 import torch
@@ -33,10 +32,11 @@ from torch import nn
 
 from ...comm.threads import ThreadComm
 from ...layers import is_peft_model
+from ...logs import get_logger
 from ...styles.base import original_forward, wrap_forward
 from ..causal_lm_loss import call_labels, plain_causal_lm_loss, sliced_head, sliced_loss_function
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def assemble_logits_once(split: nn.Module) -> None:

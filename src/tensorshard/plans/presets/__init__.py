@@ -17,17 +17,17 @@ Architectures without a preset whose config carries ``base_model_tp_plan`` get a
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 from torch import nn
 
+from ...logs import get_logger
 from ...styles import ColwiseParallel, EmbeddingParallel, ShardParams, Style
 from ..plan import Plan, match_pattern
 from ..ties import follow_ties
 from .translate import translate_tp_plan
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 PRESETS: dict[str, Callable[..., Plan]] = {}
 

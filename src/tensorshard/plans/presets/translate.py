@@ -24,15 +24,15 @@ its parent module (an attention, an MLP) stay whole, with a warning naming it: s
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 
 from torch import nn
 
+from ...logs import get_logger
 from ...styles import ColwiseParallel, EmbeddingParallel, Heads, Replicate, RowwiseParallel, ShardParams, Style, SumGradients
 from ..plan import Plan, match_pattern
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 COLWISE = {"colwise", "local_colwise"}
 ROWWISE = {"rowwise", "local_rowwise", "rowwise_split_input"}
