@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from ...optimizers import step_split_whole
 from .engine import live_models
 from .optimizer import DeviceSteps, PerDeviceOptimizer
 
@@ -61,14 +62,16 @@ _hidden: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[torch.Tens
 
 def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     _hidden.pop(optimizer, None)  # a step that raised never got its post-hook: those gradients were used
-    models = [m for m in live_models() if all(d.type == "cpu" for d in m._placement)]
-    if not models or not _applies(optimizer, args, kwargs) or any(m._group.running_here() for m in models):
-        return None
-    hidden = []
-    for p in DeviceSteps(optimizer, models).run(optimizer.param_groups, rest=False):
-        if p.grad is not None:
-            hidden.append((p, p.grad))
-            p.grad = None
+    if isinstance(optimizer, PerDeviceOptimizer):
+        return None  # its own step does all of this, after its closure (optimizer.py)
+    live = live_models()
+    why_serial = _why_serial(optimizer, args, kwargs, live)
+    # Split weights an optimizer must see whole (Muon, Adafactor), on any device and under either engine:
+    # stepped whole first, or refused before anything changes (tensorshard/optimizers/guard.py).
+    hidden = _hide(step_split_whole(optimizer, live, why_not=why_serial))
+    models = [m for m in live if all(d.type == "cpu" for d in m._placement)]
+    if models and why_serial is None and inspect.unwrap(type(optimizer).step) in _STEPS:
+        hidden += _hide(DeviceSteps(optimizer, models).run(optimizer.param_groups, rest=False))
     if hidden:
         _hidden[optimizer] = hidden
     return None
@@ -79,14 +82,29 @@ def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
         p.grad = grad
 
 
-def _applies(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
-    if isinstance(optimizer, PerDeviceOptimizer) or inspect.unwrap(type(optimizer).step) not in _STEPS:
-        return False
+def _hide(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Set the gradients of `params` (already stepped) to None, so the optimizer's own step skips them."""
+    hidden = []
+    for p in params:
+        if p.grad is not None:
+            hidden.append((p, p.grad))
+            p.grad = None
+    return hidden
+
+
+def _why_serial(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, live: list) -> str | None:
+    """Why this step cannot be taken over by the hooks (None: it can)."""
     closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if closure is not None or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        return False
+    if closure is not None:
+        return "step() got a closure, which computes the gradients after tensorshard's step pre-hook"
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return "the optimizer has step hooks of its own, which would run after the split weights were stepped"
     pre, post = torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks
-    return next(reversed(pre), None) == _PRE.id and next(iter(post), None) == _POST.id
+    if next(reversed(pre), None) != _PRE.id or next(iter(post), None) != _POST.id:
+        return "another global optimizer step hook was registered after tensorshard's"
+    if any(m._group.running_here() for m in live):
+        return "the step is called inside one of the model's shards (a gradient hook during backward)"
+    return None
 
 
 _PRE = torch_optimizer.register_optimizer_step_pre_hook(_before_step)
