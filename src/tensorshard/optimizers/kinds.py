@@ -123,7 +123,7 @@ def kind_of(optimizer: torch.optim.Optimizer) -> str:
             "tp.optimizers.register_per_tensor(cls) to step split weights whole; confirm the assumption with "
             "tp.optimizers.register_elementwise(cls) to silence this warning.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
     return ELEMENTWISE
 

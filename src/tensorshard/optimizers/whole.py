@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from ..comm.counter import record
 from ..comm.dist import gather_partition
 from ..partition import Partition
 from ..plans.slices import SplitLayout
@@ -58,7 +59,10 @@ class SplitTensor:
         if self.group is None:
             device = locals_[0].device
             return self.partition.assemble([t.to(device) for t in locals_], dim)
-        return gather_partition(locals_[0], dim, self.partition, self.group, what=f"all_gather at {self.name} (optimizer)")
+        where = f"{self.name} (optimizer step)"
+        whole = gather_partition(locals_[0], dim, self.partition, self.group, what=f"all_gather at {where}")
+        record("all_gather", whole.numel() * whole.element_size(), "forward", where)  # the step counts as forward
+        return whole
 
 
 def split_tensors(layouts: Iterable[SplitLayout]) -> dict[int, SplitTensor]:
