@@ -3,7 +3,7 @@ resumes at another: Adafactor's factored moments (a row moment sliced with a row
 column-split one, and the reverse for the column moment), Muon's momentum (shaped like its weight).
 
 Resuming at 3 devices from a 2-device checkpoint (and 3 -> 2) continues like the unsplit model that never
-stopped: losses within 1e-5 relative (fp32).
+stopped: losses within 1e-5 relative (fp32). Saved in-process at 2 devices, resumed under torchrun at 3 ranks: the same.
 """
 
 import copy
@@ -13,16 +13,9 @@ import torch
 
 import tensorshard as tp
 from support import optimizers, tiny_llama
+from support.harness import world_mesh
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def build(model, family):
-    if family == "adafactor":
-        return torch.optim.Adafactor(model.parameters(), lr=1e-2)
-    for name, p in model.named_parameters():  # one optimizer per checkpoint: Muon on the blocks' matrices alone
-        p.requires_grad_(p.ndim == 2 and "embed" not in name and "lm_head" not in name)
-    return torch.optim.Muon([p for p in model.parameters() if p.requires_grad], lr=optimizers.MUON_LR)
 
 
 @pytest.mark.parametrize("family", ["adafactor", "muon"])
@@ -31,15 +24,36 @@ def test_state_saved_at_one_device_count_resumes_at_another(tmp_path, family, sa
     ref = tiny_llama.build().train()
     data = optimizers.batches(6)
     unsplit = copy.deepcopy(ref)
-    want = optimizers.train(unsplit, [build(unsplit, family)], data)
+    want = optimizers.train(unsplit, [optimizers.single(unsplit, family)], data)
 
     first = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * saved, sharded=False)
-    opt = build(first, family)
+    opt = optimizers.single(first, family)
     got = optimizers.train(first, [opt], data[:3])
     tp.save_sharded(first, tmp_path, optimizer=opt)
 
     second = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * resumed, sharded=False)
-    opt = build(second, family)
+    opt = optimizers.single(second, family)
     tp.load_sharded(second, tmp_path, optimizer=opt, progress=False)
     got += optimizers.train(second, [opt], data[3:])
     assert optimizers.worst_rel(got, want) < 1e-5
+
+
+def resume_task(folder: str, family: str) -> list[float]:
+    model = tp.parallelize(tiny_llama.build().train(), world_mesh(), plan=tiny_llama.plan())
+    opt = optimizers.single(model, family)
+    tp.load_sharded(model, folder, optimizer=opt, progress=False)
+    return optimizers.train(model, [opt], optimizers.batches(6)[3:])
+
+
+@pytest.mark.parametrize("family", ["adafactor", "muon"])
+def test_state_saved_in_process_resumes_under_torchrun_at_3_ranks(tmp_path, pool3, family):
+    ref = tiny_llama.build().train()
+    data = optimizers.batches(6)
+    unsplit = copy.deepcopy(ref)
+    want = optimizers.train(unsplit, [optimizers.single(unsplit, family)], data)
+    first = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, sharded=False)
+    opt = optimizers.single(first, family)
+    got = optimizers.train(first, [opt], data[:3])
+    tp.save_sharded(first, tmp_path, optimizer=opt)
+    for rest in pool3.run(resume_task, str(tmp_path), family):
+        assert optimizers.worst_rel(got + rest, want) < 1e-5

@@ -52,6 +52,16 @@ def build(model: nn.Module, family: str) -> list[torch.optim.Optimizer]:
     raise ValueError(family)
 
 
+def single(model: nn.Module, family: str) -> torch.optim.Optimizer:
+    """One optimizer for a checkpoint: Adafactor over everything, or Muon over the blocks' matrices (the rest
+    frozen)."""
+    if family == "adafactor":
+        return torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    for name, p in model.named_parameters():
+        p.requires_grad_(_is_matrix(name, p))
+    return torch.optim.Muon([p for p in model.parameters() if p.requires_grad], lr=MUON_LR)
+
+
 def batches(steps: int, batch: int = 2, seq: int = 12, vocab: int = 128) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
     return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(steps)]
