@@ -10,6 +10,10 @@ This module makes the step users already write run like `tp.per_device_optimizer
 global step hooks of torch.optim, registered once, take over the parameters of in-process split models
 whose devices are all CPU slots.
 
+0. The pre-hook first hands the step to tensorshard/optimizers (guard.py), for models split by either engine, on
+   any device: an optimizer that reads a whole weight (Muon, Adafactor) steps every split weight whole, whose
+   gradients are hidden from what follows; an optimizer that cannot be exact over a split weight is refused
+   before anything changes.
 1. The pre-hook runs the optimizer's own step once per shard, over that shard's parameters, in the shards'
    threads (optimizer.py's `DeviceSteps`), and hides those parameters' gradients (``grad = None``), so the
    optimizer's own step, which runs next, skips them and steps only the parameters no shard holds.

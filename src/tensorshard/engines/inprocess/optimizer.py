@@ -23,7 +23,8 @@ before the per-device step, as AdamW and SGD do. Parameters no shard holds (a he
 model) step in the caller's thread, and so does a step called from inside one of the model's shards (a
 gradient hook stepping one parameter's optimizer during backward).
 
-Not for optimizers whose step couples parameters (LBFGS flattens them all into one vector: refused) or that
+Split weights of an optimizer that reads a whole weight (Muon, Adafactor) are stepped whole first, after the
+closure (tensorshard/optimizers). Not for optimizers whose step couples parameters (LBFGS flattens them all into one vector: refused) or that
 write into their param groups during `step()`.
 """
 
