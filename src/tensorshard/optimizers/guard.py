@@ -38,10 +38,10 @@ def step_split_whole(optimizer: torch.optim.Optimizer, models: list[nn.Module], 
     """Step the split weights `optimizer` must see whole (see this module's docstring); returns them, whose
     gradients the caller hides from the rest of the step. `models`: the in-process split models alive;
     `why_not`: why the step cannot be taken over here (refused if a split weight needs it)."""
-    layouts = [layout for m in [*models, *_torchrun_models] if (layout := split_layout(m)) is not None]
-    if not layouts or kind_of(optimizer) == ELEMENTWISE:
+    models = [*models, *_torchrun_models]
+    if not models or kind_of(optimizer) == ELEMENTWISE:  # the common case costs two lookups per step
         return []
-    found = split_tensors(layouts)
+    found = split_tensors(layout for m in models if (layout := split_layout(m)) is not None)
     per_group = [_split_in(group, found) for group in optimizer.param_groups]
     first = next((t for split in per_group for t in split), None)
     if first is None:
@@ -59,6 +59,9 @@ def step_split_whole(optimizer: torch.optim.Optimizer, models: list[nn.Module], 
             "Nothing was changed. Wrap the optimizer: optimizer = tp.per_device_optimizer(optimizer, model), whose "
             "step evaluates the closure and fires the optimizer's hooks around the whole-weight step."
         )
+    odd = next((t for split in per_group for t in split if t.unsupported), None)
+    if odd is not None:
+        raise TypeError(f"{name} cannot step {odd.name} whole: {odd.unsupported}. Nothing was changed.")
     for group_index, (group, split) in enumerate(zip(optimizer.param_groups, per_group)):
         held = {id(p) for p in group["params"]}
         for t in split:

@@ -53,6 +53,7 @@ class SplitTensor:
     true_view: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # the real slice inside a stored tensor
     to_stored: Callable[[torch.Tensor], torch.Tensor] | None = None  # torchrun: a slice as the param's DTensor
     group: Any = None  # torchrun: the process group to gather over (None: every slice is here)
+    unsupported: str = ""  # why it cannot be stepped whole here (refused before the step)
 
     def gather(self, locals_: list[torch.Tensor], dim: int) -> torch.Tensor:
         """The whole tensor from the slices of `params` (each `locals_[i]` is params[i]'s, along `dim`)."""
@@ -78,6 +79,11 @@ def split_tensors(layouts: Iterable[SplitLayout]) -> dict[int, SplitTensor]:
                 tensor = per_name.get(name)
                 if tensor is None:
                     tensor = per_name[name] = _describe(layout, name, placement)
+                if layout.state is not None and getattr(getattr(p, "device_mesh", None), "ndim", 1) != 1:
+                    tensor.unsupported = (
+                        "it is also sharded over a data-parallel mesh dimension (FSDP2), and the whole-weight step "
+                        "gathers over the tensor-parallel dimension only; use an elementwise optimizer (AdamW) there"
+                    )
                 tensor.params.append(p)
                 tensor.ranks.append(index if layout.state is None else layout.state.comm.rank)
                 found[id(p)] = tensor
