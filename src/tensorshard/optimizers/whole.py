@@ -116,13 +116,10 @@ def step_whole(optimizer: torch.optim.Optimizer, groups: list[dict], tensors: li
     the step)."""
     stepped = []
     for group, split in zip(groups, tensors):
-        if not split:
-            continue
-        wholes = [_assemble(optimizer, t) for t in split]
-        states = run_own_step(optimizer, [{**group, "params": [w for w, _ in wholes]}],
-                              {w: st for w, st in wholes if st})
-        for t, (whole, _) in zip(split, wholes):
-            _keep_slices(optimizer, t, whole, states.get(whole, {}))
+        for t in split:  # one at a time: a single whole weight (with its gradient and state) exists at once
+            whole, state = _assemble(optimizer, t)
+            state = run_own_step(optimizer, [{**group, "params": [whole]}], {whole: state} if state else {})
+            _keep_slices(optimizer, t, whole, state.get(whole, {}))
             stepped.extend(t.params)
     return stepped
 
