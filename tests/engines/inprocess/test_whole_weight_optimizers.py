@@ -127,3 +127,21 @@ def test_registering_a_class_states_its_kind():
         tp.optimizers.kinds._kinds.pop(tp.optimizers.kinds._key(Mine), None)
     with pytest.raises(TypeError, match="register an optimizer class"):
         tp.optimizers.register_elementwise(opt)
+
+
+@pytest.mark.parametrize("family", ["muon", "adafactor"])
+def test_fused_blocks_are_put_back_in_place(family):
+    """Phi-3's fused qkv_proj (q|k|v, 8 heads over 2 KV heads: 3/3/2 query heads) and gate_up_proj (two 88-feature
+    blocks, each 30/29/29) at 3 devices: every device holds a piece of every block, in block order."""
+    from support.hf_configs import VOCAB, tiny_model
+    from tensorshard.plans.slices import split_layout
+
+    ref = tiny_model("phi3").train()
+    data = optimizers.batches(STEPS, vocab=VOCAB)
+    unsplit = copy.deepcopy(ref)
+    want = optimizers.train(unsplit, optimizers.build(unsplit, family), data)
+    model = split(ref, 3)
+    assert split_layout(model).placements["model.layers.0.self_attn.qkv_proj.weight"][1].ranges[0][1:], \
+        "fused blocks: a device holds several ranges"
+    got = optimizers.train(model, optimizers.build(model, family), data)
+    assert optimizers.worst_rel(got, want) < 1e-5
