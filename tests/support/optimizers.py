@@ -67,13 +67,21 @@ def batches(steps: int, batch: int = 2, seq: int = 12, vocab: int = 128) -> list
     return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(steps)]
 
 
-def train(model: nn.Module, optimizers: list[torch.optim.Optimizer], data: list[torch.Tensor]) -> list[float]:
-    """One step per batch (labels = inputs); each step's loss."""
+def train(model: nn.Module, optimizers: list[torch.optim.Optimizer], data: list[torch.Tensor], *,
+          closure: bool = False) -> list[float]:
+    """One step per batch (labels = inputs); each step's loss. With `closure`, the first optimizer's step gets
+    a closure that computes loss and gradients (as Lightning steps), counted in `train.closure_calls`."""
     losses = []
+    train.closure_calls = 0
     for x in data:
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        for opt in optimizers:
+        def compute(x=x):
+            train.closure_calls += 1
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            return loss
+
+        loss = optimizers[0].step(compute) if closure else compute()
+        for opt in optimizers[bool(closure):]:
             opt.step()
         for opt in optimizers:
             opt.zero_grad()

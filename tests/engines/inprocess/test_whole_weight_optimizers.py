@@ -86,15 +86,26 @@ def test_what_cannot_be_exact_is_refused_before_any_change(reference, world, fam
     assert optimizers.unchanged(model, before)
 
 
-def test_a_closure_on_the_plain_step_is_refused_and_names_the_wrapper(reference):
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_closure_runs_once_before_the_whole_weight_step(reference, world):
+    """As Lightning calls step(closure): the closure computes the gradients, so it runs first, once."""
+    ref, data, want = reference
+    model = split(ref, world)
+    losses = optimizers.train(model, optimizers.build(model, "muon"), data, closure=True)
+    assert optimizers.train.closure_calls == len(data)
+    assert optimizers.worst_rel(losses, want["muon"]) < 1e-5
+
+
+def test_a_step_hook_of_the_optimizers_own_is_refused_and_names_the_way_out(reference):
     ref, data, _ = reference
     model = split(ref, 2)
     muon = optimizers.build(model, "muon")[0]
+    muon.register_step_pre_hook(lambda *_: None)  # it would run after the split weights were stepped
     model(input_ids=data[0], labels=data[0]).loss.backward()
     before = optimizers.snapshot(model)
-    with pytest.raises(RuntimeError, match=r"must see model\.layers\.0\.self_attn\.q_proj\.weight whole.*closure.*"
-                                           r"tp\.per_device_optimizer"):
-        muon.step(lambda: None)
+    with pytest.raises(RuntimeError, match=r"must see model\.layers\.0\.self_attn\.q_proj\.weight whole.*step hooks "
+                                           r"of its own.*tp\.per_device_optimizer"):
+        muon.step()
     assert optimizers.unchanged(model, before)
 
 

@@ -64,21 +64,27 @@ _hidden: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[torch.Tens
 )
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     _hidden.pop(optimizer, None)  # a step that raised never got its post-hook: those gradients were used
     if isinstance(optimizer, PerDeviceOptimizer):
         return None  # its own step does all of this, after its closure (optimizer.py)
     live = live_models()
-    why_serial = _why_serial(optimizer, args, kwargs, live)
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    why_not = _why_not(optimizer, live)
     # Split weights an optimizer must see whole (Muon, Adafactor), on any device and under either engine:
-    # stepped whole first, or refused before anything changes (tensorshard/optimizers/guard.py).
-    hidden = _hide(step_split_whole(optimizer, live, why_not=why_serial))
+    # stepped whole first (after the closure, if any), or refused before anything changes (optimizers/guard.py).
+    stepped, rest = step_split_whole(optimizer, live, closure=closure, why_not=why_not)
+    hidden = _hide(stepped)
     models = [m for m in live if all(d.type == "cpu" for d in m._placement)]
-    if models and why_serial is None and inspect.unwrap(type(optimizer).step) in _STEPS:
+    if models and closure is None and why_not is None and inspect.unwrap(type(optimizer).step) in _STEPS:
         hidden += _hide(DeviceSteps(optimizer, models).run(optimizer.param_groups, rest=False))
     if hidden:
         _hidden[optimizer] = hidden
-    return None
+    if rest is None:
+        return None
+    if "closure" in kwargs:  # the closure ran: the rest of the step gets its loss
+        return args, {**kwargs, "closure": rest}
+    return (args[0], rest, *args[2:]), kwargs
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -96,11 +102,8 @@ def _hide(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]
     return hidden
 
 
-def _why_serial(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict, live: list) -> str | None:
-    """Why this step cannot be taken over by the hooks (None: it can)."""
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if closure is not None:
-        return "step() got a closure, which computes the gradients after tensorshard's step pre-hook"
+def _why_not(optimizer: torch.optim.Optimizer, live: list) -> str | None:
+    """Why this step cannot be taken over by the hooks, apart from a closure (None: it can)."""
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return "the optimizer has step hooks of its own, which would run after the split weights were stepped"
     pre, post = torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks

@@ -144,7 +144,7 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
                 loss = closure()
         # Split weights the optimizer must see whole (Muon, Adafactor) first, their gradients hidden meanwhile
         # from the per-device step (tensorshard/optimizers/guard.py); a refused optimizer raises here.
-        whole = [(p, p.grad) for p in step_split_whole(self.optimizer, self._steps.models)]
+        whole = [(p, p.grad) for p in step_split_whole(self.optimizer, self._steps.models)[0]]
         try:
             for p, _ in whole:
                 p.grad = None
