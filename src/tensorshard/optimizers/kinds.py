@@ -133,8 +133,10 @@ def why_refused(optimizer: torch.optim.Optimizer) -> str:
     cls = type(optimizer)
     kind, overriding = _lookup(cls)
     if overriding:
-        return (f"{_key(cls)} overrides step() of a {kind} optimizer, and nothing says what the override reads: "
-                "on a split weight it would see one device's slice")
+        parent = next(klass for klass in cls.__mro__ if _key(klass) in _kinds)
+        return (f"{cls.__qualname__} overrides step() of {_key(parent)} ({kind}), and nothing says what the override "
+                "reads: on a split weight it would see one device's slice. If it updates each weight from that "
+                "weight alone, state so with tp.optimizers.register_per_tensor(cls)")
     for klass in cls.__mro__:
         if _key(klass) in _REFUSED_WHY:
             return _REFUSED_WHY[_key(klass)]
