@@ -22,7 +22,7 @@ LAYERS = [
          "tensorshard.registrations", "tensorshard.trees", "tensorshard.logs"]),
     (1, ["tensorshard.comm"]),
     (2, ["tensorshard.styles", "tensorshard.loss_parallel"]),
-    (3, ["tensorshard.plans"]),
+    (3, ["tensorshard.plans", "tensorshard.optimizers"]),
     (4, ["tensorshard.engines"]),
     (5, ["tensorshard.inference"]),
     (6, ["tensorshard.checkpoint"]),

@@ -27,6 +27,7 @@ from .integrations import causal_lm_loss as _causal_lm_loss  # noqa: F401  (regi
 from .integrations import peft_after_split as _peft_after_split
 from .loss_parallel import vocab_parallel_cross_entropy
 from .memory import memory_per_device
+from . import optimizers
 from .partition import HeadGroups, Partition, split_evenly
 from .plans.explain import explain
 from .plans.plan import Plan
@@ -87,6 +88,7 @@ __all__ = [
     "load_sharded",
     "memory_per_device",
     "parallelize",
+    "optimizers",
     "per_device_optimizer",
     "preset_for",
     "save_gathered",

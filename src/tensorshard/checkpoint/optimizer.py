@@ -7,7 +7,10 @@ placement, so it reshards exactly as the weights do; scalars are stored once; pl
 index. Hyperparameters are stored per param group, the group named by its parameters' names, and restored
 into the optimizer given at load time, whose groups must hold the same parameters.
 
-Optimizers with state of another shape (Adafactor's factored moments) are refused with a clear error.
+A *factored* state (the parameter's shape with some dimensions reduced to 1: Adafactor's row and column second
+moments) is stored as the global tensor of its own shape: sliced like the parameter when it keeps the split
+dimension, whole (written once) when it reduces it, so it too reloads at another device count. State of any
+other shape is refused at save time with a clear error.
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ from typing import Any
 import torch
 
 from .files import DTYPES_BY_NAME, FileEntry, dtype_name
-from .layout import Box, ModelLayout, TensorEntry, local_view, rank_pieces, saved_pieces
+from .layout import Box, ModelLayout, TensorEntry, local_shape, local_view, rank_pieces, saved_pieces
 from .sources import Source, describe_names
 
-SHARDED, SCALAR = "sharded", "scalar"
+SHARDED, SCALAR, FACTORED = "sharded", "scalar", "factored"
 
 
 def _param_owners(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> dict[int, tuple[TensorEntry, int]]:
@@ -83,11 +86,15 @@ def optimizer_files(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> tu
                 kind, shape, placement = SHARDED, entry.shape, entry.placement
             elif value.dim() == 0:
                 kind, shape, placement = SCALAR, (), None
+            elif _factored(value.shape, local.shape):
+                kind = FACTORED
+                placement = _factored_placement(entry, value.shape[entry.placement[0]] if entry.placement else 1)
+                shape = tuple(entry.shape[d] if placement and d == placement[0] else n for d, n in enumerate(value.shape))
             else:
                 raise NotImplementedError(
                     f"{type(optimizer).__name__} keeps state {key!r} of shape {tuple(value.shape)} for {entry.name} "
-                    f"(local shape {tuple(local.shape)}); only state shaped like its parameter, or scalars, can be "
-                    "saved and resharded"
+                    f"(local shape {tuple(local.shape)}); only state shaped like its parameter (or like it with "
+                    "dimensions reduced to 1), or scalars, can be saved and resharded"
                 )
             kinds[entry.name][key] = kind
             tensors[gname] = {"shape": list(shape), "dtype": dtype_name(value.dtype), "chunks": []}
@@ -102,6 +109,19 @@ def optimizer_files(layout: ModelLayout, optimizer: torch.optim.Optimizer) -> tu
     section = {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
                "kinds": kinds, "values": values, "tensors": tensors}
     return per_rank, section
+
+
+def _factored(shape, param_shape) -> bool:
+    """True for the shape of a factored moment: the parameter's, some dimensions reduced to 1."""
+    return len(shape) == len(param_shape) and all(s in (n, 1) for s, n in zip(shape, param_shape))
+
+
+def _factored_placement(entry: TensorEntry, length: int):
+    """A factored state keeps the parameter's placement if it keeps the split dimension (`length`: its length
+    there), and is whole on every device if it reduces it to 1."""
+    if entry.placement is None or (length == 1 and entry.shape[entry.placement[0]] != 1):
+        return None
+    return entry.placement
 
 
 def _state_getter(optimizer, layout, entry, rank, key, placement, box, start):
@@ -185,6 +205,13 @@ def load_optimizer(
                     targets = [(box, local_view(dest, entry.placement, box, start)) for box, start in pieces]
                     source.read(gname, targets)
                     st[key] = layout.as_state(entry, rank, holder)
+                elif kind == FACTORED:
+                    shape, _ = source.info(gname)
+                    placement = _factored_placement(entry, shape[entry.placement[0]] if entry.placement else 1)
+                    dest = torch.empty(local_shape(shape, placement, rank), dtype=dtype, device=layout.local(entry, rank).device)
+                    targets = [(box, local_view(dest, placement, box, start)) for box, start in rank_pieces(shape, placement, rank)]
+                    source.read(gname, targets)
+                    st[key] = dest
                 else:
                     dest = torch.empty((), dtype=dtype)
                     source.read(gname, [(Box((), ()), dest)])
@@ -207,9 +234,10 @@ def check_optimizer_section(
             problems.append(f"{name} (not a parameter of this model)")
             continue
         for key, kind in kinds.items():
-            if kind == SHARDED:
+            if kind in (SHARDED, FACTORED):
                 shape, _ = source.info(f"state.{name}.{key}")
-                if tuple(shape) != tuple(entry.shape):
+                fits = _factored(shape, entry.shape) if kind == FACTORED else tuple(shape) == tuple(entry.shape)
+                if not fits:
                     problems.append(f"state.{name}.{key}: {list(shape)}, parameter {list(entry.shape)}")
             if kind != "value":
                 problems += [f"state.{name}.{key}: {p}" for p in source.problems(f"state.{name}.{key}")]

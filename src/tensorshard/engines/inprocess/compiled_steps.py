@@ -24,7 +24,6 @@ What happens per call:
 
 from __future__ import annotations
 
-import logging
 import time
 import types
 from typing import Any, Callable, Hashable
@@ -33,7 +32,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-logger = logging.getLogger(__name__)
+from ...logs import get_logger
+
+logger = get_logger(__name__)
 
 
 class CompiledSteps:

@@ -10,6 +10,10 @@ This module makes the step users already write run like `tp.per_device_optimizer
 global step hooks of torch.optim, registered once, take over the parameters of in-process split models
 whose devices are all CPU slots.
 
+0. The pre-hook first hands the step to tensorshard/optimizers (guard.py), for models split by either engine, on
+   any device: an optimizer that reads a whole weight (Muon, Adafactor) steps every split weight whole, whose
+   gradients are hidden from what follows; an optimizer that cannot be exact over a split weight is refused
+   before anything changes.
 1. The pre-hook runs the optimizer's own step once per shard, over that shard's parameters, in the shards'
    threads (optimizer.py's `DeviceSteps`), and hides those parameters' gradients (``grad = None``), so the
    optimizer's own step, which runs next, skips them and steps only the parameters no shard holds.
@@ -39,6 +43,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from ...logs import get_logger
+from ...optimizers import step_split_whole
 from .engine import live_models
 from .optimizer import DeviceSteps, PerDeviceOptimizer
 
@@ -59,19 +64,27 @@ _hidden: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[tuple[torch.Tens
 )
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     _hidden.pop(optimizer, None)  # a step that raised never got its post-hook: those gradients were used
-    models = [m for m in live_models() if all(d.type == "cpu" for d in m._placement)]
-    if not models or not _applies(optimizer, args, kwargs) or any(m._group.running_here() for m in models):
-        return None
-    hidden = []
-    for p in DeviceSteps(optimizer, models).run(optimizer.param_groups, rest=False):
-        if p.grad is not None:
-            hidden.append((p, p.grad))
-            p.grad = None
+    if isinstance(optimizer, PerDeviceOptimizer):
+        return None  # its own step does all of this, after its closure (optimizer.py)
+    live = live_models()
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    why_not = _why_not(optimizer, live)
+    # Split weights an optimizer must see whole (Muon, Adafactor), on any device and under either engine:
+    # stepped whole first (after the closure, if any), or refused before anything changes (optimizers/guard.py).
+    stepped, rest = step_split_whole(optimizer, live, closure=closure, why_not=why_not)
+    hidden = _hide(stepped)
+    models = [m for m in live if all(d.type == "cpu" for d in m._placement)]
+    if models and closure is None and why_not is None and inspect.unwrap(type(optimizer).step) in _STEPS:
+        hidden += _hide(DeviceSteps(optimizer, models).run(optimizer.param_groups, rest=False))
     if hidden:
         _hidden[optimizer] = hidden
-    return None
+    if rest is None:
+        return None
+    if "closure" in kwargs:  # the closure ran: the rest of the step gets its loss
+        return args, {**kwargs, "closure": rest}
+    return (args[0], rest, *args[2:]), kwargs
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -79,14 +92,26 @@ def _after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
         p.grad = grad
 
 
-def _applies(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
-    if isinstance(optimizer, PerDeviceOptimizer) or inspect.unwrap(type(optimizer).step) not in _STEPS:
-        return False
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-    if closure is not None or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        return False
+def _hide(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Set the gradients of `params` (already stepped) to None, so the optimizer's own step skips them."""
+    hidden = []
+    for p in params:
+        if p.grad is not None:
+            hidden.append((p, p.grad))
+            p.grad = None
+    return hidden
+
+
+def _why_not(optimizer: torch.optim.Optimizer, live: list) -> str | None:
+    """Why this step cannot be taken over by the hooks, apart from a closure (None: it can)."""
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return "the optimizer has step hooks of its own, which would run after the split weights were stepped"
     pre, post = torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks
-    return next(reversed(pre), None) == _PRE.id and next(iter(post), None) == _POST.id
+    if next(reversed(pre), None) != _PRE.id or next(iter(post), None) != _POST.id:
+        return "another global optimizer step hook was registered after tensorshard's"
+    if any(m._group.running_here() for m in live):
+        return "the step is called inside one of the model's shards (a gradient hook during backward)"
+    return None
 
 
 _PRE = torch_optimizer.register_optimizer_step_pre_hook(_before_step)

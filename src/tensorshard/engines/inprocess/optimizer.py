@@ -23,33 +23,27 @@ before the per-device step, as AdamW and SGD do. Parameters no shard holds (a he
 model) step in the caller's thread, and so does a step called from inside one of the model's shards (a
 gradient hook stepping one parameter's optimizer during backward).
 
-Not for optimizers whose step couples parameters (LBFGS flattens them all into one vector: refused) or that
+Split weights of an optimizer that reads a whole weight (Muon, Adafactor) are stepped whole first, after the
+closure (tensorshard/optimizers). Not for optimizers whose step couples parameters (LBFGS flattens them all into one vector: refused) or that
 write into their param groups during `step()`.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ...logs import get_logger
+from ...optimizers import step_split_whole
+from ...optimizers.whole import HOOK_DICTS, run_own_step
 from .engine import TensorParallel
 from .workers import ThreadState
 
 logger = get_logger(__name__)
 
-_HOOKS = (  # the hook dicts torch.optim.Optimizer keeps per instance
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
 _COUPLED = (torch.optim.LBFGS,)  # step() works on all parameters at once
 
 
@@ -89,7 +83,7 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
         # Not Optimizer.__init__: the groups, the state and the hooks are the wrapped optimizer's own objects.
         self.optimizer = optimizer
         self._steps = DeviceSteps(optimizer, models)
-        for name in _HOOKS:
+        for name in HOOK_DICTS:
             setattr(self, name, getattr(optimizer, name))
         self._patch_step_function()  # step() fires the (shared) step hooks, once per step
 
@@ -148,7 +142,16 @@ class PerDeviceOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._steps.run(self.optimizer.param_groups)
+        # Split weights the optimizer must see whole (Muon, Adafactor) first, their gradients hidden meanwhile
+        # from the per-device step (tensorshard/optimizers/guard.py); a refused optimizer raises here.
+        whole = [(p, p.grad) for p in step_split_whole(self.optimizer, self._steps.models)[0]]
+        try:
+            for p, _ in whole:
+                p.grad = None
+            self._steps.run(self.optimizer.param_groups)
+        finally:
+            for p, grad in whole:
+                p.grad = grad
         self.optimizer._opt_called = True  # an LR scheduler built on the wrapped optimizer sees its step
         return loss
 
@@ -205,17 +208,8 @@ class DeviceSteps:
 
     def step_groups(self, groups: list[dict[str, Any]]) -> None:
         """The optimizer's own step (without its hooks: they fire once, around the whole step) over `groups`."""
-        if not groups:
-            return
-        inner = self.optimizer
-        part = object.__new__(type(inner))
-        part.__dict__.update(inner.__dict__)  # same state, defaults and options ...
-        part.param_groups = groups  # ... over some parameters
-        for name in _HOOKS:
-            setattr(part, name, OrderedDict())
-        step = type(inner).step
-        step = step.__wrapped__ if getattr(step, "hooked", False) else step  # torch's hook wrapper, undone
-        step(part)
+        if groups:
+            run_own_step(self.optimizer, groups)  # same state, defaults and options, over some parameters
 
     def _split_groups(self, param_groups: list[dict[str, Any]]) -> tuple[dict[int, list[list[dict]]], list[dict]]:
         """Every param group cut by owner: {model index: [rank's groups]}, and the groups of unowned parameters."""

@@ -21,15 +21,15 @@ its duration.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any
 
 from transformers.cache_utils import Cache
 
+from ...logs import get_logger
 from ...engines.inprocess.compiled_steps import CompiledSteps
 from .cache import ShardedCache, rank_caches
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 _STEPS = "_tensorshard_compiled_steps"
 
