@@ -68,7 +68,7 @@ class _Slot:
 class _Call:
     """The state one call of the model shares between its shards; dropped when the call ends."""
 
-    def __init__(self, group: "ThreadGroup", kind: str = "forward", serial: bool = False) -> None:
+    def __init__(self, group: "ThreadGroup", kind: str = "forward", serial: bool = False, first: int = 0) -> None:
         n = group.world_size
         self.group = group
         self.kind = kind  # "forward", "backward" or "optimizer step"
@@ -79,9 +79,41 @@ class _Call:
         self.ended = False
         self.parallel_inputs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(n)]
         self.began = time.perf_counter() if timeline.recording() else None  # comm/timeline.py
-        # serial: one shard runs at a time, the baton passing at every rendezvous (debug mode; and calls whose
+        # serial: one shard runs at a time, handing the turn on at every rendezvous (debug mode; and calls whose
         # shards are mostly Python, where threads would only trade the GIL back and forth: engines/inprocess/schedule.py)
-        self.baton = threading.RLock() if serial else None
+        self.turns = _Turns(n, first) if serial else None
+
+
+class _Turns:
+    """Whose turn it is in a serial call: one lock per rank, held while it is not that rank's turn.
+
+    The shard running hands the turn to exactly one other (releases that rank's lock) and then blocks on its own:
+    one thread wakes per hand-off and no lock is contended (a shared baton woke every waiting shard at every
+    collective, and all but one went back to sleep)."""
+
+    __slots__ = ("locks", "holder")
+
+    def __init__(self, n: int, first: int) -> None:
+        self.holder = first  # the rank given the turn last (for messages: the one a stuck call waits for)
+        self.locks = [threading.Lock() for _ in range(n)]
+        for rank, lock in enumerate(self.locks):
+            if rank != first:
+                lock.acquire()
+
+    def give(self, rank: int) -> None:
+        self.holder = rank
+        try:
+            self.locks[rank].release()
+        except RuntimeError:  # already free: every rank was woken because the call failed (`wake_all`)
+            pass
+
+    def take(self, rank: int, timeout: float) -> bool:
+        return self.locks[rank].acquire(timeout=max(0.0, timeout))
+
+    def wake_all(self) -> None:
+        """Let every waiting rank run: the call failed, and each must see it and stop."""
+        for rank in range(len(self.locks)):
+            self.give(rank)
 
 
 class ThreadGroup:
@@ -107,11 +139,11 @@ class ThreadGroup:
 
     # -- calls ---------------------------------------------------------------------------------------------
 
-    def begin(self, kind: str = "forward", *, serial: bool = False) -> _Call:
-        """Start a call (a forward call, or a backward pass); `serial`: its shards run one at a time. The engine
-        runs one call at a time per group."""
+    def begin(self, kind: str = "forward", *, serial: bool = False, first: int = 0) -> _Call:
+        """Start a call (a forward call, or a backward pass); `serial`: its shards run one at a time, shard `first`
+        (the one in the caller's thread) first. The engine runs one call at a time per group."""
         with self._cond:
-            self.current = _Call(self, kind, serial or self.serial)
+            self.current = _Call(self, kind, serial or self.serial, first)
             return self.current
 
     def end(self, call: _Call) -> None:
@@ -132,6 +164,8 @@ class ThreadGroup:
             if call.error is None:
                 call.error = error
             self._cond.notify_all()
+        if call.turns is not None:
+            call.turns.wake_all()
 
     @torch.compiler.disable  # reads thread-local state: traced, it was a guard that failed on the next call
     def running_here(self) -> bool:
@@ -150,31 +184,42 @@ class ThreadGroup:
         started = time.perf_counter() if call.began is not None else None
         try:
             try:
-                if call.baton is not None:
-                    self._take_baton(call, rank)
-                try:
-                    result = fn()
-                finally:
-                    if call.baton is not None:
-                        call.baton.release()
+                if call.turns is not None:
+                    self._first_turn(call, rank)
+                result = fn()
             except BaseException as e:
                 self.abort(call, e)
                 raise
             with self._cond:
                 call.finished[rank] = True
                 self._cond.notify_all()  # a shard waiting for this one must not wait in vain
+            if call.turns is not None:
+                self._hand_on(call, rank, lambda r: not call.finished[r])
             return result
         finally:
             stack.remove(call)
             if started is not None:
                 timeline.record("shards", rank, started, time.perf_counter())
 
-    def _take_baton(self, call: _Call, rank: int) -> None:
-        if not call.baton.acquire(timeout=self.timeout):
+    def _first_turn(self, call: _Call, rank: int) -> None:
+        """Wait until this rank may start (a serial call)."""
+        if not call.turns.take(rank, self.timeout):
             raise TimeoutError(
                 f"{self._who(rank)} waited {self.timeout:g} s for its turn (the shards of this call run one at a "
                 "time): another shard is stuck outside tensorshard's collectives"
             )
+        if call.error is not None:
+            raise CollectiveAborted(f"{self._who(rank)} did not start because another shard failed: {call.error}")
+
+    def _hand_on(self, call: _Call, rank: int, eligible: Callable[[int], bool]) -> None:
+        """Give the turn of a serial call to the next rank after `rank` (in rank order, cyclically) that is
+        `eligible`: one that can go on. None: nobody is waiting for it."""
+        n = self.world_size
+        for step in range(1, n):
+            other = (rank + step) % n
+            if eligible(other):
+                call.turns.give(other)
+                return
 
     # -- rendezvous ----------------------------------------------------------------------------------------
 
@@ -231,9 +276,9 @@ class ThreadGroup:
         runs at a time, the last to arrive computes them all). `signature` (e.g. shape and dtype) must be equal on
         every rank, or the call fails.
         """
-        baton = self._call_of_this_thread(rank, op, where).baton
+        turns = self._call_of_this_thread(rank, op, where).turns
         if each is not None:
-            if baton is not None:
+            if turns is not None:
                 return self.exchange(rank, op, where, payload, lambda xs: _each_of(compute, each, xs), signature)
             return self._exchange_each(rank, op, where, payload, compute, each, signature)
         call, seq, slot, last = self._deposit(rank, op, where, payload, signature)
@@ -248,13 +293,7 @@ class ThreadGroup:
                 slot.payloads = []
                 self._cond.notify_all()
         else:
-            if baton is not None:
-                baton.release()
-            try:
-                self._wait(call, seq, slot, rank, op, where)
-            finally:
-                if baton is not None:
-                    self._take_baton(call, rank)
+            self._wait(call, seq, slot, rank, op, where)
         with self._cond:
             result = slot.results[rank]
             slot.picked += 1
@@ -323,7 +362,10 @@ class ThreadGroup:
         done = until or (lambda: slot.results is not None)
         blocked = time.perf_counter() if call.began is not None else None
         try:
-            self._wait_for(call, seq, slot, rank, op, where, done, deadline)
+            if call.turns is not None:
+                self._wait_turn(call, seq, slot, rank, op, where, deadline)
+            else:
+                self._wait_for(call, seq, slot, rank, op, where, done, deadline)
         finally:
             if blocked is not None:
                 timeline.record("waits", rank, blocked, time.perf_counter())
@@ -332,28 +374,47 @@ class ThreadGroup:
                   done: Callable[[], bool], deadline: float) -> None:
         with self._cond:
             while not done():
-                if call.error is not None:
-                    self._raise_aborted(call, rank, op, where)
-                if call.ended:
-                    raise CollectiveAborted(f"{op} at {where or '?'} on {self._who(rank)}: the call ended")
-                missing = [r for r in range(self.world_size) if slot.ops[r] is None]
-                gone = [r for r in missing if call.finished[r]]
-                if gone:
-                    who = ", ".join(f"{self._who(r)} ({call.seq[r]} collective(s))" for r in gone)
-                    raise self._fail(call, RuntimeError(
-                        f"{op} at {where or '?'} (collective #{seq + 1}) on {self._who(rank)}: {who} returned "
-                        "without reaching it. The shards ran different code (control flow on values that "
-                        "differ per device?); TENSORSHARD_DEBUG=1 runs them one by one to find where."
-                    ))
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    who = ", ".join(self._who(r) for r in missing) or "a shard still computing its result"
-                    raise self._fail(call, TimeoutError(
-                        f"{op} at {where or '?'} (collective #{seq + 1}): {who} did not arrive within "
-                        f"{self.timeout:g} s. A shard is stuck or ran different code; raise the limit with "
-                        "tensor_parallel(..., timeout=S) or TENSORSHARD_TIMEOUT=S if a step is just slow."
-                    ))
-                self._cond.wait(remaining)
+                self._cond.wait(self._stop_if_failed(call, seq, slot, rank, op, where, deadline))
+
+    def _wait_turn(self, call: _Call, seq: int, slot: _Slot, rank: int, op: str, where: str, deadline: float) -> None:
+        """A serial call: hand the turn to a shard that has not reached this collective yet, and wait until the
+        turn comes back with the results (failing as `_stop_if_failed` says)."""
+        while True:
+            with self._cond:
+                if slot.results is not None:
+                    return
+                remaining = self._stop_if_failed(call, seq, slot, rank, op, where, deadline)
+            # Those missing here are at earlier collectives (or not started): each can go on.
+            self._hand_on(call, rank, lambda r: slot.ops[r] is None and not call.finished[r])
+            call.turns.take(rank, remaining)
+
+    def _stop_if_failed(self, call: _Call, seq: int, slot: _Slot, rank: int, op: str, where: str, deadline: float) -> float:
+        """Raise if this rank must stop waiting at `slot` (see the module docstring); else the seconds left. Holds
+        `_cond`."""
+        if call.error is not None:
+            self._raise_aborted(call, rank, op, where)
+        if call.ended:
+            raise CollectiveAborted(f"{op} at {where or '?'} on {self._who(rank)}: the call ended")
+        missing = [r for r in range(self.world_size) if slot.ops[r] is None]
+        gone = [r for r in missing if call.finished[r]]
+        if gone:
+            who = ", ".join(f"{self._who(r)} ({call.seq[r]} collective(s))" for r in gone)
+            raise self._fail(call, RuntimeError(
+                f"{op} at {where or '?'} (collective #{seq + 1}) on {self._who(rank)}: {who} returned "
+                "without reaching it. The shards ran different code (control flow on values that "
+                "differ per device?); TENSORSHARD_DEBUG=1 runs them one by one to find where."
+            ))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            if call.turns is not None and call.turns.holder in missing:
+                missing = [call.turns.holder]  # a serial call: the others wait for their turn behind this one
+            who = ", ".join(self._who(r) for r in missing) or "a shard still computing its result"
+            raise self._fail(call, TimeoutError(
+                f"{op} at {where or '?'} (collective #{seq + 1}): {who} did not arrive within "
+                f"{self.timeout:g} s. A shard is stuck or ran different code; raise the limit with "
+                "tensor_parallel(..., timeout=S) or TENSORSHARD_TIMEOUT=S if a step is just slow."
+            ))
+        return remaining
 
 
 def _each_of(compute: Callable[[list[Any]], Any], each: Callable[[list[Any], int], Any], payloads: list[Any]) -> list[Any]:
