@@ -101,19 +101,23 @@ class _Turns:
                 lock.acquire()
 
     def give(self, rank: int) -> None:
+        """Hand the turn to `rank`."""
         self.holder = rank
-        try:
-            self.locks[rank].release()
-        except RuntimeError:  # already free: every rank was woken because the call failed (`wake_all`)
-            pass
+        self._free(rank)
 
     def take(self, rank: int, timeout: float) -> bool:
         return self.locks[rank].acquire(timeout=max(0.0, timeout))
 
     def wake_all(self) -> None:
-        """Let every waiting rank run: the call failed, and each must see it and stop."""
+        """Let every waiting rank run: the call failed or ended, and each must see it and stop."""
         for rank in range(len(self.locks)):
-            self.give(rank)
+            self._free(rank)
+
+    def _free(self, rank: int) -> None:
+        try:
+            self.locks[rank].release()
+        except RuntimeError:  # already free: every rank was woken because the call failed (`wake_all`)
+            pass
 
 
 class ThreadGroup:
@@ -130,7 +134,10 @@ class ThreadGroup:
         self.labels = list(labels) if labels is not None else [str(d) for d in self.devices]
         self.timeout = timeout
         self.serial = serial  # debug mode: every call runs its shards one at a time (see _Call.baton)
-        self._cond = threading.Condition()
+        # _mutex guards every call's state; _cond (on the same lock) is where shards wait for one another. Sections
+        # that neither wait nor notify take _mutex directly: a Condition's `with` costs two Python calls more.
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         self.current: _Call | None = None
         self.left_split: list[set[str]] = [set() for _ in self.devices]  # per rank: ThreadComm.leave_split
 
@@ -142,7 +149,7 @@ class ThreadGroup:
     def begin(self, kind: str = "forward", *, serial: bool = False, first: int = 0) -> _Call:
         """Start a call (a forward call, or a backward pass); `serial`: its shards run one at a time, shard `first`
         (the one in the caller's thread) first. The engine runs one call at a time per group."""
-        with self._cond:
+        with self._mutex:
             self.current = _Call(self, kind, serial or self.serial, first)
             return self.current
 
@@ -157,6 +164,8 @@ class ThreadGroup:
             if self.current is call:
                 self.current = None
             self._cond.notify_all()
+        if call.turns is not None:
+            call.turns.wake_all()  # a shard still waiting for its turn meets the ended call
 
     def abort(self, call: _Call, error: BaseException) -> None:
         """Wake every shard of `call` waiting at a collective; the first error is the one reported."""
@@ -224,7 +233,8 @@ class ThreadGroup:
     # -- rendezvous ----------------------------------------------------------------------------------------
 
     def _call_of_this_thread(self, rank: int, op: str, where: str) -> _Call:
-        call = next((c for c in reversed(_running()) if c.group is self), None)
+        calls = _running()
+        call = calls[-1] if calls and calls[-1].group is self else next((c for c in reversed(calls) if c.group is self), None)
         if call is None:
             # Not a shard's own thread: an autograd thread of a GPU (or one autograd lends past its nesting limit)
             # running this rank's backward nodes. The backward pass running on this rank is the call.
@@ -232,15 +242,18 @@ class ThreadGroup:
             if current is not None and current.kind == "backward" and not current.finished[rank]:
                 call = current
         if call is None or call is not self.current or call.ended:
-            checkpointing = "" if self.own_graphs else (
-                ", or a forward recomputed in backward by activation checkpointing, which debug mode on a GPU "
-                "cannot run"
-            )
-            raise CollectiveAborted(
-                f"{op} at {where or '?'} ran outside the current call of its tensor-parallel model (a shard "
-                f"left over from a call that failed or timed out, a shard module called directly{checkpointing})"
-            )
+            self._refuse_outside(op, where)
         return call
+
+    def _refuse_outside(self, op: str, where: str) -> None:
+        checkpointing = "" if self.own_graphs else (
+            ", or a forward recomputed in backward by activation checkpointing, which debug mode on a GPU "
+            "cannot run"
+        )
+        raise CollectiveAborted(
+            f"{op} at {where or '?'} ran outside the current call of its tensor-parallel model (a shard "
+            f"left over from a call that failed or timed out, a shard module called directly{checkpointing})"
+        )
 
     def parallel_inputs(self, rank: int, op: str, where: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """This call's cache of tensors already passed through copy_to_parallel on `rank`."""
@@ -276,12 +289,12 @@ class ThreadGroup:
         runs at a time, the last to arrive computes them all). `signature` (e.g. shape and dtype) must be equal on
         every rank, or the call fails.
         """
-        turns = self._call_of_this_thread(rank, op, where).turns
+        call = self._call_of_this_thread(rank, op, where)
         if each is not None:
-            if turns is not None:
+            if call.turns is not None:
                 return self.exchange(rank, op, where, payload, lambda xs: _each_of(compute, each, xs), signature)
-            return self._exchange_each(rank, op, where, payload, compute, each, signature)
-        call, seq, slot, last = self._deposit(rank, op, where, payload, signature)
+            return self._exchange_each(call, rank, op, where, payload, compute, each, signature)
+        seq, slot, last = self._deposit(call, rank, op, where, payload, signature)
         if last:
             try:
                 results = compute(slot.payloads)
@@ -291,20 +304,22 @@ class ThreadGroup:
             with self._cond:
                 slot.results = results
                 slot.payloads = []
-                self._cond.notify_all()
+                if call.turns is None:  # (in a serial call nobody waits on _cond: the turn wakes them)
+                    self._cond.notify_all()
         else:
             self._wait(call, seq, slot, rank, op, where)
-        with self._cond:
+        with self._mutex:
             result = slot.results[rank]
             slot.picked += 1
             if slot.picked == self.world_size:
                 call.slots.pop(seq, None)
             return result
 
-    def _deposit(self, rank: int, op: str, where: str, payload: Any, signature: Any) -> tuple[_Call, int, _Slot, bool]:
-        """Leave `payload` at this rank's next slot: (the call, the slot's number, the slot, whether it came last)."""
-        with self._cond:
-            call = self._call_of_this_thread(rank, op, where)
+    def _deposit(self, call: _Call, rank: int, op: str, where: str, payload: Any, signature: Any) -> tuple[int, _Slot, bool]:
+        """Leave `payload` at this rank's next slot of `call`: (the slot's number, the slot, whether it came last)."""
+        with self._mutex:
+            if call is not self.current or call.ended:
+                self._refuse_outside(op, where)
             if call.error is not None:
                 self._raise_aborted(call, rank, op, where)
             seq = call.seq[rank]
@@ -316,11 +331,11 @@ class ThreadGroup:
             last = slot.arrived == self.world_size
             if last and len(set(slot.ops)) > 1:
                 raise self._fail(call, self._mismatch(seq, slot))
-            return call, seq, slot, last
+            return seq, slot, last
 
-    def _exchange_each(self, rank, op, where, payload, compute, each, signature) -> Any:
-        """`exchange` where every rank computes its own result (no baton: shards run at the same time)."""
-        call, seq, slot, last = self._deposit(rank, op, where, payload, signature)
+    def _exchange_each(self, call, rank, op, where, payload, compute, each, signature) -> Any:
+        """`exchange` where every rank computes its own result (no turns: shards run at the same time)."""
+        seq, slot, last = self._deposit(call, rank, op, where, payload, signature)
         try:
             if last:
                 compute(slot.payloads)
@@ -338,7 +353,7 @@ class ThreadGroup:
             if slot.read == self.world_size:
                 self._cond.notify_all()
         self._wait(call, seq, slot, rank, op, where, until=lambda: slot.read == self.world_size)
-        with self._cond:
+        with self._mutex:
             slot.picked += 1
             if slot.picked == self.world_size:
                 call.slots.pop(seq, None)
@@ -380,7 +395,7 @@ class ThreadGroup:
         """A serial call: hand the turn to a shard that has not reached this collective yet, and wait until the
         turn comes back with the results (failing as `_stop_if_failed` says)."""
         while True:
-            with self._cond:
+            with self._mutex:
                 if slot.results is not None:
                     return
                 remaining = self._stop_if_failed(call, seq, slot, rank, op, where, deadline)
@@ -390,7 +405,7 @@ class ThreadGroup:
 
     def _stop_if_failed(self, call: _Call, seq: int, slot: _Slot, rank: int, op: str, where: str, deadline: float) -> float:
         """Raise if this rank must stop waiting at `slot` (see the module docstring); else the seconds left. Holds
-        `_cond`."""
+        `_mutex`."""
         if call.error is not None:
             self._raise_aborted(call, rank, op, where)
         if call.ended:

@@ -127,7 +127,9 @@ class _NoContext:
 def _not_compiled(fn):
     """torch.compile leaves a collective out of its graphs (one graph break each) instead of tracing a
     rendezvous of threads: traced, each call site's constant `where` string became a guard, so dynamo
-    recompiled once per site until its recompile limit and then ran the rest of the model uncompiled."""
+    recompiled once per site until its recompile limit and then ran the rest of the model uncompiled.
+    (A plain wrapper that calls the disabled function only while compiling is cheaper in eager mode, but
+    dynamo compiles that wrapper's own frame, guarding on `where` again.)"""
     return torch.compiler.disable(fn)
 
 
