@@ -61,6 +61,16 @@ def test_a_call_busy_for_long_between_its_collectives_is_never_tried_one_shard_a
     assert s.chosen(timing.key) == "together" and not any(s.serial(timing.key) for _ in range(2 * REPROBE))
 
 
+def test_a_python_bound_call_over_many_shards_is_not_taken_for_arithmetic():
+    s = Schedule()
+    with torch.no_grad():
+        timing = s.begin((torch.zeros(1, 1),), {})
+    timing.started -= 0.134  # a small Llama's decoding step at 8 CPU slots: 134 ms for 17 collectives, all Python
+    s.end(timing, collectives=17, shards=8)
+    assert not s._kinds[timing.key].get("arithmetic")
+    assert s.serial(timing.key)  # so one shard at a time gets its turn to be timed
+
+
 def test_calls_that_build_a_graph_always_run_at_the_same_time():
     s = Schedule()
     key = call_key((torch.zeros(2),), {})

@@ -244,7 +244,7 @@ class TensorParallel(PackageNames, nn.Module):
         timing = self._schedule.begin(args, kwargs) if self._schedule is not None else None
         outputs = self._run_shards("forward", run, serial=timing is not None and timing.serial)
         if timing is not None:
-            self._schedule.end(timing, self._collectives)
+            self._schedule.end(timing, self._collectives, len(shards))
         if graphs is not None:
             return join_outputs(graphs, outputs, src, self.output_device, self.labels, check_equal=self.debug)
         return gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)

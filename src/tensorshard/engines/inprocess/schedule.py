@@ -10,9 +10,10 @@ devices and the machine, so the engine measures it:
 
 - calls are grouped by `call_key`: grad mode, and the shapes of the tensor inputs, each size rounded up to a
   power of two (a decoding step's growing attention mask keeps its key for many tokens);
-- a call whose shards ran at the same time for more than `BUSY` seconds between two collectives on average
-  is arithmetic-bound (a decoding step of a small model spends a fraction of a millisecond there): its kind
-  keeps the shards together, untried one at a time;
+- a call whose shards ran at the same time for more than `BUSY` seconds per shard between two collectives on
+  average (its wall time over its collectives and over its shards: Python-bound shards hold the GIL in turns,
+  so such a call's wall time grows with their number) is arithmetic-bound (a decoding step of a small model
+  spends a fraction of a millisecond there): its kind keeps the shards together, untried one at a time;
 - otherwise the first calls of a key alternate between the two ways (`PROBES` each, or one each where one way
   was `CLEAR` times faster), then every call takes the faster one (the lower median of its timings); every `REPROBE` calls the other way is timed once more, so a change
   (a longer cache, a busier machine) is followed.
@@ -74,11 +75,15 @@ class Schedule:
         return Timing(key, self.serial(key), time.perf_counter())
 
     @torch.compiler.disable
-    def end(self, timing: Timing, collectives: int) -> None:
+    def end(self, timing: Timing, collectives: int, shards: int = 1) -> None:
+        """Record the call's time; `collectives`: how many it ran, `shards`: over how many shards."""
         seconds = time.perf_counter() - timing.started
         self.record(timing.key, timing.serial, seconds)
         kind = self._kinds.get(timing.key)
-        if kind is not None and not timing.serial and seconds > BUSY * (collectives + 1):
+        # Divided by the shards: at 8 CPU slots a small Llama's decoding step took 134 ms for 17 collectives,
+        # 7.4 ms between two, all of it Python taking turns; unscaled, that read as arithmetic, and its kind was
+        # never tried one shard at a time (the faster way there).
+        if kind is not None and not timing.serial and seconds > BUSY * (collectives + 1) * shards:
             kind["arithmetic"] = True  # no need to try it one shard at a time
 
     def serial(self, key: Hashable) -> bool:
