@@ -71,6 +71,18 @@ def test_a_python_bound_call_over_many_shards_is_not_taken_for_arithmetic():
     assert s.serial(timing.key)  # so one shard at a time gets its turn to be timed
 
 
+def test_a_decoding_step_whose_mask_grew_keeps_the_way_chosen_without_probing_again():
+    s, short = Schedule(), no_grad_key((1, 1), (1, 32))  # one token, its attention mask of up to 32 positions
+    for _ in range(2 * PROBES):
+        serial = s.serial(short)
+        s.record(short, serial, 1.0 if serial else 2.0)  # one at a time is faster
+    longer = no_grad_key((1, 1), (1, 64))
+    assert s.chosen(longer) is None  # unseen so far ...
+    assert all(s.serial(longer) for _ in range(REPROBE - 1)) and s.chosen(longer) == "serial"  # ... yet not reprobed
+    batch = no_grad_key((4, 1), (4, 32))  # another batch size is another kind of call: timed afresh
+    assert not s.serial(batch) and s.chosen(batch) is None
+
+
 def test_calls_that_build_a_graph_always_run_at_the_same_time():
     s = Schedule()
     key = call_key((torch.zeros(2),), {})
