@@ -133,7 +133,7 @@ class ThreadGroup:
         self.own_graphs = len(set(accelerators)) == len(accelerators)
         self.labels = list(labels) if labels is not None else [str(d) for d in self.devices]
         self.timeout = timeout
-        self.serial = serial  # debug mode: every call runs its shards one at a time (see _Call.baton)
+        self.serial = serial  # debug mode: every call runs its shards one at a time (see _Call.turns)
         # _mutex guards every call's state; _cond (on the same lock) is where shards wait for one another. Sections
         # that neither wait nor notify take _mutex directly: a Condition's `with` costs two Python calls more.
         self._mutex = threading.RLock()
