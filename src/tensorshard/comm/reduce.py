@@ -21,6 +21,8 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 def _distinct_gpus(tensors: Sequence[torch.Tensor]) -> bool:
+    if not tensors[0].is_cuda:  # CPU slots (decoding calls this per collective: the cheap answer first)
+        return False
     devs = [t.device for t in tensors]
     return all(d.type == "cuda" for d in devs) and len(set(devs)) == len(devs)
 
@@ -103,5 +105,8 @@ def copies(t: torch.Tensor, devices: Sequence[torch.device]) -> list[torch.Tenso
 
 def signature(x: torch.Tensor, skip_dim: int | None = None) -> tuple:
     """What must agree between ranks at a collective: the shape (but `skip_dim`) and the dtype."""
-    shape = tuple("*" if d == skip_dim else n for d, n in enumerate(x.shape))
-    return shape, str(x.dtype).removeprefix("torch.")
+    shape = tuple(x.shape) if skip_dim is None else tuple("*" if d == skip_dim else n for d, n in enumerate(x.shape))
+    return shape, _DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES = {t: str(t).removeprefix("torch.") for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}

@@ -68,7 +68,7 @@ class _Slot:
 class _Call:
     """The state one call of the model shares between its shards; dropped when the call ends."""
 
-    def __init__(self, group: "ThreadGroup", kind: str = "forward", serial: bool = False) -> None:
+    def __init__(self, group: "ThreadGroup", kind: str = "forward", serial: bool = False, first: int = 0) -> None:
         n = group.world_size
         self.group = group
         self.kind = kind  # "forward", "backward" or "optimizer step"
@@ -79,9 +79,45 @@ class _Call:
         self.ended = False
         self.parallel_inputs: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(n)]
         self.began = time.perf_counter() if timeline.recording() else None  # comm/timeline.py
-        # serial: one shard runs at a time, the baton passing at every rendezvous (debug mode; and calls whose
+        # serial: one shard runs at a time, handing the turn on at every rendezvous (debug mode; and calls whose
         # shards are mostly Python, where threads would only trade the GIL back and forth: engines/inprocess/schedule.py)
-        self.baton = threading.RLock() if serial else None
+        self.turns = _Turns(n, first) if serial else None
+
+
+class _Turns:
+    """Whose turn it is in a serial call: one lock per rank, held while it is not that rank's turn.
+
+    The shard running hands the turn to exactly one other (releases that rank's lock) and then blocks on its own:
+    one thread wakes per hand-off and no lock is contended (a shared baton woke every waiting shard at every
+    collective, and all but one went back to sleep)."""
+
+    __slots__ = ("locks", "holder")
+
+    def __init__(self, n: int, first: int) -> None:
+        self.holder = first  # the rank given the turn last (for messages: the one a stuck call waits for)
+        self.locks = [threading.Lock() for _ in range(n)]
+        for rank, lock in enumerate(self.locks):
+            if rank != first:
+                lock.acquire()
+
+    def give(self, rank: int) -> None:
+        """Hand the turn to `rank`."""
+        self.holder = rank
+        self._free(rank)
+
+    def take(self, rank: int, timeout: float) -> bool:
+        return self.locks[rank].acquire(timeout=max(0.0, timeout))
+
+    def wake_all(self) -> None:
+        """Let every waiting rank run: the call failed or ended, and each must see it and stop."""
+        for rank in range(len(self.locks)):
+            self._free(rank)
+
+    def _free(self, rank: int) -> None:
+        try:
+            self.locks[rank].release()
+        except RuntimeError:  # already free: every rank was woken because the call failed (`wake_all`)
+            pass
 
 
 class ThreadGroup:
@@ -97,8 +133,11 @@ class ThreadGroup:
         self.own_graphs = len(set(accelerators)) == len(accelerators)
         self.labels = list(labels) if labels is not None else [str(d) for d in self.devices]
         self.timeout = timeout
-        self.serial = serial  # debug mode: every call runs its shards one at a time (see _Call.baton)
-        self._cond = threading.Condition()
+        self.serial = serial  # debug mode: every call runs its shards one at a time (see _Call.turns)
+        # _mutex guards every call's state; _cond (on the same lock) is where shards wait for one another. Sections
+        # that neither wait nor notify take _mutex directly: a Condition's `with` costs two Python calls more.
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         self.current: _Call | None = None
         self.left_split: list[set[str]] = [set() for _ in self.devices]  # per rank: ThreadComm.leave_split
 
@@ -107,11 +146,11 @@ class ThreadGroup:
 
     # -- calls ---------------------------------------------------------------------------------------------
 
-    def begin(self, kind: str = "forward", *, serial: bool = False) -> _Call:
-        """Start a call (a forward call, or a backward pass); `serial`: its shards run one at a time. The engine
-        runs one call at a time per group."""
-        with self._cond:
-            self.current = _Call(self, kind, serial or self.serial)
+    def begin(self, kind: str = "forward", *, serial: bool = False, first: int = 0) -> _Call:
+        """Start a call (a forward call, or a backward pass); `serial`: its shards run one at a time, shard `first`
+        (the one in the caller's thread) first. The engine runs one call at a time per group."""
+        with self._mutex:
+            self.current = _Call(self, kind, serial or self.serial, first)
             return self.current
 
     def end(self, call: _Call) -> None:
@@ -125,6 +164,8 @@ class ThreadGroup:
             if self.current is call:
                 self.current = None
             self._cond.notify_all()
+        if call.turns is not None:
+            call.turns.wake_all()  # a shard still waiting for its turn meets the ended call
 
     def abort(self, call: _Call, error: BaseException) -> None:
         """Wake every shard of `call` waiting at a collective; the first error is the one reported."""
@@ -132,6 +173,8 @@ class ThreadGroup:
             if call.error is None:
                 call.error = error
             self._cond.notify_all()
+        if call.turns is not None:
+            call.turns.wake_all()
 
     @torch.compiler.disable  # reads thread-local state: traced, it was a guard that failed on the next call
     def running_here(self) -> bool:
@@ -150,36 +193,48 @@ class ThreadGroup:
         started = time.perf_counter() if call.began is not None else None
         try:
             try:
-                if call.baton is not None:
-                    self._take_baton(call, rank)
-                try:
-                    result = fn()
-                finally:
-                    if call.baton is not None:
-                        call.baton.release()
+                if call.turns is not None:
+                    self._first_turn(call, rank)
+                result = fn()
             except BaseException as e:
                 self.abort(call, e)
                 raise
             with self._cond:
                 call.finished[rank] = True
                 self._cond.notify_all()  # a shard waiting for this one must not wait in vain
+            if call.turns is not None:
+                self._hand_on(call, rank, lambda r: not call.finished[r])
             return result
         finally:
             stack.remove(call)
             if started is not None:
                 timeline.record("shards", rank, started, time.perf_counter())
 
-    def _take_baton(self, call: _Call, rank: int) -> None:
-        if not call.baton.acquire(timeout=self.timeout):
+    def _first_turn(self, call: _Call, rank: int) -> None:
+        """Wait until this rank may start (a serial call)."""
+        if not call.turns.take(rank, self.timeout):
             raise TimeoutError(
                 f"{self._who(rank)} waited {self.timeout:g} s for its turn (the shards of this call run one at a "
                 "time): another shard is stuck outside tensorshard's collectives"
             )
+        if call.error is not None:
+            raise CollectiveAborted(f"{self._who(rank)} did not start because another shard failed: {call.error}")
+
+    def _hand_on(self, call: _Call, rank: int, eligible: Callable[[int], bool]) -> None:
+        """Give the turn of a serial call to the next rank after `rank` (in rank order, cyclically) that is
+        `eligible`: one that can go on. None: nobody is waiting for it."""
+        n = self.world_size
+        for step in range(1, n):
+            other = (rank + step) % n
+            if eligible(other):
+                call.turns.give(other)
+                return
 
     # -- rendezvous ----------------------------------------------------------------------------------------
 
     def _call_of_this_thread(self, rank: int, op: str, where: str) -> _Call:
-        call = next((c for c in reversed(_running()) if c.group is self), None)
+        calls = _running()
+        call = calls[-1] if calls and calls[-1].group is self else next((c for c in reversed(calls) if c.group is self), None)
         if call is None:
             # Not a shard's own thread: an autograd thread of a GPU (or one autograd lends past its nesting limit)
             # running this rank's backward nodes. The backward pass running on this rank is the call.
@@ -187,15 +242,18 @@ class ThreadGroup:
             if current is not None and current.kind == "backward" and not current.finished[rank]:
                 call = current
         if call is None or call is not self.current or call.ended:
-            checkpointing = "" if self.own_graphs else (
-                ", or a forward recomputed in backward by activation checkpointing, which debug mode on a GPU "
-                "cannot run"
-            )
-            raise CollectiveAborted(
-                f"{op} at {where or '?'} ran outside the current call of its tensor-parallel model (a shard "
-                f"left over from a call that failed or timed out, a shard module called directly{checkpointing})"
-            )
+            self._refuse_outside(op, where)
         return call
+
+    def _refuse_outside(self, op: str, where: str) -> None:
+        checkpointing = "" if self.own_graphs else (
+            ", or a forward recomputed in backward by activation checkpointing, which debug mode on a GPU "
+            "cannot run"
+        )
+        raise CollectiveAborted(
+            f"{op} at {where or '?'} ran outside the current call of its tensor-parallel model (a shard "
+            f"left over from a call that failed or timed out, a shard module called directly{checkpointing})"
+        )
 
     def parallel_inputs(self, rank: int, op: str, where: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """This call's cache of tensors already passed through copy_to_parallel on `rank`."""
@@ -231,12 +289,12 @@ class ThreadGroup:
         runs at a time, the last to arrive computes them all). `signature` (e.g. shape and dtype) must be equal on
         every rank, or the call fails.
         """
-        baton = self._call_of_this_thread(rank, op, where).baton
+        call = self._call_of_this_thread(rank, op, where)
         if each is not None:
-            if baton is not None:
+            if call.turns is not None:
                 return self.exchange(rank, op, where, payload, lambda xs: _each_of(compute, each, xs), signature)
-            return self._exchange_each(rank, op, where, payload, compute, each, signature)
-        call, seq, slot, last = self._deposit(rank, op, where, payload, signature)
+            return self._exchange_each(call, rank, op, where, payload, compute, each, signature)
+        seq, slot, last = self._deposit(call, rank, op, where, payload, signature)
         if last:
             try:
                 results = compute(slot.payloads)
@@ -246,26 +304,22 @@ class ThreadGroup:
             with self._cond:
                 slot.results = results
                 slot.payloads = []
-                self._cond.notify_all()
+                if call.turns is None:  # (in a serial call nobody waits on _cond: the turn wakes them)
+                    self._cond.notify_all()
         else:
-            if baton is not None:
-                baton.release()
-            try:
-                self._wait(call, seq, slot, rank, op, where)
-            finally:
-                if baton is not None:
-                    self._take_baton(call, rank)
-        with self._cond:
+            self._wait(call, seq, slot, rank, op, where)
+        with self._mutex:
             result = slot.results[rank]
             slot.picked += 1
             if slot.picked == self.world_size:
                 call.slots.pop(seq, None)
             return result
 
-    def _deposit(self, rank: int, op: str, where: str, payload: Any, signature: Any) -> tuple[_Call, int, _Slot, bool]:
-        """Leave `payload` at this rank's next slot: (the call, the slot's number, the slot, whether it came last)."""
-        with self._cond:
-            call = self._call_of_this_thread(rank, op, where)
+    def _deposit(self, call: _Call, rank: int, op: str, where: str, payload: Any, signature: Any) -> tuple[int, _Slot, bool]:
+        """Leave `payload` at this rank's next slot of `call`: (the slot's number, the slot, whether it came last)."""
+        with self._mutex:
+            if call is not self.current or call.ended:
+                self._refuse_outside(op, where)
             if call.error is not None:
                 self._raise_aborted(call, rank, op, where)
             seq = call.seq[rank]
@@ -277,11 +331,11 @@ class ThreadGroup:
             last = slot.arrived == self.world_size
             if last and len(set(slot.ops)) > 1:
                 raise self._fail(call, self._mismatch(seq, slot))
-            return call, seq, slot, last
+            return seq, slot, last
 
-    def _exchange_each(self, rank, op, where, payload, compute, each, signature) -> Any:
-        """`exchange` where every rank computes its own result (no baton: shards run at the same time)."""
-        call, seq, slot, last = self._deposit(rank, op, where, payload, signature)
+    def _exchange_each(self, call, rank, op, where, payload, compute, each, signature) -> Any:
+        """`exchange` where every rank computes its own result (no turns: shards run at the same time)."""
+        seq, slot, last = self._deposit(call, rank, op, where, payload, signature)
         try:
             if last:
                 compute(slot.payloads)
@@ -299,7 +353,7 @@ class ThreadGroup:
             if slot.read == self.world_size:
                 self._cond.notify_all()
         self._wait(call, seq, slot, rank, op, where, until=lambda: slot.read == self.world_size)
-        with self._cond:
+        with self._mutex:
             slot.picked += 1
             if slot.picked == self.world_size:
                 call.slots.pop(seq, None)
@@ -323,7 +377,10 @@ class ThreadGroup:
         done = until or (lambda: slot.results is not None)
         blocked = time.perf_counter() if call.began is not None else None
         try:
-            self._wait_for(call, seq, slot, rank, op, where, done, deadline)
+            if call.turns is not None:
+                self._wait_turn(call, seq, slot, rank, op, where, deadline)
+            else:
+                self._wait_for(call, seq, slot, rank, op, where, done, deadline)
         finally:
             if blocked is not None:
                 timeline.record("waits", rank, blocked, time.perf_counter())
@@ -332,28 +389,47 @@ class ThreadGroup:
                   done: Callable[[], bool], deadline: float) -> None:
         with self._cond:
             while not done():
-                if call.error is not None:
-                    self._raise_aborted(call, rank, op, where)
-                if call.ended:
-                    raise CollectiveAborted(f"{op} at {where or '?'} on {self._who(rank)}: the call ended")
-                missing = [r for r in range(self.world_size) if slot.ops[r] is None]
-                gone = [r for r in missing if call.finished[r]]
-                if gone:
-                    who = ", ".join(f"{self._who(r)} ({call.seq[r]} collective(s))" for r in gone)
-                    raise self._fail(call, RuntimeError(
-                        f"{op} at {where or '?'} (collective #{seq + 1}) on {self._who(rank)}: {who} returned "
-                        "without reaching it. The shards ran different code (control flow on values that "
-                        "differ per device?); TENSORSHARD_DEBUG=1 runs them one by one to find where."
-                    ))
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    who = ", ".join(self._who(r) for r in missing) or "a shard still computing its result"
-                    raise self._fail(call, TimeoutError(
-                        f"{op} at {where or '?'} (collective #{seq + 1}): {who} did not arrive within "
-                        f"{self.timeout:g} s. A shard is stuck or ran different code; raise the limit with "
-                        "tensor_parallel(..., timeout=S) or TENSORSHARD_TIMEOUT=S if a step is just slow."
-                    ))
-                self._cond.wait(remaining)
+                self._cond.wait(self._stop_if_failed(call, seq, slot, rank, op, where, deadline))
+
+    def _wait_turn(self, call: _Call, seq: int, slot: _Slot, rank: int, op: str, where: str, deadline: float) -> None:
+        """A serial call: hand the turn to a shard that has not reached this collective yet, and wait until the
+        turn comes back with the results (failing as `_stop_if_failed` says)."""
+        while True:
+            with self._mutex:
+                if slot.results is not None:
+                    return
+                remaining = self._stop_if_failed(call, seq, slot, rank, op, where, deadline)
+            # Those missing here are at earlier collectives (or not started): each can go on.
+            self._hand_on(call, rank, lambda r: slot.ops[r] is None and not call.finished[r])
+            call.turns.take(rank, remaining)
+
+    def _stop_if_failed(self, call: _Call, seq: int, slot: _Slot, rank: int, op: str, where: str, deadline: float) -> float:
+        """Raise if this rank must stop waiting at `slot` (see the module docstring); else the seconds left. Holds
+        `_mutex`."""
+        if call.error is not None:
+            self._raise_aborted(call, rank, op, where)
+        if call.ended:
+            raise CollectiveAborted(f"{op} at {where or '?'} on {self._who(rank)}: the call ended")
+        missing = [r for r in range(self.world_size) if slot.ops[r] is None]
+        gone = [r for r in missing if call.finished[r]]
+        if gone:
+            who = ", ".join(f"{self._who(r)} ({call.seq[r]} collective(s))" for r in gone)
+            raise self._fail(call, RuntimeError(
+                f"{op} at {where or '?'} (collective #{seq + 1}) on {self._who(rank)}: {who} returned "
+                "without reaching it. The shards ran different code (control flow on values that "
+                "differ per device?); TENSORSHARD_DEBUG=1 runs them one by one to find where."
+            ))
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            if call.turns is not None and call.turns.holder in missing:
+                missing = [call.turns.holder]  # a serial call: the others wait for their turn behind this one
+            who = ", ".join(self._who(r) for r in missing) or "a shard still computing its result"
+            raise self._fail(call, TimeoutError(
+                f"{op} at {where or '?'} (collective #{seq + 1}): {who} did not arrive within "
+                f"{self.timeout:g} s. A shard is stuck or ran different code; raise the limit with "
+                "tensor_parallel(..., timeout=S) or TENSORSHARD_TIMEOUT=S if a step is just slow."
+            ))
+        return remaining
 
 
 def _each_of(compute: Callable[[list[Any]], Any], each: Callable[[list[Any], int], Any], payloads: list[Any]) -> list[Any]:

@@ -110,10 +110,26 @@ def _needs_grad(xs: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 
+def _node(function: type[Function], *args: Any) -> torch.Tensor:
+    """`function.apply(*args)` (a collective of comm/per_shard.py; its tensor comes last), or, where that tensor
+    needs no gradient (a call under no_grad: decoding), its forward alone: the same result, without the few
+    microseconds `Function.apply` costs per collective. Safe to mix between shards: none of these nodes meets
+    the other shards in backward."""
+    if torch.is_grad_enabled() and args[-1].requires_grad:
+        return function.apply(*args)
+    return function.forward(_NoContext(), *args)
+
+
+class _NoContext:
+    """Where a collective's forward, called without `Function.apply`, leaves what its backward would need."""
+
+
 def _not_compiled(fn):
     """torch.compile leaves a collective out of its graphs (one graph break each) instead of tracing a
     rendezvous of threads: traced, each call site's constant `where` string became a guard, so dynamo
-    recompiled once per site until its recompile limit and then ran the rest of the model uncompiled."""
+    recompiled once per site until its recompile limit and then ran the rest of the model uncompiled.
+    (A plain wrapper that calls the disabled function only while compiling is cheaper in eager mode, but
+    dynamo compiles that wrapper's own frame, guarding on `where` again.)"""
     return torch.compiler.disable(fn)
 
 
@@ -155,7 +171,7 @@ class ThreadComm(Comm):
         if self.world_size == 1:
             return x
         if self.group.own_graphs:
-            return per_shard.AllReduce.apply(self, where, x)
+            return _node(per_shard.AllReduce, self, where, x)
         devices = self.group.devices
 
         def compute(xs):
@@ -200,7 +216,7 @@ class ThreadComm(Comm):
         dim %= x.dim()
         self._check_size("all_gather", where, x, dim, partition.local_size(self.rank), f"this device's slice of {partition.size}")
         if self.group.own_graphs:
-            return per_shard.AllGather.apply(self, where, partition, dim, x)
+            return _node(per_shard.AllGather, self, where, partition, dim, x)
         devices = self.group.devices
 
         def compute(xs):
@@ -253,7 +269,7 @@ class ThreadComm(Comm):
             return x
         dim %= x.dim()
         self._check_size("assemble", where, x, dim, partition.local_size(self.rank), f"this device's slice of {partition.size}")
-        return per_shard.Assemble.apply(self, where, partition, dim, x)
+        return _node(per_shard.Assemble, self, where, partition, dim, x)
 
     @_not_compiled
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:

@@ -61,6 +61,28 @@ def test_a_call_busy_for_long_between_its_collectives_is_never_tried_one_shard_a
     assert s.chosen(timing.key) == "together" and not any(s.serial(timing.key) for _ in range(2 * REPROBE))
 
 
+def test_a_python_bound_call_over_many_shards_is_not_taken_for_arithmetic():
+    s = Schedule()
+    with torch.no_grad():
+        timing = s.begin((torch.zeros(1, 1),), {})
+    timing.started -= 0.134  # a small Llama's decoding step at 8 CPU slots: 134 ms for 17 collectives, all Python
+    s.end(timing, collectives=17, shards=8)
+    assert not s._kinds[timing.key].get("arithmetic")
+    assert s.serial(timing.key)  # so one shard at a time gets its turn to be timed
+
+
+def test_a_decoding_step_whose_mask_grew_keeps_the_way_chosen_without_probing_again():
+    s, short = Schedule(), no_grad_key((1, 1), (1, 32))  # one token, its attention mask of up to 32 positions
+    for _ in range(2 * PROBES):
+        serial = s.serial(short)
+        s.record(short, serial, 1.0 if serial else 2.0)  # one at a time is faster
+    longer = no_grad_key((1, 1), (1, 64))
+    assert s.chosen(longer) is None  # unseen so far ...
+    assert all(s.serial(longer) for _ in range(REPROBE - 1)) and s.chosen(longer) == "serial"  # ... yet not reprobed
+    batch = no_grad_key((4, 1), (4, 32))  # another batch size is another kind of call: timed afresh
+    assert not s.serial(batch) and s.chosen(batch) is None
+
+
 def test_calls_that_build_a_graph_always_run_at_the_same_time():
     s = Schedule()
     key = call_key((torch.zeros(2),), {})

@@ -131,9 +131,9 @@ def replicate_inputs(tree: Any, devices: list[torch.device], grad_copies: Callab
     return for_rank
 
 
-def output_leaves(outputs: list, src: int, labels, *, check_equal: bool) -> tuple[list, Any]:
+def output_leaves(outputs: list, src: int, labels, *, check_equal: bool) -> tuple[list, "Rebuild"]:
     """Shard `src`'s output leaves, each as ``(leaf, per_rank)``: a tensor with its copy from every shard (checked
-    to be replicated), or a non-tensor already joined (``per_rank`` None); and the tree spec to rebuild them."""
+    to be replicated), or a non-tensor already joined (``per_rank`` None); and how to rebuild the output from them."""
     flats = [flatten(o) for o in outputs]
     leaves, spec = flats[src]
     items = []
@@ -144,11 +144,11 @@ def output_leaves(outputs: list, src: int, labels, *, check_equal: bool) -> tupl
             continue
         check_replicated(i, leaf, per_rank, src, labels, check_equal=check_equal)
         items.append((leaf, per_rank))
-    return items, spec
+    return items, Rebuild(outputs[src], leaves, spec)
 
 
 def gather_outputs(outputs: list, src: int, device: torch.device, devices, labels, *, check_equal: bool) -> Any:
-    items, spec = output_leaves(outputs, src, labels, check_equal=check_equal)
+    items, rebuild = output_leaves(outputs, src, labels, check_equal=check_equal)
     result = []
     for leaf, per_rank in items:
         if per_rank is None:
@@ -157,7 +157,24 @@ def gather_outputs(outputs: list, src: int, device: torch.device, devices, label
             result.append(_GatherOutput.apply(src, device, devices, *per_rank))
         else:
             result.append(leaf if leaf.device == device else leaf.to(device))
-    return unflatten(result, spec)
+    return rebuild(result)
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """A shard's output tree and its leaves: `rebuild(leaves)` is that tree holding `leaves` instead."""
+
+    output: Any
+    leaves: list
+    spec: Any
+
+    def __call__(self, leaves: list) -> Any:
+        # Every leaf the one the shard's output holds (a decoding step's logits, on the output device, and the cache
+        # every shard was given): that output object itself, without building a copy of it (a transformers
+        # ModelOutput costs tens of microseconds to make).
+        if all(a is b for a, b in zip(leaves, self.leaves)):
+            return self.output
+        return unflatten(leaves, self.spec)
 
 
 def join_object(leaf: Any, per_rank: list) -> Any:

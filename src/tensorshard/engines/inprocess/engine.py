@@ -253,7 +253,7 @@ class TensorParallel(PackageNames, nn.Module):
         timing = self._schedule.begin(args, kwargs) if self._schedule is not None and serial is None else None
         outputs = self._run_shards("forward", run, serial=serial if serial is not None else timing is not None and timing.serial)
         if timing is not None:
-            self._schedule.end(timing, self._collectives)
+            self._schedule.end(timing, self._collectives, len(shards))
         if graphs is not None:
             return join_outputs(graphs, outputs, src, self.output_device, self.labels, check_equal=self.debug)
         return gather_outputs(outputs, src, self.output_device, devices, self.labels, check_equal=self.debug)
@@ -262,7 +262,7 @@ class TensorParallel(PackageNames, nn.Module):
         """`body(rank)` for every shard at once, one thread each (shard `inline` in this one), as one call of the
         shards' rendezvous ("forward", or "backward": shard_backward.py): a failure or a stall in any shard stops
         them all within the time limit (workers.py, comm/rendezvous.py). Calls take turns. `serial`: the shards
-        take turns too, passing a baton at every collective (schedule.py)."""
+        take turns too, shard `inline` first, handing the turn on at every collective (schedule.py)."""
         group = self._group
 
         def shard(call, rank: int):
@@ -273,7 +273,7 @@ class TensorParallel(PackageNames, nn.Module):
             return lambda: group.run_shard(call, rank, run)
 
         with self._call_lock:
-            call = group.begin(kind, serial=serial)
+            call = group.begin(kind, serial=serial, first=inline)
             try:
                 return self._pool.run(
                     [shard(call, r) for r in range(len(self._placement))],

@@ -10,9 +10,14 @@ devices and the machine, so the engine measures it:
 
 - calls are grouped by `call_key`: grad mode, and the shapes of the tensor inputs, each size rounded up to a
   power of two (a decoding step's growing attention mask keeps its key for many tokens);
-- a call whose shards ran at the same time for more than `BUSY` seconds between two collectives on average
-  is arithmetic-bound (a decoding step of a small model spends a fraction of a millisecond there): its kind
-  keeps the shards together, untried one at a time;
+- a call whose shards ran at the same time for more than `BUSY` seconds per shard between two collectives on
+  average (its wall time over its collectives and over its shards: Python-bound shards hold the GIL in turns,
+  so such a call's wall time grows with their number) is arithmetic-bound (a decoding step of a small model
+  spends a fraction of a millisecond there): its kind keeps the shards together, untried one at a time;
+- a new key that differs from a known one only in the last size of one input (a decoding step whose attention
+  mask grew past a power of two) starts from that key's timings, untried again until its next retiming (probed
+  anew, the slower way would cost a 32-token decoding run one or two slow steps per power of two: at 8 slots,
+  where it is ~2x slower, ~5% per token);
 - otherwise the first calls of a key alternate between the two ways (`PROBES` each, or one each where one way
   was `CLEAR` times faster), then every call takes the faster one (the lower median of its timings); every `REPROBE` calls the other way is timed once more, so a change
   (a longer cache, a busier machine) is followed.
@@ -74,11 +79,15 @@ class Schedule:
         return Timing(key, self.serial(key), time.perf_counter())
 
     @torch.compiler.disable
-    def end(self, timing: Timing, collectives: int) -> None:
+    def end(self, timing: Timing, collectives: int, shards: int = 1) -> None:
+        """Record the call's time; `collectives`: how many it ran, `shards`: over how many shards."""
         seconds = time.perf_counter() - timing.started
         self.record(timing.key, timing.serial, seconds)
         kind = self._kinds.get(timing.key)
-        if kind is not None and not timing.serial and seconds > BUSY * (collectives + 1):
+        # Divided by the shards: at 8 CPU slots a small Llama's decoding step took 134 ms for 17 collectives,
+        # 7.4 ms between two, all of it Python taking turns; unscaled, that read as arithmetic, and its kind was
+        # never tried one shard at a time (the faster way there).
+        if kind is not None and not timing.serial and seconds > BUSY * (collectives + 1) * shards:
             kind["arithmetic"] = True  # no need to try it one shard at a time
 
     def serial(self, key: Hashable) -> bool:
@@ -87,9 +96,7 @@ class Schedule:
             return False
         kind = self._kinds.get(key)
         if kind is None:
-            if len(self._kinds) >= MAX_KEYS:
-                self._kinds.pop(next(iter(self._kinds)))
-            kind = self._kinds[key] = {"together": deque(maxlen=KEEP), "serial": deque(maxlen=KEEP), "calls": 0}
+            kind = self._new_kind(key)
         kind["calls"] += 1
         if kind.get("arithmetic"):
             return False
@@ -100,6 +107,20 @@ class Schedule:
         if kind["calls"] % REPROBE == 0:
             return not best_serial
         return best_serial
+
+    def _new_kind(self, key: Hashable) -> dict[str, Any]:
+        """A kind's state, started from the timings of the kind it grew out of, if any (the module docstring)."""
+        kind = {"together": deque(maxlen=KEEP), "serial": deque(maxlen=KEEP), "calls": 0}
+        grew_from = next((self._kinds[k] for k in reversed(self._kinds) if _grown(k, key)), None)
+        if grew_from is not None:
+            kind["together"].extend(grew_from["together"])
+            kind["serial"].extend(grew_from["serial"])
+            if grew_from.get("arithmetic"):
+                kind["arithmetic"] = True
+        if len(self._kinds) >= MAX_KEYS:
+            self._kinds.pop(next(iter(self._kinds)))
+        self._kinds[key] = kind
+        return kind
 
     def record(self, key: Hashable, serial: bool, seconds: float) -> None:
         kind = self._kinds.get(key)
@@ -114,6 +135,14 @@ class Schedule:
         if kind is None or not _decided(kind["together"], kind["serial"]):
             return None
         return "serial" if statistics.median(kind["serial"]) < statistics.median(kind["together"]) else "together"
+
+
+def _grown(old: Hashable, new: Hashable) -> bool:
+    """`new` is `old` with the last size of one input changed, everything else alike (grad mode, every other shape)."""
+    if old[0] != new[0] or len(old[1]) != len(new[1]):
+        return False
+    differ = [(a, b) for a, b in zip(old[1], new[1]) if a != b]
+    return len(differ) == 1 and len(differ[0][0]) == len(differ[0][1]) > 0 and differ[0][0][:-1] == differ[0][1][:-1]
 
 
 def _decided(together: deque, serial: deque) -> bool:

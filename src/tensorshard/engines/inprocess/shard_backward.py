@@ -29,7 +29,6 @@ import torch
 from torch import nn
 from torch.autograd import Function
 
-from ...trees import unflatten
 from .boundary import output_leaves
 from .workers import ThreadState
 
@@ -135,7 +134,7 @@ class _Boundary(Function):
 
 def join_outputs(graphs: ShardGraphs, outputs: list, src: int, device: torch.device, labels, *, check_equal: bool) -> Any:
     """Shard `src`'s outputs on `device`; those that carry a gradient come out of one `_Boundary` node."""
-    items, spec = output_leaves(outputs, src, labels, check_equal=check_equal)
+    items, rebuild = output_leaves(outputs, src, labels, check_equal=check_equal)
     result, differentiable = [], []
     grad = torch.is_grad_enabled()
     for i, (leaf, per_rank) in enumerate(items):
@@ -147,7 +146,7 @@ def join_outputs(graphs: ShardGraphs, outputs: list, src: int, device: torch.dev
             leaf = leaf.detach()  # shares the version counter: an in-place change the shard's graph needs is caught
         result.append(leaf if leaf.device == device else leaf.to(device))
     if not differentiable:
-        return unflatten(result, spec)
+        return rebuild(result)
     graphs.roots = [
         [items[i][1][rank] if items[i][1][rank].requires_grad else None for i in differentiable]
         for rank in range(len(outputs))
@@ -156,4 +155,4 @@ def join_outputs(graphs: ShardGraphs, outputs: list, src: int, device: torch.dev
     outs = _Boundary.apply(graphs, [result[i] for i in differentiable], anchor.view_as(anchor), *graphs.inputs)
     for i, out in zip(differentiable, outs):
         result[i] = out
-    return unflatten(result, spec)
+    return rebuild(result)

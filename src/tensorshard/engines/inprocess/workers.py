@@ -54,9 +54,9 @@ class ThreadState:
                 stack.enter_context(torch.cuda.device(device))
             if _saved_tensor_hooks() is not None:  # the caller's, in the shard that runs in its thread
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
-            if self.inference:
+            if self.inference and not torch.is_inference_mode_enabled():  # (the caller's thread is already)
                 stack.enter_context(torch.inference_mode())
-            stack.enter_context(torch.set_grad_enabled(self.grad))
+            stack.enter_context(torch.set_grad_enabled(self.grad))  # (also restores it, should the model not)
             for device_type, enabled, dtype, cache in self.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
             yield
@@ -79,10 +79,21 @@ _POLL = 0.1  # seconds between checks for a failure while waiting for a worker
 
 
 class _Task:
-    __slots__ = ("fn", "done", "value", "error")
+    """One shard's work for one call. `done` is a lock held until the task has run: waiting for it is one
+    `acquire` (a `threading.Event` costs a Condition, and a fresh lock per wait, on every call of the model)."""
+
+    __slots__ = ("fn", "done", "finished", "value", "error")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
+        self.fn, self.value, self.error, self.finished = fn, None, None, False
+        self.done = threading.Lock()
+        self.done.acquire()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the task has run, waiting at most `timeout` seconds for it (the caller's thread only)."""
+        if not self.finished and self.done.acquire(timeout=timeout):
+            self.done.release()  # (left free: a later wait returns at once)
+        return self.finished
 
 
 class WorkerPool:
@@ -154,7 +165,7 @@ class WorkerPool:
         for index, task in others:
             while True:
                 try:
-                    if task.done.wait(max(0.0, min(deadline - time.monotonic(), _POLL))):
+                    if task.wait(max(0.0, min(deadline - time.monotonic(), _POLL))):
                         break
                 except BaseException as e:  # KeyboardInterrupt while waiting
                     interrupted = interrupted or e
@@ -164,7 +175,7 @@ class WorkerPool:
                     deadline = min(deadline, time.monotonic() + grace)  # a worker failed: stop soon
                 if time.monotonic() >= deadline:
                     break
-            if not task.done.is_set():
+            if not task.finished:
                 self._forget(index)
                 failed(TimeoutError(
                     f"the shard on {labels[index]} (rank {index}) did not stop in time: it is stuck outside "
@@ -195,7 +206,8 @@ def _execute(task: _Task) -> None:
         task.error = e
     finally:
         task.fn = None  # drop references to the call's tensors
-        task.done.set()
+        task.finished = True
+        task.done.release()
 
 
 def _loop(q: queue.SimpleQueue) -> None:
