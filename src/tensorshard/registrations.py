@@ -2,8 +2,9 @@
 its module tree on every call (late adapters: engines/inprocess/late_adapters.py, torchrun/late_adapters.py;
 plans/late_adapters.py's count watches every module it counts).
 
-Three global hooks of torch.nn (module, parameter and buffer registration), installed when this file is first
-imported, count the registrations made on the modules of split models (`watch`): `setattr(module, name, x)`,
+Three global hooks of torch.nn (module, parameter and buffer registration), installed while a watched split
+model lives (global_hooks.py; none at import), count the registrations made on the modules of split models
+(`watch`): `setattr(module, name, x)`,
 `add_module`, a ModuleDict or ParameterDict item, `register_buffer`, as PEFT uses them. Registrations on other
 modules are not counted: model code builds modules while it runs (transformers' Llama slices its ModuleList of
 layers on every call, which makes a new ModuleList). A watched tree can only gain something through one of
@@ -18,6 +19,8 @@ from typing import Iterable
 
 from torch import nn
 
+from .global_hooks import GlobalHook
+
 _count = 0
 _watched: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -28,8 +31,10 @@ def _seen(module: nn.Module, *_args) -> None:
         _count += 1
 
 
-def watch(modules: Iterable[nn.Module]) -> None:
-    """Count registrations on these modules from now on (every module of a split model's tree)."""
+def watch(root: nn.Module, modules: Iterable[nn.Module]) -> None:
+    """Count registrations on these modules from now on (every module of a split model's tree below `root`, which
+    holds the hooks while it lives)."""
+    REGISTRATION_HOOKS.hold(root)
     _watched.update(modules)
 
 
@@ -38,6 +43,11 @@ def registrations() -> int:
     return _count
 
 
-nn.modules.module.register_module_module_registration_hook(_seen)
-nn.modules.module.register_module_parameter_registration_hook(_seen)
-nn.modules.module.register_module_buffer_registration_hook(_seen)
+def _install() -> list:
+    registering = nn.modules.module
+    return [registering.register_module_module_registration_hook(_seen),
+            registering.register_module_parameter_registration_hook(_seen),
+            registering.register_module_buffer_registration_hook(_seen)]
+
+
+REGISTRATION_HOOKS = GlobalHook("torch.nn module, parameter and buffer registration hooks (registrations.py)", _install)

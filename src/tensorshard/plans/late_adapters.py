@@ -63,7 +63,7 @@ def count_modules_and_tensors(root: nn.Module) -> int:
     """Modules and tensors below `root`: a change means something was added since the last look. Registrations
     on these modules are counted from now on (registrations.py), so the next look can be skipped until one."""
     modules = list(root.modules())
-    watch(modules)
+    watch(root, modules)
     return sum(1 + len(m._parameters) + len(m._buffers) for m in modules)
 
 

@@ -7,8 +7,8 @@ A torch.optim optimizer steps every parameter it holds in the caller's thread. O
 slots that is every shard's parameters one after another, and CPU kernels run where they are called, so the
 step does not get faster with more devices (on GPUs each device's kernels run asynchronously: nothing to win).
 This module makes the step users already write run like `tp.per_device_optimizer`'s, without asking: two
-global step hooks of torch.optim, registered once, take over the parameters of in-process split models
-whose devices are all CPU slots.
+global step hooks of torch.optim (`STEP_HOOKS`, installed while an in-process model split over several CPU
+slots lives: global_hooks.py) take over the parameters of those models.
 
 1. The pre-hook runs the optimizer's own step once per shard, over that shard's parameters, in the shards'
    threads (optimizer.py's `DeviceSteps`), and hides those parameters' gradients (``grad = None``), so the
@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from .engine import live_models
+from ...global_hooks import GlobalHook
+from .engine import TensorParallel, live_models
 from .optimizer import DeviceSteps, PerDeviceOptimizer
 
 logger = logging.getLogger(__name__)
@@ -86,8 +87,19 @@ def _applies(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> boo
     if closure is not None or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return False
     pre, post = torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks
-    return next(reversed(pre), None) == _PRE.id and next(iter(post), None) == _POST.id
+    handles = STEP_HOOKS.handles()
+    return handles is not None and next(reversed(pre), None) == handles[0].id and next(iter(post), None) == handles[1].id
 
 
-_PRE = torch_optimizer.register_optimizer_step_pre_hook(_before_step)
-_POST = torch_optimizer.register_optimizer_step_post_hook(_after_step)
+def _install() -> list:
+    return [torch_optimizer.register_optimizer_step_pre_hook(_before_step),
+            torch_optimizer.register_optimizer_step_post_hook(_after_step)]
+
+
+def _needs_steps(model: Any) -> bool:
+    """A model whose steps these hooks take over (the engine calls `split_model_made` on each model it makes)."""
+    return isinstance(model, TensorParallel) and model in live_models() and all(d.type == "cpu" for d in model._placement)
+
+
+STEP_HOOKS = GlobalHook("torch.optim step pre/post hooks (engines/inprocess/default_step.py)", _install,
+                        needed_by=_needs_steps)
