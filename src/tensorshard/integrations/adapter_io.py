@@ -1,7 +1,7 @@
 """How a split model's PEFT adapters are saved, loaded and protected: what the three ways of holding an adapter
 on a split model share.
 
-    model = get_peft_model(split, LoraConfig(...))    # split, then adapter: PEFT's API (peft_after_split.py)
+    model = get_peft_model(split, LoraConfig(...))    # split, then adapter: PEFT's API (peft/after_split.py)
     split.load_adapter("adapter/")                    # split, then adapter: transformers' (transformers/adapters.py)
     model = tp.tensor_parallel(peft_model, devices)   # adapter, then split (transformers/peft.py)
 

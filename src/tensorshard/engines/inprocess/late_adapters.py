@@ -13,10 +13,10 @@ keeps each device's slice (a row several devices hold, of a replicated KV head, 
 a DoRA magnitude is recomputed from the adopted factors as PEFT initialises it, ||W + s B A|| per output
 row (summed over the devices beside a row-parallel layer). From then on the model trains exactly like an
 unsplit model holding the same (gathered) adapter, and `splits` knows the adapter's tensors by their unsplit
-names, so gathered saves and unsplit loads work (integrations/peft_after_split.py: PEFT's own
+names, so gathered saves and unsplit loads work (integrations/peft/after_split.py: PEFT's own
 ``save_pretrained`` and ``load_adapter``).
 
-It runs when PEFT hands the split model to a PeftModel (integrations/peft_after_split.py), when transformers'
+It runs when PEFT hands the split model to a PeftModel (integrations/peft/after_split.py), when transformers'
 ``add_adapter`` / ``load_adapter`` of a split model return, and otherwise before the next forward call,
 state_dict() or load_state_dict(). What was added, and how it must be split, comes from plans/late_adapters.py,
 which checks everything before anything changes: what cannot follow the split (a LoRA variant other than

@@ -12,7 +12,7 @@ rank 0's values (a broadcast), split ones keep each rank's slice (rows of a repl
 first holder's), and a DoRA magnitude is recomputed from the adopted factors, ||W + s B A|| per output
 row (the squared norms summed over the ranks beside a row-parallel layer), as PEFT initialises it.
 
-It runs when PEFT hands the module to a PeftModel (integrations/peft_after_split.py) and otherwise at the
+It runs when PEFT hands the module to a PeftModel (integrations/peft/after_split.py) and otherwise at the
 next forward call (a collective: every rank calls forward). What was added and how it must be split comes
 from plans/late_adapters.py, which checks everything before anything changes: what cannot follow the split
 is refused with the fix and PEFT's additions are taken out again. While PEFT

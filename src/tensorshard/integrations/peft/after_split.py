@@ -57,19 +57,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_module_registration_hook
 
-from ..checkpoint.atomic import write_into_folder
-from ..checkpoint.gather import save_pretrained_options
-from ..checkpoint.torchrun import Job, TorchrunJob, is_parallelized
-from ..comm.dtensor import mesh_device
-from ..engines.inprocess import TensorParallel
-from ..engines.inprocess.late_adapters import adopt_late_modules
-from ..engines.inprocess.param_count import UnsplitParameter, count_parameters, unsplit_parameters
-from ..engines.torchrun.late_adapters import adopt_late_adapters
-from ..engines.torchrun.local_views import building_views
-from ..global_hooks import GlobalHook, Patch
-from ..layers import is_peft_model
-from ..plans.adapters import has_adapters
-from .adapter_io import (
+from ...checkpoint.atomic import write_into_folder
+from ...checkpoint.gather import save_pretrained_options
+from ...checkpoint.torchrun import Job, TorchrunJob, is_parallelized
+from ...comm.dtensor import mesh_device
+from ...engines.inprocess import TensorParallel
+from ...engines.inprocess.late_adapters import adopt_late_modules
+from ...engines.inprocess.param_count import UnsplitParameter, count_parameters, unsplit_parameters
+from ...engines.torchrun.late_adapters import adopt_late_adapters
+from ...engines.torchrun.local_views import building_views
+from ...global_hooks import GlobalHook, Patch
+from ...layers import is_peft_model
+from ...plans.adapters import has_adapters
+from ..adapter_io import (
     ADAPTER_FILES,
     PEFT_PREFIX,
     RestructuringRefused,
@@ -434,8 +434,8 @@ def _holds_peft_layers(model: object) -> bool:
             and has_adapters(model))
 
 
-RESHARD_PATCH = GlobalHook(f"peft's {RESHARD[0]}.{RESHARD[1]} wrapped (integrations/peft_after_split.py)",
+RESHARD_PATCH = GlobalHook(f"peft's {RESHARD[0]}.{RESHARD[1]} wrapped (integrations/peft/after_split.py)",
                            _install_reshard_patch, needed_by=_holds_peft_layers)
-PEFT_HOOK = GlobalHook("torch.nn module-registration hook for PEFT around split models (integrations/peft_after_split.py)",
+PEFT_HOOK = GlobalHook("torch.nn module-registration hook for PEFT around split models (integrations/peft/after_split.py)",
                        lambda: [register_module_module_registration_hook(_on_registration)],
                        needed_by=lambda model: True)
