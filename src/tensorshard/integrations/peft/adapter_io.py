@@ -27,9 +27,9 @@ from typing import Any, Iterable, NoReturn
 import torch
 from torch import nn
 
-from ..checkpoint.gather import gathered_state_dict
-from ..engines.inprocess import TensorParallel
-from ..plans.adapters import is_adapter_tensor
+from ...checkpoint.gather import gathered_state_dict
+from ...engines.inprocess import TensorParallel
+from ...plans.adapters import is_adapter_tensor
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")  # what a save replaces
 PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the model it adapts (the prefix of PEFT's names)
