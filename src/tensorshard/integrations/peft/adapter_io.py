@@ -2,7 +2,7 @@
 on a split model share.
 
     model = get_peft_model(split, LoraConfig(...))    # split, then adapter: PEFT's API (peft/after_split.py)
-    split.load_adapter("adapter/")                    # split, then adapter: transformers' (transformers/adapters.py)
+    split.load_adapter("adapter/")                    # split, then adapter: transformers' (transformers_adapters.py)
     model = tp.tensor_parallel(peft_model, devices)   # adapter, then split (transformers/peft.py)
 
 Saving writes PEFT's format (`ADAPTER_FILES`) with the unsplit names and shapes: the adapter's tensors are

@@ -55,7 +55,7 @@ from ...engines.inprocess import TensorParallel
 from ...engines.inprocess.param_count import count_parameters, unsplit_parameters
 from ...engines.inprocess.shard_attributes import set_everywhere
 from ...layers import is_transformers_model
-from .adapters import SplitAdapters
+from ..peft.transformers_adapters import SplitAdapters
 from .cache import shard_cache
 from .unsplit_cache import split_filled_cache
 from .views import on_every_shard, part_view, submodule_view, top_level_tensor
@@ -84,7 +84,8 @@ def split_class(model_class: type) -> type:
     for method in _ENCODER_METHODS:
         if callable(getattr(model_class, method, None)):
             methods[method] = on_every_shard(method, getattr(model_class, method))
-    return type(name, (SplitAdapters, TransformersTensorParallel, model_class), methods)  # adapters.py: add/load_adapter
+    # SplitAdapters: transformers' add_adapter / load_adapter (integrations/peft/transformers_adapters.py)
+    return type(name, (SplitAdapters, TransformersTensorParallel, model_class), methods)
 
 
 _ENCODER_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
