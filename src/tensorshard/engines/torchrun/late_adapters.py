@@ -32,20 +32,8 @@ from torch.distributed.tensor import DTensor
 from ...comm.dist import gather_partition
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
-from ...plans.adapters import base_kind
-from ...plans.late_adapters import (
-    LateAdapters,
-    check_local_sizes,
-    count_modules_and_tensors,
-    dora_row_squares,
-    new_dora_magnitudes,
-    nothing_added,
-    plan_late_adapters,
-    rename_modules,
-    set_dora_magnitude,
-    take_out_late_adapters,
-    tensor_of,
-)
+from ...plans import late_adapters as late_plan
+from ...plans.late_adapters import LateAdapters, tensor_of
 from ...registrations import registrations
 from ...styles.base import ShardContext
 from .local_views import restore_after_building, swap_adapter_layers, swap_local_views
@@ -58,22 +46,23 @@ def adopt_late_adapters(root: nn.Module) -> None:
     rank of the tensor-parallel group must call it together; cheap when nothing was added."""
     state = root.tensorshard
     restore_after_building(state)
-    seen = nothing_added(root, state.registrations, state.module_count)
+    seen = late_plan.nothing_added(root, state.registrations, state.module_count)
     if seen is not None:
         state.registrations = seen
         return
     try:
-        late = plan_late_adapters(root, known=state.module_names, splits=state.splits, modules=state.modules,
-                                  engine="before tp.parallelize()")
-        check_local_sizes(late, lambda name: [(state.comm.rank, tensor_of(root, name).shape[late.splits[name][0]])])
+        late = late_plan.plan_late_adapters(
+            root, known=state.module_names, splits=state.splits, modules=state.modules, engine="before tp.parallelize()",
+            local_sizes=lambda late, name: [(state.comm.rank, tensor_of(root, name).shape[late.splits[name][0]])],
+        )
     except NotImplementedError:
-        take_out_late_adapters(root, state.module_names, state.splits)
-        state.module_count = count_modules_and_tensors(root)
+        late_plan.take_out_late_adapters(root, state.module_names, state.splits)
+        state.module_count = late_plan.count_modules_and_tensors(root)
         raise
     with torch.no_grad():
         state.splits = {late.moved_name(n): s for n, s in state.splits.items()}
         state.layouts = {late.moved_name(n): s for n, s in state.layouts.items()}
-        rename_modules(state.modules, late)
+        late_plan.rename_modules(state.modules, late)
         state.splits.update(late.splits)
         _make_one_adapter(root, state, late)
         held = _as_dtensors(root, state, late)
@@ -82,7 +71,7 @@ def adopt_late_adapters(root: nn.Module) -> None:
         swap_local_views(module, tensors, state)  # after attach: outermost, and partial gradients are known
     swap_adapter_layers(root, state, names=set(late.wrappers))  # what they read of their base layers
     state.module_names = {n for n, _ in root.named_modules()}
-    state.module_count = count_modules_and_tensors(root)
+    state.module_count = late_plan.count_modules_and_tensors(root)
     state.registrations = registrations()  # only now: an adoption that failed half-way is looked at again
     if late.tensors and dist.get_rank() == 0:
         logger.info("adopted %d adapter tensor(s) in %d layer(s) added after parallelize; they follow their "
@@ -109,18 +98,22 @@ def _make_one_adapter(root: nn.Module, state, late: LateAdapters) -> None:
 
 
 def _recompute_magnitudes(root: nn.Module, state, late: LateAdapters) -> None:
-    """DoRA magnitudes from the adopted factors (plans/late_adapters.py), the squared row norms all-reduced over
-    the ranks beside a row-parallel layer."""
-    for w, adapter in new_dora_magnitudes(late, root):
-        layer = root.get_submodule(w.name)
+    """DoRA magnitudes from the adopted factors, the squared row norms all-reduced over the ranks beside a
+    row-parallel layer (plans/late_adapters.py)."""
+
+    def local_weight(name: str, layer: nn.Module) -> torch.Tensor:
         weight = layer.get_base_layer().weight
         weight = weight.to_local() if isinstance(weight, DTensor) else weight
-        layout = state.layouts.get(f"{w.name}.base_layer.weight")
-        weight = layout.view(weight) if layout is not None and layout.dim is not None else weight  # this rank's slice
-        squares = dora_row_squares(layer, weight, adapter).contiguous()
-        if base_kind(w.base.style) == "row":  # each rank holds part of every row
-            collective(dist.all_reduce, squares, squares, group=state.comm.group, what=f"{w.name} (DoRA row norms)")
-        set_dora_magnitude(layer, adapter, squares)
+        layout = state.layouts.get(f"{name}.base_layer.weight")
+        return layout.view(weight) if layout is not None and layout.dim is not None else weight  # this rank's slice
+
+    def summed(name: str, squares: list[torch.Tensor]) -> list[torch.Tensor]:
+        (mine,) = squares
+        mine = mine.contiguous()
+        collective(dist.all_reduce, mine, mine, group=state.comm.group, what=f"{name} (DoRA row norms)")
+        return [mine]
+
+    late_plan.recompute_dora_magnitudes(late, [root], local_weight, summed)
 
 
 def _as_dtensors(root: nn.Module, state, late: LateAdapters) -> dict[nn.Module, dict]:
