@@ -1,15 +1,15 @@
-"""Has a split model gained a submodule, parameter or buffer since a given moment? A cheap test before walking
-its module tree on every call (late adapters: engines/inprocess/late_adapters.py, torchrun/late_adapters.py;
-plans/late_adapters.py's count watches every module it counts).
+"""Has a split model gained a submodule, parameter or buffer since a given moment (`nothing_added`)? A cheap test
+before walking its module tree on every call (late adapters: engines/inprocess/late_adapters.py,
+engines/torchrun/late_adapters.py); `count_modules_and_tensors` watches every module it counts.
 
 Three global hooks of torch.nn (module, parameter and buffer registration), installed while a watched split
 model lives (global_hooks.py; none at import), count the registrations made on the modules of split models
-(`watch`): `setattr(module, name, x)`,
-`add_module`, a ModuleDict or ParameterDict item, `register_buffer`, as PEFT uses them. Registrations on other
-modules are not counted: model code builds modules while it runs (transformers' Llama slices its ModuleList of
-layers on every call, which makes a new ModuleList). A watched tree can only gain something through one of
-these hooks or through a direct write into a module's `_modules`, `_parameters` or `_buffers` dict, which
-tensorshard itself does while splitting; so an unchanged count means an unchanged tree.
+(`watch`): `setattr(module, name, x)`, `add_module`, a ModuleDict or ParameterDict item, `register_buffer`, as
+PEFT uses them. Registrations on other modules are not counted: model code builds modules while it runs
+(transformers' Llama slices its ModuleList of layers on every call, which makes a new ModuleList). A watched
+tree can only gain something through one of these hooks or through a direct write into a module's `_modules`,
+`_parameters` or `_buffers` dict, which tensorshard itself does while splitting; so an unchanged count means an
+unchanged tree.
 """
 
 from __future__ import annotations
@@ -41,6 +41,24 @@ def watch(root: nn.Module, modules: Iterable[nn.Module]) -> None:
 def registrations() -> int:
     """How many submodules, parameters and buffers were registered on watched modules so far."""
     return _count
+
+
+def count_modules_and_tensors(root: nn.Module) -> int:
+    """Modules and tensors below `root`: a change means something was added since the last look. Registrations
+    on these modules are counted from now on, so the next look can be skipped until one."""
+    modules = list(root.modules())
+    watch(root, modules)
+    return sum(1 + len(m._parameters) + len(m._buffers) for m in modules)
+
+
+def nothing_added(root: nn.Module, registrations_then: int | None, count_then: int) -> int | None:
+    """The registration count to keep when nothing was added below `root` since the last look (no registration on
+    the split model's modules since `registrations_then`, or still `count_then` modules and tensors); None when
+    something may have been: then the engine looks (plans/late_adapters.py's `plan_late_adapters`)."""
+    seen = registrations()
+    if seen == registrations_then or count_modules_and_tensors(root) == count_then:
+        return seen
+    return None
 
 
 def _install() -> list:

@@ -12,8 +12,7 @@ styles' ``beside``), and which styles to attach where. A modules_to_save copy is
 copies. It only reads: everything that cannot follow the split is refused here, with the fix, and
 `take_out_late_adapters` removes PEFT's additions again so the model is left as it was. The engines do the
 rest (engines/*/late_adapters.py): rename, make the values one adapter, attach, and their own bookkeeping.
-Here too is what both engines compute the same way on one device: whether anything may have been added at all
-(`nothing_added`, the cheap test before a look), and a DoRA magnitude recomputed from the adopted factors
+Here too is what both engines compute the same way on one device: a DoRA magnitude recomputed from the adopted factors
 (`new_dora_magnitudes`, `dora_row_squares`: each engine only sums the squares over the devices where a
 row-parallel layer spreads every row).
 """
@@ -26,7 +25,6 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..registrations import registrations, watch
 from ..styles.lora import is_dora
 from .adapters import adapter_entries, base_kind, is_adapter_layer, is_modules_to_save
 from .module_shard import ModuleShard
@@ -57,24 +55,6 @@ class LateAdapters:
     def moved_name(self, name: str) -> str:
         """A name of the split model as it is once the fresh wrappers' wrapped modules have moved into them."""
         return moved_name(name, self.wrappers)
-
-
-def count_modules_and_tensors(root: nn.Module) -> int:
-    """Modules and tensors below `root`: a change means something was added since the last look. Registrations
-    on these modules are counted from now on (registrations.py), so the next look can be skipped until one."""
-    modules = list(root.modules())
-    watch(root, modules)
-    return sum(1 + len(m._parameters) + len(m._buffers) for m in modules)
-
-
-def nothing_added(root: nn.Module, registrations_then: int | None, count_then: int) -> int | None:
-    """The registration count (registrations.py) to keep when nothing was added below `root` since the last look
-    (no registration on the split model's modules since `registrations_then`, or still `count_then` modules and
-    tensors); None when something may have been: then the engine looks (`plan_late_adapters`)."""
-    seen = registrations()
-    if seen == registrations_then or count_modules_and_tensors(root) == count_then:
-        return seen
-    return None
 
 
 def plan_late_adapters(

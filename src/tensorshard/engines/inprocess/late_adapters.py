@@ -38,7 +38,7 @@ from ...comm.dropout import ShardDropout, ThreadPeers, may_drop
 from ...comm.threads import ThreadComm
 from ...plans import late_adapters as late_plan
 from ...plans.late_adapters import LateAdapters, tensor_of
-from ...registrations import registrations
+from ...registrations import count_modules_and_tensors, nothing_added, registrations
 from ...styles.base import ShardContext
 from .views import follow_root, root_of
 from .zero import shard_added
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 def module_count(model) -> int:
     """Modules and tensors of the first shard: a change means something was added since the last look."""
-    return late_plan.count_modules_and_tensors(model.module_shards[0])
+    return count_modules_and_tensors(model.module_shards[0])
 
 
 def adopt_late_modules(model) -> None:
@@ -58,7 +58,7 @@ def adopt_late_modules(model) -> None:
         adopt_late_modules(root)
         follow_root(model)
         return
-    seen = late_plan.nothing_added(model.module_shards[0], model.__dict__.get("_registrations"), model._module_count)
+    seen = nothing_added(model.module_shards[0], model.__dict__.get("_registrations"), model._module_count)
     if seen is not None:
         model._registrations = seen
         return

@@ -51,10 +51,10 @@ from ...global_hooks import split_model_made
 from ...partition import Partition
 from ...plans import resolve_plan
 from ...plans.plan import Plan
-from ...plans.late_adapters import count_modules_and_tensors
 from ...plans.module_shard import ModuleShard
 from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine, run_after_split
+from ...registrations import count_modules_and_tensors
 from ...styles.base import original_forward, wrap_forward
 from ..resplit import refuse_split_twice
 from ..shared_config import guard as guard_configurations

@@ -34,7 +34,7 @@ from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
 from ...plans import late_adapters as late_plan
 from ...plans.late_adapters import LateAdapters, tensor_of
-from ...registrations import registrations
+from ...registrations import count_modules_and_tensors, nothing_added, registrations
 from ...styles.base import ShardContext
 from .local_views import restore_after_building, swap_adapter_layers, swap_local_views
 
@@ -46,7 +46,7 @@ def adopt_late_adapters(root: nn.Module) -> None:
     rank of the tensor-parallel group must call it together; cheap when nothing was added."""
     state = root.tensorshard
     restore_after_building(state)
-    seen = late_plan.nothing_added(root, state.registrations, state.module_count)
+    seen = nothing_added(root, state.registrations, state.module_count)
     if seen is not None:
         state.registrations = seen
         return
@@ -57,7 +57,7 @@ def adopt_late_adapters(root: nn.Module) -> None:
         )
     except NotImplementedError:
         late_plan.take_out_late_adapters(root, state.module_names, state.splits)
-        state.module_count = late_plan.count_modules_and_tensors(root)
+        state.module_count = count_modules_and_tensors(root)
         raise
     with torch.no_grad():
         state.splits = {late.moved_name(n): s for n, s in state.splits.items()}
@@ -71,7 +71,7 @@ def adopt_late_adapters(root: nn.Module) -> None:
         swap_local_views(module, tensors, state)  # after attach: outermost, and partial gradients are known
     swap_adapter_layers(root, state, names=set(late.wrappers))  # what they read of their base layers
     state.module_names = {n for n, _ in root.named_modules()}
-    state.module_count = late_plan.count_modules_and_tensors(root)
+    state.module_count = count_modules_and_tensors(root)
     state.registrations = registrations()  # only now: an adoption that failed half-way is looked at again
     if late.tensors and dist.get_rank() == 0:
         logger.info("adopted %d adapter tensor(s) in %d layer(s) added after parallelize; they follow their "
