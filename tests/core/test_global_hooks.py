@@ -7,6 +7,7 @@ models long before.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 # torch's global hook dicts and PEFT's function, as a JSON-able snapshot.
 SNAPSHOT = """
+import gc
 import json
 from torch.nn.modules import module as _m
 from torch.optim import optimizer as _o
@@ -145,3 +147,75 @@ def test_a_peft_whose_resharding_function_changed_is_refused_before_peft_wraps_a
         dist.destroy_process_group()
     """)
     assert refused == {"refused": True}
+
+
+class _Owner:  # anything weak-referenceable holds a hook
+    pass
+
+
+def test_a_hook_is_installed_once_for_its_first_holder_and_removed_after_its_last():
+    from tensorshard.global_hooks import GlobalHook
+
+    log = []
+
+    class Handle:
+        def remove(self):
+            log.append("removed")
+
+    def install():
+        log.append("installed")
+        return [Handle()]
+
+    hook = GlobalHook("a test hook", install)
+    a, b = _Owner(), _Owner()
+    hook.hold(a)
+    hook.hold(a)  # the same holder twice: one hold
+    hook.hold(b)
+    assert log == ["installed"] and hook.installed and len(hook.holders()) == 2
+    del a
+    gc.collect()
+    assert log == ["installed"] and hook.installed  # b still holds it
+    del b
+    gc.collect()
+    assert log == ["installed", "removed"] and not hook.installed and hook.handles() is None
+    c = _Owner()
+    hook.hold(c)  # installed again for a new holder
+    assert log == ["installed", "removed", "installed"]
+
+
+def test_a_hook_whose_install_refuses_is_left_uninstalled():
+    from tensorshard.global_hooks import GlobalHook
+
+    def install():
+        raise NotImplementedError("refused")
+
+    hook = GlobalHook("a refusing hook", install)
+    owner = _Owner()
+    with pytest.raises(NotImplementedError, match="refused"):
+        hook.hold(owner)
+    assert not hook.installed and hook.holders() == []
+
+
+def test_a_patch_puts_the_original_back_unless_someone_replaced_it_since():
+    from types import SimpleNamespace
+
+    from tensorshard.global_hooks import Patch
+
+    def original():
+        return "original"
+
+    def ours():
+        return "ours"
+
+    def theirs():
+        return "theirs"
+
+    lib = SimpleNamespace(f=original)
+    patch = Patch(lib, "f", ours)
+    assert lib.f() == "ours" and patch.original is original
+    patch.remove()
+    assert lib.f is original
+    patch = Patch(lib, "f", ours)
+    lib.f = theirs  # another library wrapped it after us: removing ours must not undo theirs
+    patch.remove()
+    assert lib.f is theirs
