@@ -124,14 +124,19 @@ def test_a_torchrun_split_model_under_peft_holds_the_peft_patch_until_it_is_gone
 
 
 @pytest.mark.timeout(450)
-def test_a_peft_whose_resharding_function_changed_is_refused_before_peft_wraps_anything(tmp_path):
+@pytest.mark.parametrize("change, said", [
+    ("loading._reshard_dtensor_values_for_load = lambda model, state_dict, mesh: state_dict",
+     "takes ('model', 'state_dict', 'mesh')"),
+    ("del loading._reshard_dtensor_values_for_load", "has no such function"),
+], ids=["another signature", "gone"])
+def test_a_peft_whose_resharding_function_changed_is_refused_before_peft_wraps_anything(tmp_path, change, said):
     (refused,) = _run(f"""
         import torch, torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         import peft
         import peft.utils.save_and_load as loading
         import tensorshard as tp
-        loading._reshard_dtensor_values_for_load = lambda model, state_dict, mesh: state_dict  # a future signature
+        {change}  # a future peft
         dist.init_process_group("gloo", init_method="file://{tmp_path}/rendezvous", rank=0, world_size=1)
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
         model = tp.parallelize(model, init_device_mesh("cpu", (1,)),
@@ -139,7 +144,7 @@ def test_a_peft_whose_resharding_function_changed_is_refused_before_peft_wraps_a
         try:
             peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["0", "2"]))
         except NotImplementedError as e:
-            assert "('model', 'state_dict', 'mesh')" in str(e) and "before tp.parallelize" in str(e), e
+            assert {said!r} in str(e) and "before tp.parallelize" in str(e), e
         else:
             raise AssertionError("not refused")
         assert not any("lora" in n for n, _ in model.named_modules()), "PEFT wrapped layers before the refusal"

@@ -33,8 +33,8 @@ split model, which gives each device its slices. Under torchrun, PEFT's own resh
 contiguous chunk per rank) is preceded by the engine's (`_engine_slices_first`: fused blocks such as GPT-2's
 q|k|v, uneven and padded splits), for every PeftModel holding a model tensorshard split in place, in either
 order (`RESHARD_PATCH`, installed while such a model lives: the first time a PEFT tuner takes a model split
-under torchrun, or when a PeftModel is parallelized; a PEFT whose function has another signature is refused
-there). ``transformers.Trainer`` checkpoints, ``save_model`` and
+under torchrun, or when a PeftModel is parallelized; a PEFT whose function is gone or takes other arguments is
+refused there). ``transformers.Trainer`` checkpoints, ``save_model`` and
 ``resume_from_checkpoint`` go through these two methods. ``get_nb_trainable_parameters`` (and so
 ``print_trainable_parameters``) counts the unsplit model's parameters, each once. Methods that rebuild the module tree
 (``merge_and_unload``, ``unload``, ``add_weighted_adapter``, ``delete_adapter``) are refused as for a PeftModel split
@@ -408,24 +408,22 @@ RESHARD = ("peft.utils.save_and_load", "_reshard_dtensor_values_for_load", ("mod
 
 
 def _install_reshard_patch() -> list[Patch]:
-    """`_engine_slices_first` around PEFT's resharding of loaded tensors. A PEFT without that function does not
-    reshard: it hands whole tensors to ``load_state_dict`` (`AroundSplit`'s slices them), and nothing is patched.
-    One with another signature is refused: its loads would take the wrong rows of fused or uneven splits."""
+    """`_engine_slices_first` around PEFT's resharding of loaded tensors (every peft this package supports, >= 0.21.2,
+    has it). A PEFT where it is gone or takes other arguments is refused: it may reshard some other way, and its loads
+    would take the wrong rows of fused or uneven splits without a word."""
     where, name, params = RESHARD
-    loading = sys.modules.get(where)
-    reshard = getattr(loading, name, None)
-    if reshard is None:
-        return []
-    found = tuple(inspect.signature(reshard).parameters)
+    reshard = getattr(sys.modules.get(where), name, None)
+    found = None if reshard is None else tuple(inspect.signature(reshard).parameters)
     if found != params:
         version = getattr(sys.modules.get("peft"), "__version__", "?")
+        has = "has no such function" if reshard is None else f"takes {found}"
         raise NotImplementedError(
-            f"peft {version}'s {where}.{name} takes {found}, not {params}: tensorshard cannot give PEFT's loads into "
-            "a model split under torchrun the engine's slices. Add or load the adapter on the unsplit model before "
+            f"peft {version}'s {where}.{name} {has}, not {params}: tensorshard cannot give PEFT's loads into a model "
+            "split under torchrun the engine's slices. Add or load the adapter on the unsplit model before "
             "tp.parallelize, or use a peft release whose function takes (model, state_dict)"
         )
     logger.debug("PEFT's loads into models split by tensorshard take the engine's slices first")
-    return [Patch(loading, name, _engine_slices_first(reshard))]
+    return [Patch(sys.modules[where], name, _engine_slices_first(reshard))]
 
 
 def _holds_peft_layers(model: object) -> bool:
