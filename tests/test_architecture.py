@@ -1,8 +1,10 @@
 """The layering of src/tensorshard, checked from its imports (parsed with `ast`, nothing is imported).
 
 Layers, bottom to top (README, "How it is built"): a module may import its own layer and the layers below,
-never one above; the packages import each other without a cycle; checkpoint/ imports no engine and the two
-engines do not import each other; at most twelve imports sit inside functions, each deferring an optional heavy
+never one above; the packages import each other without a cycle, and so do the files (every import counted:
+those inside functions and under TYPE_CHECKING too); checkpoint/ imports no engine and the two
+engines do not import each other; only integrations/peft/ imports peft, and it sits below the transformers
+integration; at most twelve imports sit inside functions, each deferring an optional heavy
 dependency, with a comment saying so.
 """
 
@@ -19,7 +21,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # (layer number, module-name prefixes); a module belongs to the layer of its longest matching prefix.
 LAYERS = [
     (0, ["tensorshard.partition", "tensorshard.devices", "tensorshard.layers", "tensorshard.memory", "tensorshard.quant",
-         "tensorshard.registrations", "tensorshard.trees", "tensorshard.logs"]),
+         "tensorshard.registrations", "tensorshard.trees", "tensorshard.logs", "tensorshard.global_hooks"]),
     (1, ["tensorshard.comm"]),
     (2, ["tensorshard.styles", "tensorshard.loss_parallel"]),
     (3, ["tensorshard.plans", "tensorshard.optimizers"]),
@@ -35,7 +37,15 @@ FORBIDDEN = [
     ("tensorshard.checkpoint", "tensorshard.engines"),  # checkpoint works from plans.slices.SplitLayout
     ("tensorshard.engines.inprocess", "tensorshard.engines.torchrun"),
     ("tensorshard.engines.torchrun", "tensorshard.engines.inprocess"),
+    # transformers' split models take their adapter methods from the PEFT package, never the other way round
+    ("tensorshard.integrations.peft", "tensorshard.integrations.transformers"),
 ]
+# Only the PEFT package imports peft (integrations/peft/__init__.py); below it, PEFT's layers are recognised by
+# their attributes. Files outside it that may still import peft, each with its reason:
+PEFT_OWNER = "tensorshard.integrations.peft"
+PEFT_IMPORTS_ELSEWHERE = {
+    "tensorshard.demo": "the demo is a user's script: it fine-tunes with PEFT's own API, as a user would",
+}
 # What an import inside a function may defer: optional heavy dependencies (pyproject's extras), and the
 # integration that imports transformers at its top.
 DEFERRABLE = ("transformers", "lightning", "peft", "safetensors", "gguf", "rich", "accelerate", "bitsandbytes",
@@ -138,6 +148,16 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def file_edges(imports: list[Import]) -> dict[str, set[str]]:
+    """Which module imports which (a package stands for its __init__.py), every import counted: one inside a
+    function or under ``if TYPE_CHECKING`` still means the two files need each other."""
+    edges: dict[str, set[str]] = {}
+    for i in imports:
+        if i.module != i.target:
+            edges.setdefault(i.module, set()).add(i.target)
+    return edges
+
+
 def problems(imports: list[Import], packages: set[str]) -> list[str]:
     """Every way `imports` breaks the layering (empty: none)."""
     out = []
@@ -159,6 +179,14 @@ def problems(imports: list[Import], packages: set[str]) -> list[str]:
     cycle = find_cycle(edges)
     if cycle:
         out.append("import cycle between packages: " + " -> ".join(cycle))
+    cycle = find_cycle(file_edges(ours))
+    if cycle:
+        out.append("import cycle between files: " + " -> ".join(cycle))
+    for i in imports:
+        if (i.target == "peft" or i.target.startswith("peft.")) and not (
+            i.module == PEFT_OWNER or i.module.startswith(PEFT_OWNER + ".") or i.module in PEFT_IMPORTS_ELSEWHERE
+        ):
+            out.append(f"{i.where}: {i.module} imports {i.target}; only {PEFT_OWNER} imports peft (move the code there)")
     deferred = [i for i in imports if i.in_function]
     if len(deferred) > MAX_FUNCTION_IMPORTS:
         out.append(f"{len(deferred)} imports inside functions (at most {MAX_FUNCTION_IMPORTS}): " + ", ".join(i.where for i in deferred))
@@ -214,6 +242,18 @@ PACKAGES = {"tensorshard", "tensorshard.comm", "tensorshard.plans", "tensorshard
         # checkpoint reaching into an engine (allowed by the layer order alone)
         ([Import("tensorshard.checkpoint.layout", "tensorshard.engines.torchrun.engine", where="c.py:1")],
          "must not import tensorshard.engines"),
+        # a cycle between two files of one package, one side deferred into a function
+        (
+            [Import("tensorshard.plans.presets", "tensorshard.plans.presets.gpt", where="__init__.py:1"),
+             Import("tensorshard.plans.presets.gpt", "tensorshard.plans.presets", in_function=True, commented=True,
+                    where="gpt.py:9")],
+            "import cycle between files",
+        ),
+        # peft imported outside the PEFT package
+        ([Import("tensorshard.plans.adapters", "peft.tuners", where="adapters.py:3")], "only tensorshard.integrations.peft"),
+        # the PEFT package reaching up into the transformers integration
+        ([Import("tensorshard.integrations.peft.after_split", "tensorshard.integrations.transformers.model",
+                 where="after_split.py:3")], "must not import tensorshard.integrations.transformers"),
         # a function-level import hiding a cycle instead of an optional dependency
         ([Import("tensorshard.plans.plan", "tensorshard.styles.base", in_function=True, commented=True, where="p.py:9")],
          "import it at the top"),

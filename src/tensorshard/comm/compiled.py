@@ -22,21 +22,27 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..partition import Partition
 
-if TYPE_CHECKING:
-    from .threads import ThreadComm
+
+class ThreadComm(Protocol):
+    """What these operators need of a shard's `ThreadComm` (comm/threads.py, which imports this module)."""
+
+    def reduce_now(self, x: torch.Tensor, where: str) -> torch.Tensor: ...
+
+    def gather_now(self, x: torch.Tensor, dim: int, partition: Partition, where: str) -> torch.Tensor: ...
+
 
 _comms: "weakref.WeakValueDictionary[int, ThreadComm]" = weakref.WeakValueDictionary()
 _next = itertools.count(1)
 _lock = threading.Lock()
 
 
-def handle_of(comm: "ThreadComm") -> int:
+def handle_of(comm: ThreadComm) -> int:
     """A number naming `comm` in compiled graphs (kept only while the comm lives)."""
     with _lock:
         handle = next(_next)
@@ -44,7 +50,7 @@ def handle_of(comm: "ThreadComm") -> int:
     return handle
 
 
-def _comm(handle: int) -> "ThreadComm":
+def _comm(handle: int) -> ThreadComm:
     comm = _comms.get(handle)
     if comm is None:
         raise RuntimeError(

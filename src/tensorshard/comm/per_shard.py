@@ -140,16 +140,15 @@ class AllGather(Function):
         return None, None, None, None, ctx.part.take(grad, ctx.dim, ctx.rank).contiguous()
 
 
-class Assemble(Function):
+class Assemble(AllGather):
+    """AllGather's result, assembled from the shards' slices on shared storage; the same backward (this shard's
+    slice of the gradient)."""
+
     @staticmethod
     def forward(ctx, comm, where, part, dim, x):
         ctx.part, ctx.dim, ctx.rank = part, dim, comm.rank
         whole = _assembled(comm, where, x, dim, part)
         return whole.view(whole.shape)  # a tensor of this shard's own (its graph node), on the shared storage
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None, None, None, ctx.part.take(grad, ctx.dim, ctx.rank).contiguous()
 
 
 class Split(Function):

@@ -22,14 +22,24 @@ self-attention): its features are followed, and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from .features import Ids, compact
+from .features import FeatureSet, Ids, compact
 
-if TYPE_CHECKING:
-    from .trace import Tracer
+
+class TraceState(Protocol):
+    """What a collapse reads and changes of the trace it belongs to (trace.py's Tracer; described here rather
+    than imported, as the Tracer imports this file)."""
+
+    fs: FeatureSet  # the feature classes
+    stack: list[str]  # the modules in progress, outermost first
+
+    def shadow(self, t: torch.Tensor) -> Ids | None: ...
+    def set_shadow(self, t: torch.Tensor, ids: Ids | None) -> None: ...
+    def poison(self, ids: Ids, reason: str, kind: str = "op", where: str | None = None) -> None: ...
+    def where(self) -> str: ...
 
 
 @dataclass(eq=False)
@@ -47,7 +57,7 @@ class Collapse:
 class Collapses:
     """The pending collapses of one trace (see the module docstring)."""
 
-    def __init__(self, tracer: "Tracer") -> None:
+    def __init__(self, tracer: TraceState) -> None:
         self.tr = tracer
         self.pending: list[Collapse] = []
 

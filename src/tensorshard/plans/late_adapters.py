@@ -12,8 +12,7 @@ styles' ``beside``), and which styles to attach where. A modules_to_save copy is
 copies. It only reads: everything that cannot follow the split is refused here, with the fix, and
 `take_out_late_adapters` removes PEFT's additions again so the model is left as it was. The engines do the
 rest (engines/*/late_adapters.py): rename, make the values one adapter, attach, and their own bookkeeping.
-Here too is what both engines compute the same way on one device: whether anything may have been added at all
-(`nothing_added`, the cheap test before a look), and a DoRA magnitude recomputed from the adopted factors
+Here too is what both engines compute the same way on one device: a DoRA magnitude recomputed from the adopted factors
 (`new_dora_magnitudes`, `dora_row_squares`: each engine only sums the squares over the devices where a
 row-parallel layer spreads every row).
 """
@@ -26,9 +25,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..registrations import registrations, watch
 from ..styles.lora import is_dora
-from .adapters import adapter_entries, is_adapter_layer, is_modules_to_save
+from .adapters import adapter_entries, base_kind, is_adapter_layer, is_modules_to_save
 from .module_shard import ModuleShard
 from .plan import Plan
 from .sharding import direct_tensors
@@ -59,24 +57,6 @@ class LateAdapters:
         return moved_name(name, self.wrappers)
 
 
-def count_modules_and_tensors(root: nn.Module) -> int:
-    """Modules and tensors below `root`: a change means something was added since the last look. Registrations
-    on these modules are counted from now on (registrations.py), so the next look can be skipped until one."""
-    modules = list(root.modules())
-    watch(modules)
-    return sum(1 + len(m._parameters) + len(m._buffers) for m in modules)
-
-
-def nothing_added(root: nn.Module, registrations_then: int | None, count_then: int) -> int | None:
-    """The registration count (registrations.py) to keep when nothing was added below `root` since the last look
-    (no registration on the split model's modules since `registrations_then`, or still `count_then` modules and
-    tensors); None when something may have been: then the engine looks (`plan_late_adapters`)."""
-    seen = registrations()
-    if seen == registrations_then or count_modules_and_tensors(root) == count_then:
-        return seen
-    return None
-
-
 def plan_late_adapters(
     root: nn.Module,
     *,
@@ -85,13 +65,16 @@ def plan_late_adapters(
     modules: dict[str, ModuleShard],
     zero: Callable[[str], bool] = lambda name: False,
     engine: str = "before tensor_parallel()",
+    local_sizes: Callable[[LateAdapters, str], list[tuple[int, int]]] | None = None,
 ) -> LateAdapters:
     """PEFT's additions to `root` (one device's module tree) and how they follow the split.
 
     Args:
         known: the module names `root` had at the last look; `splits`: its tensors' splits by name; `modules`:
             what the plan did to each module (`ShardedModel.modules`, kept by the engine); `zero`: whether a
-            tensor is held in ZeRO-3 pieces; `engine`: where to add the adapter instead, for messages.
+            tensor is held in ZeRO-3 pieces; `engine`: where to add the adapter instead, for messages;
+            `local_sizes(late, name)`: (rank, size along the split dim) of new tensor `name` on each device this
+            process holds, checked against its layer's slice (`check_local_sizes`).
     """
     named = dict(root.named_modules())
     late = LateAdapters()
@@ -125,6 +108,8 @@ def plan_late_adapters(
         )
     for w in late.wrappers.values():
         _plan_wrapper(named, modules, zero, w, late, engine)
+    if local_sizes is not None:
+        check_local_sizes(late, lambda name: local_sizes(late, name))
     return late
 
 
@@ -256,6 +241,26 @@ def tensor_of(root: nn.Module, name: str) -> torch.Tensor:
     owner, _, attr = name.rpartition(".")
     module = root.get_submodule(owner) if owner else root
     return module._parameters[attr] if attr in module._parameters else module._buffers[attr]
+
+
+def recompute_dora_magnitudes(
+    late: LateAdapters,
+    trees: list[nn.Module],
+    local_weight: Callable[[str, nn.Module], torch.Tensor],
+    sum_rows: Callable[[str, list[torch.Tensor]], list[torch.Tensor]],
+) -> None:
+    """Every DoRA magnitude PEFT initialised from one device's slices (`new_dora_magnitudes`), recomputed from the
+    adopted factors: m = ||W + s B A|| per output row. `trees`: the module trees this process holds (in one process
+    every device's shard, under torchrun this rank's module); `local_weight(name, layer)`: the base layer's weight
+    as this device holds it; `sum_rows(name, squares)`: the squared row norms summed over the devices (beside a
+    row-parallel layer each device holds part of every row; beside a column-parallel one, whole rows)."""
+    for w, adapter in new_dora_magnitudes(late, trees[0]):
+        layers = [tree.get_submodule(w.name) for tree in trees]
+        squares = [dora_row_squares(layer, local_weight(w.name, layer), adapter) for layer in layers]
+        if base_kind(w.base.style) == "row":
+            squares = sum_rows(w.name, squares)
+        for layer, sq in zip(layers, squares):
+            set_dora_magnitude(layer, adapter, sq)
 
 
 def new_dora_magnitudes(late: LateAdapters, root: nn.Module) -> Iterator[tuple[Wrapper, str]]:

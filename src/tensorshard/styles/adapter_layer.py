@@ -3,18 +3,18 @@
 A PEFT adapter layer keeps the layer it adapts as ``.base_layer`` and adds the adapter in its own forward. Its
 style knows how that base layer is split (``base``: column- or row-parallel), splits no tensor of its own (the
 adapter's tensors have their own styles, created beside it: `beside`), and refuses a layer its method cannot
-follow (`problem`) with the method's fix. Each method's style has its own `attach`: LoraParallel (lora.py),
-Ia3Parallel (ia3.py).
+follow (`problem`: its method's `layer_problem`) with the method's fix. Each method's style has its own
+`attach`: LoraParallel (lora.py), Ia3Parallel (ia3.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Callable, ClassVar, Literal
 
 from torch import nn
 
-from .base import ShardContext, Splits, Style
+from .base import ShardContext, Splits, Style, check_choices
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,15 +26,16 @@ class AdapterLayerStyle(Style):
     """
 
     base: Literal["column", "row"] = "column"
+    # the method's check of a layer (lora_layer_problem, ia3_layer_problem): why it cannot follow, or None
+    layer_problem: ClassVar[Callable[[nn.Module], str | None]]
     fix: ClassVar[str] = ""  # what to do instead when `problem` refuses a layer
 
     def __post_init__(self) -> None:
-        if self.base not in ("column", "row"):
-            raise ValueError(f"{type(self).__name__}(base={self.base!r}): use 'column' or 'row'")
+        check_choices(self, "base")
 
     def problem(self, module: nn.Module) -> str | None:
         """Why this adapter layer cannot follow a split base layer, or None when it can."""
-        raise NotImplementedError
+        return type(self).layer_problem(module)
 
     def beside(self, module: nn.Module, part) -> Splits:
         """The splits of this style's module when it is created beside a base layer already split by `part`

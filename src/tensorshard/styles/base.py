@@ -12,7 +12,9 @@ A style is a small frozen dataclass with keyword-only options. It does two thing
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -36,6 +38,21 @@ class ShardContext:
     name: str  # the module's qualified name, for messages
     comm: Comm
     heads: HeadGroups | None = None  # from the nearest enclosing Heads(...) entry, if any
+
+
+@functools.lru_cache(maxsize=None)
+def _choices(cls: type, option: str) -> tuple:
+    return typing.get_args(typing.get_type_hints(cls)[option])
+
+
+def check_choices(style: "Style", *options: str) -> None:
+    """Each of `options` holds one of the values its ``Literal[...]`` annotation allows; else a ValueError naming
+    the style, the option, the value given and the choices."""
+    for option in options:
+        allowed, value = _choices(type(style), option), getattr(style, option)
+        if value not in allowed:
+            choices = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
+            raise ValueError(f"{type(style).__name__}({option}={value!r}): use {choices}")
 
 
 @dataclass(frozen=True, kw_only=True)

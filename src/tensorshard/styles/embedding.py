@@ -19,7 +19,7 @@ from torch import nn
 
 from ..layers import EMBEDDING, require_kind
 from ..partition import block_partition
-from .base import ShardContext, Splits, Style, original_forward, register, wrap_forward
+from .base import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
 
 
 @register("embedding")
@@ -34,8 +34,7 @@ class EmbeddingParallel(Style):
     split: Literal["vocab", "embedding"] = "vocab"
 
     def __post_init__(self) -> None:
-        if self.split not in ("vocab", "embedding"):
-            raise ValueError(f"EmbeddingParallel(split={self.split!r}): use 'vocab' or 'embedding'")
+        check_choices(self, "split")
 
     def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
         require_kind(module, "EmbeddingParallel", ctx.name, (EMBEDDING,))

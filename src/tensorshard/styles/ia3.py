@@ -31,7 +31,7 @@ from torch import nn
 
 from ..partition import block_partition, kv_local_ranges
 from .adapter_layer import AdapterLayerStyle
-from .base import ShardContext, Splits, Style, original_forward, register, wrap_forward
+from .base import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
 from .column import tie_ranges
 from .lora import with_views
 
@@ -98,8 +98,7 @@ class Ia3Scale(Style):
     blocks: tuple[int | str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.split not in ("output", "input", "whole"):
-            raise ValueError(f"Ia3Scale(split={self.split!r}): use 'output', 'input' or 'whole'")
+        check_choices(self, "split")
 
     def beside(self, module: nn.Module, part) -> Splits:
         """As `shard`, for vectors created beside a base layer already split by `part` (see Ia3Parallel)."""

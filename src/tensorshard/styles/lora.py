@@ -44,7 +44,7 @@ from torch import nn
 
 from ..partition import block_partition, kv_local_ranges
 from .adapter_layer import AdapterLayerStyle
-from .base import ShardContext, Splits, Style, original_forward, register, wrap_forward
+from .base import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
 from .column import tie_ranges
 
 
@@ -139,8 +139,7 @@ class LoraFactor(Style):
     blocks: tuple[int | str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.split not in ("output", "input", "whole_input", "whole"):
-            raise ValueError(f"LoraFactor(split={self.split!r}): use 'output', 'input', 'whole_input' or 'whole'")
+        check_choices(self, "split")
 
     def beside(self, module: nn.Module, part) -> Splits:
         """As `shard`, for a factor created beside a base layer already split by `part` (see LoraParallel)."""
@@ -222,8 +221,7 @@ class LoraMagnitude(Style):
     blocks: tuple[int | str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.split not in ("output", "whole"):
-            raise ValueError(f"LoraMagnitude(split={self.split!r}): use 'output' or 'whole'")
+        check_choices(self, "split")
 
     def beside(self, module: nn.Module, part) -> Splits:
         """As `shard`, for a magnitude created beside a base layer already split by `part` (see LoraParallel)."""

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..partition import block_partition
-from .base import ShardContext, Splits, Style, register, wrap_forward
+from .base import ShardContext, Splits, Style, check_choices, register, wrap_forward
 from .row import RowwiseParallel
 
 
@@ -55,10 +55,7 @@ class SequenceParallel(Style):
     output: Literal["sharded", "gathered"] = "sharded"
 
     def __post_init__(self) -> None:
-        if self.input not in ("sharded", "whole"):
-            raise ValueError(f"SequenceParallel(input={self.input!r}): use 'sharded' or 'whole'")
-        if self.output not in ("sharded", "gathered"):
-            raise ValueError(f"SequenceParallel(output={self.output!r}): use 'sharded' or 'gathered'")
+        check_choices(self, "input", "output")
 
     def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
         return {}  # parameters stay whole on every device

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..partition import block_partition
-from .base import ShardContext, Splits, Style, original_forward, register, wrap_forward
+from .base import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
 
 
 @register("shard_params")
@@ -40,10 +40,7 @@ class ShardParams(Style):
     output: Literal["partial", "split"] = "partial"
 
     def __post_init__(self) -> None:
-        if self.input not in ("replicate", "split"):
-            raise ValueError(f"ShardParams(input={self.input!r}): use 'replicate' or 'split'")
-        if self.output not in ("partial", "split"):
-            raise ValueError(f"ShardParams(output={self.output!r}): use 'partial' or 'split'")
+        check_choices(self, "input", "output")
         if not self.params:
             raise ValueError("ShardParams needs params={name: dim, ...}; to keep a module whole use Replicate()")
         for name, spec in self.params.items():

@@ -7,8 +7,8 @@ A torch.optim optimizer steps every parameter it holds in the caller's thread. O
 slots that is every shard's parameters one after another, and CPU kernels run where they are called, so the
 step does not get faster with more devices (on GPUs each device's kernels run asynchronously: nothing to win).
 This module makes the step users already write run like `tp.per_device_optimizer`'s, without asking: two
-global step hooks of torch.optim, registered once, take over the parameters of in-process split models
-whose devices are all CPU slots.
+global step hooks of torch.optim (`STEP_HOOKS`, installed while a split model lives: global_hooks.py) take over
+the parameters of those models.
 
 0. The pre-hook first hands the step to tensorshard/optimizers (guard.py), for models split by either engine, on
    any device: an optimizer that reads a whole weight (Muon, Adafactor) steps every split weight whole, whose
@@ -42,9 +42,11 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from ...global_hooks import GlobalHook
 from ...logs import get_logger
 from ...optimizers import step_split_whole
-from .engine import live_models
+from ...plans.slices import split_layout
+from .engine import TensorParallel, live_models
 from .optimizer import DeviceSteps, PerDeviceOptimizer
 
 logger = get_logger(__name__)
@@ -107,12 +109,27 @@ def _why_not(optimizer: torch.optim.Optimizer, live: list) -> str | None:
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return "the optimizer has step hooks of its own, which would run after the split weights were stepped"
     pre, post = torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks
-    if next(reversed(pre), None) != _PRE.id or next(iter(post), None) != _POST.id:
+    handles = STEP_HOOKS.handles()
+    if handles is None or next(reversed(pre), None) != handles[0].id or next(iter(post), None) != handles[1].id:
         return "another global optimizer step hook was registered after tensorshard's"
     if any(m._group.running_here() for m in live):
         return "the step is called inside one of the model's shards (a gradient hook during backward)"
     return None
 
 
-_PRE = torch_optimizer.register_optimizer_step_pre_hook(_before_step)
-_POST = torch_optimizer.register_optimizer_step_post_hook(_after_step)
+def _install() -> list:
+    return [torch_optimizer.register_optimizer_step_pre_hook(_before_step),
+            torch_optimizer.register_optimizer_step_post_hook(_after_step)]
+
+
+def _needs_steps(model: Any) -> bool:
+    """A model whose steps these hooks see (the engines call `split_model_made` on each model they make): one split
+    over several devices of this process, on any device type, or one parallelized under torchrun (step 0: an
+    optimizer that reads a whole weight must see its split weights whole under either engine)."""
+    if isinstance(model, TensorParallel):
+        return model in live_models()
+    return split_layout(model) is not None
+
+
+STEP_HOOKS = GlobalHook("torch.optim step pre/post hooks (engines/inprocess/default_step.py)", _install,
+                        needed_by=_needs_steps)

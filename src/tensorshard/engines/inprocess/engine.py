@@ -35,6 +35,7 @@ from torch import nn
 from ... import quant
 from ...comm.dropout import ShardDropout, ThreadPeers, may_drop
 from ...comm.threads import ThreadGroup
+from ...global_hooks import split_model_made
 from ...comm.timeout import resolve_timeout
 from ...devices import as_device, device_labels, resolve_devices
 from ...logs import get_logger
@@ -192,6 +193,7 @@ class TensorParallel(PackageNames, nn.Module):
             logger.info("debug: the shards run one after another on %s", placement[0])
         if world > 1:
             _live.add(self)
+        split_model_made(self)  # the process-wide hooks this model needs, while it lives (global_hooks.py)
 
     @property
     def world_size(self) -> int:

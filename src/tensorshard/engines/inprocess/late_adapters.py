@@ -13,10 +13,10 @@ keeps each device's slice (a row several devices hold, of a replicated KV head, 
 a DoRA magnitude is recomputed from the adopted factors as PEFT initialises it, ||W + s B A|| per output
 row (summed over the devices beside a row-parallel layer). From then on the model trains exactly like an
 unsplit model holding the same (gathered) adapter, and `splits` knows the adapter's tensors by their unsplit
-names, so gathered saves and unsplit loads work (integrations/peft_after_split.py: PEFT's own
+names, so gathered saves and unsplit loads work (integrations/peft/after_split.py: PEFT's own
 ``save_pretrained`` and ``load_adapter``).
 
-It runs when PEFT hands the split model to a PeftModel (integrations/peft_after_split.py), when transformers'
+It runs when PEFT hands the split model to a PeftModel (integrations/peft/after_split.py), when transformers'
 ``add_adapter`` / ``load_adapter`` of a split model return, and otherwise before the next forward call,
 state_dict() or load_state_dict(). What was added, and how it must be split, comes from plans/late_adapters.py,
 which checks everything before anything changes: what cannot follow the split (a LoRA variant other than
@@ -36,21 +36,9 @@ from torch import nn
 from ...comm.dropout import ShardDropout, ThreadPeers, may_drop
 from ...comm.threads import ThreadComm
 from ...logs import get_logger
-from ...plans.adapters import base_kind
-from ...plans.late_adapters import (
-    LateAdapters,
-    check_local_sizes,
-    count_modules_and_tensors,
-    dora_row_squares,
-    new_dora_magnitudes,
-    nothing_added,
-    plan_late_adapters,
-    rename_modules,
-    set_dora_magnitude,
-    take_out_late_adapters,
-    tensor_of,
-)
-from ...registrations import registrations
+from ...plans import late_adapters as late_plan
+from ...plans.late_adapters import LateAdapters, tensor_of
+from ...registrations import count_modules_and_tensors, nothing_added, registrations
 from ...styles.base import ShardContext
 from .views import follow_root, root_of
 from .zero import shard_added
@@ -99,17 +87,18 @@ def adopt_late_modules(model) -> None:
 def take_out_late_modules(model) -> None:
     """Undo what PEFT added to the shards since the last adoption; the split model is left as it was."""
     for shard in model.module_shards:
-        take_out_late_adapters(shard, model._module_names, model.splits)
+        late_plan.take_out_late_adapters(shard, model._module_names, model.splits)
     model._module_count = module_count(model)
 
 
 def _plan(model) -> LateAdapters:
     zero = getattr(model, "zero_splits", None) or {}
-    late = plan_late_adapters(model.module_shards[0], known=model._module_names, splits=model.splits,
-                              modules=model._layout_modules, zero=zero.__contains__, engine="before tensor_parallel()")
     shards = list(model.module_shards)
-    check_local_sizes(late, lambda name: [(r, tensor_of(s, name).shape[late.splits[name][0]]) for r, s in enumerate(shards)])
-    return late
+    return late_plan.plan_late_adapters(
+        shards[0], known=model._module_names, splits=model.splits, modules=model._layout_modules,
+        zero=zero.__contains__, engine="before tensor_parallel()",
+        local_sizes=lambda late, name: [(r, tensor_of(s, name).shape[late.splits[name][0]]) for r, s in enumerate(shards)],
+    )
 
 
 def _rename_moved(model, late: LateAdapters) -> None:
@@ -118,7 +107,7 @@ def _rename_moved(model, late: LateAdapters) -> None:
     zero = getattr(model, "zero_splits", None)
     if zero:
         model.zero_splits = {late.moved_name(n): s for n, s in zero.items()}
-    rename_modules(model._layout_modules, late)
+    late_plan.rename_modules(model._layout_modules, late)
     model.splits.update(late.splits)
 
 
@@ -141,16 +130,17 @@ def _make_one_adapter(model, late: LateAdapters) -> None:
 
 
 def _recompute_magnitudes(model, late: LateAdapters) -> None:
-    """DoRA magnitudes from the adopted factors (plans/late_adapters.py), the squared row norms summed over the
-    devices' column slices beside a row-parallel layer."""
-    for w, adapter in new_dora_magnitudes(late, model.module_shards[0]):
-        layers = [s.get_submodule(w.name) for s in model.module_shards]
-        squares = [dora_row_squares(layer, layer.get_base_layer().weight, adapter) for layer in layers]
-        if base_kind(w.base.style) == "row":  # each device holds part of every row
-            total = sum(s.to(squares[0].device) for s in squares)
-            squares = [total.to(s.device) for s in squares]
-        for layer, sq in zip(layers, squares):
-            set_dora_magnitude(layer, adapter, sq)
+    """DoRA magnitudes from the adopted factors, the squared row norms summed over the devices' column slices
+    beside a row-parallel layer (plans/late_adapters.py)."""
+
+    def summed(_name: str, squares: list[torch.Tensor]) -> list[torch.Tensor]:
+        total = sum(s.to(squares[0].device) for s in squares)
+        return [total.to(s.device) for s in squares]
+
+    def local_weight(_name: str, layer: nn.Module) -> torch.Tensor:
+        return layer.get_base_layer().weight
+
+    late_plan.recompute_dora_magnitudes(late, list(model.module_shards), local_weight, summed)
 
 
 def _attach(model, late: LateAdapters) -> None:

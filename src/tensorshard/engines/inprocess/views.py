@@ -24,7 +24,7 @@ from typing import Sequence
 
 from torch import nn
 
-from ...plans.late_adapters import count_modules_and_tensors
+from ...registrations import count_modules_and_tensors
 
 # Not copied from the model a view is made from: derived from the root for the view's own place (follow_root),
 # or the model's own (a `forward` set on a transformers view of an encoder, say).

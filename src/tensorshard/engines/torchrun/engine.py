@@ -46,14 +46,15 @@ from ...comm.dropout import DistPeers, ShardDropout, may_drop
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
 from ...comm.timeout import resolve_timeout
+from ...global_hooks import split_model_made
 from ...logs import get_logger
 from ...partition import Partition
 from ...plans import resolve_plan
 from ...plans.plan import Plan
-from ...plans.late_adapters import count_modules_and_tensors
 from ...plans.module_shard import ModuleShard
 from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine, run_after_split
+from ...registrations import count_modules_and_tensors
 from ...styles.base import original_forward, wrap_forward
 from ..resplit import refuse_split_twice
 from ..shared_config import guard as guard_configurations
@@ -189,6 +190,7 @@ def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, sou
     state.module_names = {n for n, _ in module.named_modules()}
     state.module_count = count_modules_and_tensors(module)
     run_after_split(module)  # e.g. a transformers model's save_pretrained gathers (checkpoint/gather.py)
+    split_model_made(module)  # the process-wide hooks this model needs, while it lives (global_hooks.py)
     return state
 
 

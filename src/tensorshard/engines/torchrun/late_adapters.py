@@ -12,7 +12,7 @@ rank 0's values (a broadcast), split ones keep each rank's slice (rows of a repl
 first holder's), and a DoRA magnitude is recomputed from the adopted factors, ||W + s B A|| per output
 row (the squared norms summed over the ranks beside a row-parallel layer), as PEFT initialises it.
 
-It runs when PEFT hands the module to a PeftModel (integrations/peft_after_split.py) and otherwise at the
+It runs when PEFT hands the module to a PeftModel (integrations/peft/after_split.py) and otherwise at the
 next forward call (a collective: every rank calls forward). What was added and how it must be split comes
 from plans/late_adapters.py, which checks everything before anything changes: what cannot follow the split
 is refused with the fix and PEFT's additions are taken out again. While PEFT
@@ -32,21 +32,9 @@ from ...comm.dist import gather_partition
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
 from ...logs import get_logger
-from ...plans.adapters import base_kind
-from ...plans.late_adapters import (
-    LateAdapters,
-    check_local_sizes,
-    count_modules_and_tensors,
-    dora_row_squares,
-    new_dora_magnitudes,
-    nothing_added,
-    plan_late_adapters,
-    rename_modules,
-    set_dora_magnitude,
-    take_out_late_adapters,
-    tensor_of,
-)
-from ...registrations import registrations
+from ...plans import late_adapters as late_plan
+from ...plans.late_adapters import LateAdapters, tensor_of
+from ...registrations import count_modules_and_tensors, nothing_added, registrations
 from ...styles.base import ShardContext
 from .local_views import restore_after_building, swap_adapter_layers, swap_local_views
 
@@ -63,17 +51,18 @@ def adopt_late_adapters(root: nn.Module) -> None:
         state.registrations = seen
         return
     try:
-        late = plan_late_adapters(root, known=state.module_names, splits=state.splits, modules=state.modules,
-                                  engine="before tp.parallelize()")
-        check_local_sizes(late, lambda name: [(state.comm.rank, tensor_of(root, name).shape[late.splits[name][0]])])
+        late = late_plan.plan_late_adapters(
+            root, known=state.module_names, splits=state.splits, modules=state.modules, engine="before tp.parallelize()",
+            local_sizes=lambda late, name: [(state.comm.rank, tensor_of(root, name).shape[late.splits[name][0]])],
+        )
     except NotImplementedError:
-        take_out_late_adapters(root, state.module_names, state.splits)
+        late_plan.take_out_late_adapters(root, state.module_names, state.splits)
         state.module_count = count_modules_and_tensors(root)
         raise
     with torch.no_grad():
         state.splits = {late.moved_name(n): s for n, s in state.splits.items()}
         state.layouts = {late.moved_name(n): s for n, s in state.layouts.items()}
-        rename_modules(state.modules, late)
+        late_plan.rename_modules(state.modules, late)
         state.splits.update(late.splits)
         _make_one_adapter(root, state, late)
         held = _as_dtensors(root, state, late)
@@ -109,18 +98,22 @@ def _make_one_adapter(root: nn.Module, state, late: LateAdapters) -> None:
 
 
 def _recompute_magnitudes(root: nn.Module, state, late: LateAdapters) -> None:
-    """DoRA magnitudes from the adopted factors (plans/late_adapters.py), the squared row norms all-reduced over
-    the ranks beside a row-parallel layer."""
-    for w, adapter in new_dora_magnitudes(late, root):
-        layer = root.get_submodule(w.name)
+    """DoRA magnitudes from the adopted factors, the squared row norms all-reduced over the ranks beside a
+    row-parallel layer (plans/late_adapters.py)."""
+
+    def local_weight(name: str, layer: nn.Module) -> torch.Tensor:
         weight = layer.get_base_layer().weight
         weight = weight.to_local() if isinstance(weight, DTensor) else weight
-        layout = state.layouts.get(f"{w.name}.base_layer.weight")
-        weight = layout.view(weight) if layout is not None and layout.dim is not None else weight  # this rank's slice
-        squares = dora_row_squares(layer, weight, adapter).contiguous()
-        if base_kind(w.base.style) == "row":  # each rank holds part of every row
-            collective(dist.all_reduce, squares, squares, group=state.comm.group, what=f"{w.name} (DoRA row norms)")
-        set_dora_magnitude(layer, adapter, squares)
+        layout = state.layouts.get(f"{name}.base_layer.weight")
+        return layout.view(weight) if layout is not None and layout.dim is not None else weight  # this rank's slice
+
+    def summed(name: str, squares: list[torch.Tensor]) -> list[torch.Tensor]:
+        (mine,) = squares
+        mine = mine.contiguous()
+        collective(dist.all_reduce, mine, mine, group=state.comm.group, what=f"{name} (DoRA row norms)")
+        return [mine]
+
+    late_plan.recompute_dora_magnitudes(late, [root], local_weight, summed)
 
 
 def _as_dtensors(root: nn.Module, state, late: LateAdapters) -> dict[nn.Module, dict]:

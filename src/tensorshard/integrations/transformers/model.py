@@ -57,7 +57,7 @@ from ...engines.inprocess.param_count import count_parameters, unsplit_parameter
 from ...engines.inprocess.shard_attributes import set_everywhere
 from ...layers import is_transformers_model
 from ...logs import get_logger
-from .adapters import SplitAdapters
+from ..peft.transformers_adapters import SplitAdapters
 from .cache import shard_cache
 from .fast_decode import compiled_call, wants_compiled_decode
 from .unsplit_cache import split_filled_cache
@@ -87,7 +87,8 @@ def split_class(model_class: type) -> type:
     for method in _ENCODER_METHODS:
         if callable(getattr(model_class, method, None)):
             methods[method] = on_every_shard(method, getattr(model_class, method))
-    return type(name, (SplitAdapters, TransformersTensorParallel, model_class), methods)  # adapters.py: add/load_adapter
+    # SplitAdapters: transformers' add_adapter / load_adapter (integrations/peft/transformers_adapters.py)
+    return type(name, (SplitAdapters, TransformersTensorParallel, model_class), methods)
 
 
 _ENCODER_METHODS = ("get_image_features", "get_video_features", "get_audio_features")

@@ -13,7 +13,7 @@ names and shapes, and written by PEFT's own ``save_pretrained``, so plain PEFT l
 model (``PeftModel.from_pretrained(model, "adapter/")``). ``generate`` and ``get_base_model()`` are the
 inner transformers model's (split, sharing the shards: wrapped.py). What this shares with the other ways of
 holding an adapter on a split model (the saved files, gathering, the refusals, merging on whole factors) is in
-../adapter_io.py.
+../peft/adapter_io.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ...checkpoint.gather import save_pretrained_options
 from ...engines.inprocess.param_count import count_parameters, unsplit_parameters
 from ...logs import get_logger
 from ...plans.adapters import refuse_prompt_learning
-from ..adapter_io import (
+from ..peft.adapter_io import (
     ADAPTER_FILES,
     RestructuringRefused,
     check_mergeable,

@@ -25,23 +25,11 @@ from ...logs import get_logger
 from ...styles import ColwiseParallel, EmbeddingParallel, ShardParams, Style
 from ..plan import Plan, match_pattern
 from ..ties import follow_ties
+from . import decoders, encoders, gpt  # noqa: F401  (importing the families registers their presets)
+from .registry import PRESETS, preset  # noqa: F401  (preset: the decorator, for presets written elsewhere)
 from .translate import translate_tp_plan
 
 logger = get_logger(__name__)
-
-PRESETS: dict[str, Callable[..., Plan]] = {}
-
-
-def preset(*model_types: str) -> Callable[[Callable[..., Plan]], Callable[..., Plan]]:
-    """Register a ``config -> Plan`` function for these transformers ``model_type`` names."""
-
-    def register(fn: Callable[..., Plan]) -> Callable[..., Plan]:
-        for name in model_types:
-            PRESETS[name] = fn
-        return fn
-
-    return register
-
 
 def preset_for(module: nn.Module) -> Plan | None:
     """The preset plan for `module`'s architecture (a transformers model), or None."""
@@ -125,8 +113,5 @@ def _tied_bias(module: nn.Module, head: nn.Linear) -> dict[str, Style]:
                 out[name] = ShardParams(params={pname: 0}, input="split", output="split")
     return out
 
-
-# Importing the families registers their presets.
-from . import decoders, encoders, gpt  # noqa: E402,F401
 
 __all__ = ["PRESETS", "base_model", "complete", "preset", "preset_for"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ...styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, ShardParams, SumGradients
 from ..plan import Plan
-from . import preset
+from .registry import preset
 
 
 def _attention(config, **extra_attrs: str) -> dict:

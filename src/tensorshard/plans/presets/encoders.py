@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ...styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, ShardParams
 from ..plan import Plan
-from . import preset
+from .registry import preset
 
 
 @preset("t5", "mt5")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from ...styles import ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel
 from ...styles.attention_heads import AttentionHeads
 from ..plan import Plan
-from . import preset
+from .registry import preset
 
 
 def _pair(first: str, second: str) -> dict:

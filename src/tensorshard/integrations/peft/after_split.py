@@ -11,8 +11,8 @@ tensor-parallel way and then fine-tune it.
 PEFT builds its PeftModel around the split model and wraps every device's layers (in one process: each
 shard's, named ``module_shards.N...``; under torchrun: this rank's, with the unsplit names). Nothing in
 PEFT calls back into tensorshard, so a module-registration hook (torch's global
-``register_module_module_registration_hook``, installed when tensorshard is imported; it looks at nothing
-but PEFT objects taking a split model) steps in at two moments:
+``register_module_module_registration_hook``, `PEFT_HOOK`: installed while a split model lives, global_hooks.py;
+it looks at nothing but PEFT objects taking a split model) steps in at two moments:
 
 1. A PEFT tuner (LoraModel, IA3Model, ...) takes a split model as its ``model``, before PEFT wraps any layer:
    a method that cannot follow a split (LoHa, VeRA, ... anything but LoRA, DoRA and IA3) is refused here,
@@ -32,7 +32,9 @@ first device's shard, whose module names are the unsplit model's, while tensors 
 split model, which gives each device its slices. Under torchrun, PEFT's own resharding of what it loads (a
 contiguous chunk per rank) is preceded by the engine's (`_engine_slices_first`: fused blocks such as GPT-2's
 q|k|v, uneven and padded splits), for every PeftModel holding a model tensorshard split in place, in either
-order. ``transformers.Trainer`` checkpoints, ``save_model`` and
+order (`RESHARD_PATCH`, installed while such a model lives: the first time a PEFT tuner takes a model split
+under torchrun, or when a PeftModel is parallelized; a PEFT whose function is gone or takes other arguments is
+refused there). ``transformers.Trainer`` checkpoints, ``save_model`` and
 ``resume_from_checkpoint`` go through these two methods. ``get_nb_trainable_parameters`` (and so
 ``print_trainable_parameters``) counts the unsplit model's parameters, each once. Methods that rebuild the module tree
 (``merge_and_unload``, ``unload``, ``add_weighted_adapter``, ``delete_adapter``) are refused as for a PeftModel split
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -53,17 +56,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_module_registration_hook
 
-from ..checkpoint.atomic import write_into_folder
-from ..checkpoint.gather import save_pretrained_options
-from ..checkpoint.torchrun import Job, TorchrunJob, is_parallelized
-from ..comm.dtensor import mesh_device
-from ..engines.inprocess import TensorParallel
-from ..engines.inprocess.late_adapters import adopt_late_modules
-from ..engines.inprocess.param_count import UnsplitParameter, count_parameters, unsplit_parameters
-from ..engines.torchrun.late_adapters import adopt_late_adapters
-from ..engines.torchrun.local_views import building_views
-from ..layers import is_peft_model
-from ..logs import get_logger
+from ...checkpoint.atomic import write_into_folder
+from ...checkpoint.gather import save_pretrained_options
+from ...checkpoint.torchrun import Job, TorchrunJob, is_parallelized
+from ...comm.dtensor import mesh_device
+from ...engines.inprocess import TensorParallel
+from ...engines.inprocess.late_adapters import adopt_late_modules
+from ...engines.inprocess.param_count import UnsplitParameter, count_parameters, unsplit_parameters
+from ...engines.torchrun.late_adapters import adopt_late_adapters
+from ...engines.torchrun.local_views import building_views
+from ...global_hooks import GlobalHook, Patch
+from ...layers import is_peft_model
+from ...logs import get_logger
+from ...plans.adapters import has_adapters
 from .adapter_io import (
     ADAPTER_FILES,
     PEFT_PREFIX,
@@ -80,23 +85,12 @@ logger = get_logger(__name__)
 
 SUPPORTED_TUNERS = ("LoraModel", "IA3Model")  # the PEFT methods whose layers follow a split (styles/lora.py, ia3.py)
 
-_hook = None
-
-
-def install() -> None:
-    """Register the module-registration hook (once per process)."""
-    global _hook
-    if _hook is None:
-        _hook = register_module_module_registration_hook(_on_registration)
-
-
 def _on_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
     if submodule is None or name not in ("model", "base_model"):
         return None
     peft = sys.modules.get("peft")
     if peft is None:
         return None
-    _slice_peft_loads(peft)
     if name == "model" and _is_tuner(module, peft) and _is_split(submodule):
         _before_injection(module, submodule)
     elif name == "base_model" and is_peft_model(module):
@@ -135,6 +129,7 @@ def _before_injection(tuner: nn.Module, split: nn.Module) -> None:
         )
     _check_initialisations(tuner)
     if not isinstance(split, TensorParallel):
+        RESHARD_PATCH.hold(split)  # PEFT's loads into it take the engine's slices first (refused if it cannot)
         building_views(split, split.tensorshard)  # PEFT builds its layers on this rank's plain slices
 
 
@@ -407,13 +402,38 @@ def _engine_slices_first(reshard):
     return resharded
 
 
-def _slice_peft_loads(peft) -> None:
-    """Install `_engine_slices_first` around PEFT's resharding of loaded tensors, once, when PEFT is first seen
-    building a model (every PEFT load goes into such a model). A PEFT without that function does not reshard:
-    it hands whole tensors to ``load_state_dict`` (`AroundSplit`'s slices them)."""
-    loading = getattr(getattr(peft, "utils", None), "save_and_load", None)
-    reshard = getattr(loading, "_reshard_dtensor_values_for_load", None)
-    if reshard is None or getattr(reshard, "tensorshard_slices_first", False):
-        return
-    loading._reshard_dtensor_values_for_load = _engine_slices_first(reshard)
+# PEFT's function that reshards what it loads into DTensor parameters (peft >= 0.21), as `_engine_slices_first`
+# expects it: (model, state_dict) -> state_dict.
+RESHARD = ("peft.utils.save_and_load", "_reshard_dtensor_values_for_load", ("model", "state_dict"))
+
+
+def _install_reshard_patch() -> list[Patch]:
+    """`_engine_slices_first` around PEFT's resharding of loaded tensors (every peft this package supports, >= 0.21.2,
+    has it). A PEFT where it is gone or takes other arguments is refused: it may reshard some other way, and its loads
+    would take the wrong rows of fused or uneven splits without a word."""
+    where, name, params = RESHARD
+    reshard = getattr(sys.modules.get(where), name, None)
+    found = None if reshard is None else tuple(inspect.signature(reshard).parameters)
+    if found != params:
+        version = getattr(sys.modules.get("peft"), "__version__", "?")
+        has = "has no such function" if reshard is None else f"takes {found}"
+        raise NotImplementedError(
+            f"peft {version}'s {where}.{name} {has}, not {params}: tensorshard cannot give PEFT's loads into a model "
+            "split under torchrun the engine's slices. Add or load the adapter on the unsplit model before "
+            "tp.parallelize, or use a peft release whose function takes (model, state_dict)"
+        )
     logger.debug("PEFT's loads into models split by tensorshard take the engine's slices first")
+    return [Patch(sys.modules[where], name, _engine_slices_first(reshard))]
+
+
+def _holds_peft_layers(model: object) -> bool:
+    """A model split under torchrun that holds PEFT's layers (a PeftModel, or its inner model, parallelized)."""
+    return ("peft" in sys.modules and isinstance(model, nn.Module) and not isinstance(model, TensorParallel)
+            and has_adapters(model))
+
+
+RESHARD_PATCH = GlobalHook(f"peft's {RESHARD[0]}.{RESHARD[1]} wrapped (integrations/peft/after_split.py)",
+                           _install_reshard_patch, needed_by=_holds_peft_layers)
+PEFT_HOOK = GlobalHook("torch.nn module-registration hook for PEFT around split models (integrations/peft/after_split.py)",
+                       lambda: [register_module_module_registration_hook(_on_registration)],
+                       needed_by=lambda model: True)

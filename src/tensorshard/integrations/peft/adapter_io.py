@@ -1,8 +1,8 @@
 """How a split model's PEFT adapters are saved, loaded and protected: what the three ways of holding an adapter
 on a split model share.
 
-    model = get_peft_model(split, LoraConfig(...))    # split, then adapter: PEFT's API (peft_after_split.py)
-    split.load_adapter("adapter/")                    # split, then adapter: transformers' (transformers/adapters.py)
+    model = get_peft_model(split, LoraConfig(...))    # split, then adapter: PEFT's API (peft/after_split.py)
+    split.load_adapter("adapter/")                    # split, then adapter: transformers' (transformers_adapters.py)
     model = tp.tensor_parallel(peft_model, devices)   # adapter, then split (transformers/peft.py)
 
 Saving writes PEFT's format (`ADAPTER_FILES`) with the unsplit names and shapes: the adapter's tensors are
@@ -27,9 +27,9 @@ from typing import Any, Iterable, NoReturn
 import torch
 from torch import nn
 
-from ..checkpoint.gather import gathered_state_dict
-from ..engines.inprocess import TensorParallel
-from ..plans.adapters import is_adapter_tensor
+from ...checkpoint.gather import gathered_state_dict
+from ...engines.inprocess import TensorParallel
+from ...plans.adapters import is_adapter_tensor
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")  # what a save replaces
 PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the model it adapts (the prefix of PEFT's names)

@@ -12,7 +12,7 @@ injected as soon as transformers returns (engines/inprocess/late_adapters.py; re
 if it cannot follow the split), and PEFT's own loading and saving functions look at the first device's
 shard, whose module names are the unsplit model's: loaded tensors go to the split model, which gives each
 device its slices, and saved ones are gathered from every device (only the adapter's). What this shares with
-PEFT's own API on a split model (the saved files, gathering, the stand-in) is in ../adapter_io.py.
+PEFT's own API on a split model (the saved files, gathering, the stand-in) is in adapter_io.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import save_pretrained_options
 from ...engines.inprocess.late_adapters import adopt_late_modules
 from ...logs import get_logger
-from ..adapter_io import (
+from .adapter_io import (
     ADAPTER_FILES,
     PEFT_PREFIX,
     check_save_folder,
