@@ -44,7 +44,7 @@ from ..plans.validate import column_readers
 from ..styles import ChannelParallel, ColwiseParallel, Replicate, RowwiseParallel
 from .features import FeatureSet, Ids
 from .groups import _row_labels
-from .inputs import as_inputs, first_that_runs
+from .inputs import as_inputs, input_candidates
 from .trace import Trace, trace_model
 
 logger = logging.getLogger(__name__)
@@ -114,10 +114,25 @@ def plan_problems(module: nn.Module, sharded: ShardedModel, inputs=None) -> list
     layers = {n for n, m in module.named_modules() if layer_kind(m) is not None}
     fixed = {n for n in layers if n not in columns and n not in rows and not (sharded.modules.get(n) and sharded.modules[n].splits)}
     attempt = lambda x: trace_model(module, x, fixed=fixed, capture=False, columns=set(columns), log=True)  # noqa: E731
-    if inputs is None:
-        inputs = first_that_runs(module, attempt)
-    trace = attempt(as_inputs(inputs) if not isinstance(inputs, tuple) or len(inputs) != 2 else inputs)
-    return _problems(module, sharded, trace, columns, rows)
+    if inputs is not None:
+        return _problems(module, sharded, attempt(as_inputs(inputs)), columns, rows)
+    # The synthetic input is a guess (inputs.py): a plan is refused only if every guess that runs shows a
+    # problem (a BatchNorm1d reads (batch, features), but also runs on (batch, 16, features), wrongly).
+    first: list[PairProblem] | None = None
+    error = None
+    for candidate in input_candidates(module):
+        try:
+            trace = attempt(candidate)
+        except Exception as e:  # noqa: BLE001 - the next guess may run
+            error = error or e
+            continue
+        problems = _problems(module, sharded, trace, columns, rows)
+        if not problems:
+            return []
+        first = first if first is not None else problems
+    if first is None:
+        raise error
+    return first
 
 
 # --- what the plan splits -------------------------------------------------------------------------------
