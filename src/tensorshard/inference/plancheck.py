@@ -264,10 +264,13 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
 
 
 def _poison_of(trace: Trace, classes: Ids):
-    """The first poison that touches `classes` (one not about the model's output, if any)."""
+    """The first poison that touches `classes` (one not about the model's output, if any). A whole activation
+    meeting split features without varying along them (T5's position bias, under a Heads entry that slices
+    it per device) computes the right forward; whether its gradient is whole is left to check=True's
+    numerical comparison."""
     if not trace.poisons or not classes.numel():
         return None
-    hit = [p for p in trace.poisons if bool(torch.isin(trace.fs.find(p.ids), classes).any())]
+    hit = [p for p in trace.poisons if p.kind != "gradient" and bool(torch.isin(trace.fs.find(p.ids), classes).any())]
     return next((p for p in hit if p.kind != "output"), hit[0] if hit else None)
 
 

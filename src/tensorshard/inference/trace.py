@@ -85,7 +85,7 @@ class Poison:
     ids: Ids
     reason: str
     where: str
-    kind: str = "op"  # "output" when the features reach the model's output
+    kind: str = "op"  # "output" when the features reach the model's output, "gradient" (see _gradient_sources)
 
 
 @dataclass
@@ -305,7 +305,8 @@ class Tracer(TorchFunctionMode):
                 continue
             s = self.sources(t)
             if s is LONG:
-                self.poison(ids, f"{name} combines split features with a whole tensor whose gradient would be partial")
+                self.poison(ids, f"{name} combines split features with a whole tensor whose gradient would be partial",
+                            kind="gradient")
             elif s:
                 self.syncs.append(Sync([self.param_names[p] for p in s], self.fs.distinct(ids)))
 
