@@ -22,7 +22,9 @@ before the model changes; with ``check=True`` each failing column/row pair stays
 and the numerical self-check (selfcheck.py) then compares the rest. ``check=False`` skips both.
 
 A model the trace cannot run (it needs inputs no synthetic guess provides) is not refused for that alone:
-a warning says the plan was not verified and the plan is used as given.
+a warning says the plan was not verified and the plan is used as given. Left to check=True's numbers too:
+attention heads next to per-head inputs the plan slices itself (ALiBi, T5's position bias), whether a
+whole activation meeting split features gets its whole gradient, and models with PEFT adapters.
 
 Cost: one forward pass on a tiny input (a model on the meta device reads no weights), int64 shadows of
 the same size, and the plan's dry run (plans/sharding.py), which the engine repeats.
@@ -41,7 +43,8 @@ from ..partition import Partition
 from ..plans.plan import Plan, escape
 from ..plans.sharding import ShardedModel, shard_plan
 from ..plans.validate import column_readers
-from ..styles import ChannelParallel, ColwiseParallel, Replicate, RowwiseParallel
+from ..styles import ChannelParallel, ColwiseParallel, Replicate, RowwiseParallel, ShardParams
+from ..styles.attention_heads import AttentionHeads
 from .features import FeatureSet, Ids
 from .groups import _row_labels
 from .inputs import as_inputs, input_candidates
@@ -206,7 +209,10 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
                    "in between), so each device would multiply a slice by the whole weight",
                    f"make {name!r} RowwiseParallel() as the partner of {source!r}, or gather {source!r} "
                    "(gather_output=True)", partners=[source] if source else [])
+    sliced = _sliced_per_head(sharded)
     for i, name in enumerate(names):
+        if sliced and sharded.modules[name].heads is not None:
+            continue  # its heads meet per-head inputs the plan slices itself (see _sliced_per_head)
         ids = trace.layers[name].out_ids
         classes = fs.classes(ids)
         poison = _poison_of(trace, classes)
@@ -261,6 +267,19 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
                        f"{source} splits, but the plan runs it whole, so it would get a slice of its channels",
                        f"add {name!r}: tp.ChannelParallel() to the plan")
     return list(problems.values())
+
+
+def _sliced_per_head(sharded: ShardedModel) -> bool:
+    """The plan slices per-head tensors that the trace sees whole: ALiBi slopes (AttentionHeads' head_inputs),
+    T5's position bias (ShardParams with a split output on its embedding). Their values vary along the heads,
+    so the trace would join every head into one unit; attention split by such a plan's Heads entries is left
+    to check=True's numerical comparison."""
+    for ms in sharded.modules.values():
+        if isinstance(ms.style, AttentionHeads) and ms.style.head_inputs:
+            return True
+        if isinstance(ms.style, ShardParams) and ms.style.output == "split":
+            return True
+    return False
 
 
 def _poison_of(trace: Trace, classes: Ids):
