@@ -86,3 +86,25 @@ def test_a_model_the_trace_cannot_run_is_split_with_a_warning(caplog):
     assert any("could not verify the plan's column/row pairs on NeedsScale" in r.getMessage() for r in caplog.records)
     x = torch.randn(3, 8)
     assert rel_err(split(x, 0.5), ref(x, 0.5)) < 1e-5
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_preset_passes_the_pair_check(world):
+    """The hand-written presets, given as plans, trace and pass (no false refusal): every family of the
+    suite's tiny transformers models."""
+    pytest.importorskip("transformers")
+    from support.hf_configs import FAMILIES, tiny_model
+    from tensorshard.inference.plancheck import plan_problems
+    from tensorshard.plans.presets import preset_for
+    from tensorshard.plans.sharding import shard_plan
+
+    checked = []
+    for family in FAMILIES:
+        model = tiny_model(family)
+        plan = preset_for(model)
+        if plan is None:
+            continue
+        problems = plan_problems(model, shard_plan(model, plan, world))  # raises if the model does not trace
+        assert problems == [], (family, [p.line() for p in problems])
+        checked.append(family)
+    assert len(checked) >= 15, checked
