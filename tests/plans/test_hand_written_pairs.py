@@ -108,3 +108,24 @@ def test_every_preset_passes_the_pair_check(world):
         assert problems == [], (family, [p.line() for p in problems])
         checked.append(family)
     assert len(checked) >= 15, checked
+
+
+@pytest.mark.parametrize("name", ["softmax", "gate * up", "attention with Heads"])
+def test_big_models_are_checked_on_an_empty_meta_copy(name, monkeypatch):
+    """Past META_TRACE_BYTES of weights the trace runs on a meta-device copy (no weight read): same verdicts,
+    and the model is not touched."""
+    from tensorshard.inference import plancheck
+
+    monkeypatch.setattr(plancheck, "META_TRACE_BYTES", 0)
+    traced = []
+    real = plancheck._plan_problems
+    monkeypatch.setattr(plancheck, "_plan_problems", lambda m, *a: traced.append(m) or real(m, *a))
+    ref, plan, verdict, _ = build(name)
+    x = example(name)
+    model = copy.deepcopy(ref)
+    if verdict == "refused":
+        with pytest.raises(ValueError, match="'up' and 'down'"):
+            tp.tensor_parallel(model, ["cpu"] * 2, plan=plan)
+    else:
+        assert rel_err(tp.tensor_parallel(model, ["cpu"] * 2, plan=plan)(x), ref(x)) < 1e-5
+    assert traced and all(p.is_meta for p in traced[0].parameters())

@@ -26,12 +26,14 @@ a warning says the plan was not verified and the plan is used as given. Left to 
 attention heads next to per-head inputs the plan slices itself (ALiBi, T5's position bias), whether a
 whole activation meeting split features gets its whole gradient, and models with PEFT adapters.
 
-Cost: one forward pass on a tiny input (a model on the meta device reads no weights), int64 shadows of
-the same size, and the plan's dry run (plans/sharding.py), which the engine repeats.
+Cost: one forward pass on a tiny input, int64 shadows of the same size, and the plan's dry run
+(plans/sharding.py), which the engine repeats. A model with more than 256 MiB of weights is traced as an
+empty copy on the meta device (no weight read, no memory; see `plan_problems`).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -111,7 +113,41 @@ def keep_whole(module: nn.Module, plan: Plan, world_size: int, *, check: bool | 
 
 
 def plan_problems(module: nn.Module, sharded: ShardedModel, inputs=None) -> list[PairProblem]:
-    """Every failing pair of the plan `sharded` was built from, one problem per column layer."""
+    """Every failing pair of the plan `sharded` was built from, one problem per column layer.
+
+    A model holding more than `META_TRACE_BYTES` of weights is traced as an empty copy on the meta device
+    (no weight is read: splitting a 7B model costs milliseconds of tracing, not a forward pass); when that
+    copy cannot run (its forward reads weight values, a quantized layer), the model itself is traced."""
+    if inputs is None and _weight_bytes(module) > META_TRACE_BYTES:
+        skeleton = _meta_copy(module)
+        if skeleton is not None:
+            try:
+                return _plan_problems(skeleton, sharded, None)
+            except Exception as e:  # noqa: BLE001 - fall back to the model itself
+                logger.debug("the meta-device copy of %s did not trace (%s); tracing the model", type(module).__name__, e)
+    return _plan_problems(module, sharded, inputs)
+
+
+META_TRACE_BYTES = 256 * 2**20
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.parameters() if not t.is_meta)
+
+
+def _meta_copy(module: nn.Module) -> nn.Module | None:
+    """`module`'s tree with every parameter and buffer an empty meta tensor of its shape, or None."""
+    memo: dict[int, object] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception:  # noqa: BLE001 - a module that cannot be copied is traced as it is
+        return None
+
+
+def _plan_problems(module: nn.Module, sharded: ShardedModel, inputs) -> list[PairProblem]:
     columns = _columns(module, sharded)
     rows = _rows(module, sharded)
     layers = {n for n, m in module.named_modules() if layer_kind(m) is not None}
