@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ from ..plans.validate import column_readers
 from ..styles import ChannelParallel, ColwiseParallel, Replicate, RowwiseParallel, ShardParams
 from ..styles.attention_heads import AttentionHeads
 from .features import FeatureSet, Ids
-from .groups import _row_labels
+from .groups import row_labels
 from .inputs import as_inputs, input_candidates
 from .trace import Trace, trace_model
 
@@ -66,7 +66,6 @@ class PairProblem:
     rows: list[str]
     what: str  # the op (or read) and the module it happens in
     fix: str = ""
-    pair: list[str] = field(default_factory=list)
 
     def names(self) -> list[str]:
         return [self.column] + [r for r in self.rows if r != self.column]
@@ -116,8 +115,7 @@ def plan_problems(module: nn.Module, sharded: ShardedModel, inputs=None) -> list
     """Every failing pair of the plan `sharded` was built from, one problem per column layer.
 
     A model holding more than `META_TRACE_BYTES` of weights is traced as an empty copy on the meta device
-    (no weight is read: splitting a 7B model costs milliseconds of tracing, not a forward pass); when that
-    copy cannot run (its forward reads weight values, a quantized layer), the model itself is traced."""
+    (no weight is read, nothing is computed but shapes and the trace's bookkeeping); when that copy cannot run (its forward reads weight values, a quantized layer), the model itself is traced."""
     if inputs is None and _weight_bytes(module) > META_TRACE_BYTES:
         skeleton = _meta_copy(module)
         if skeleton is not None:
@@ -280,7 +278,7 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
             if call.role != "row" or call.row_ids is None:
                 continue
             source = _source_of(trace, info, owner, names)
-            labels = _row_labels(fs, call.row_ids, info.kind.feature_dim)
+            labels = row_labels(fs, call.row_ids, info.kind.feature_dim)
             if labels is None:
                 if source and source not in problems:
                     report(source, f"{name} reads its split features mixed with whole values or along other "
