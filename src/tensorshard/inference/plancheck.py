@@ -47,7 +47,7 @@ from ..plans.sharding import ShardedModel, shard_plan
 from ..plans.validate import column_readers
 from ..styles import ChannelParallel, ColwiseParallel, Replicate, RowwiseParallel, ShardParams
 from ..styles.attention_heads import AttentionHeads
-from .features import FeatureSet, Ids
+from .features import FeatureSet, Ids, compact
 from .groups import row_labels
 from .inputs import as_inputs, input_candidates
 from .trace import Trace, trace_model
@@ -84,10 +84,15 @@ def keep_whole(module: nn.Module, plan: Plan, world_size: int, *, check: bool | 
     (check=None), or return ``Replicate()`` entries for the failing pairs (check=True), for ``plan | entries``."""
     if check is False or world_size < 2:
         return {}
+    validate = logging.getLogger("tensorshard.plans.validate")
+    level = validate.level
+    validate.setLevel(logging.ERROR)  # its warnings come once, from the engine's own dry run
     try:
         sharded = shard_plan(module, plan, world_size)
     except (ValueError, TypeError, NotImplementedError):
         return {}  # the engine's own dry run raises the same error, with its fix
+    finally:
+        validate.setLevel(level)
     if world_size > MAX_DEVICES or not _columns(module, sharded):
         return {}
     try:
@@ -247,9 +252,8 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
     for i, name in enumerate(names):
         if sliced and sharded.modules[name].heads is not None:
             continue  # its heads meet per-head inputs the plan slices itself (see _sliced_per_head)
-        ids = trace.layers[name].out_ids
-        classes = fs.classes(ids)
-        poison = _poison_of(trace, classes)
+        classes = torch.unique(roots[trace.layers[name].out_ids])
+        poison = _poison_of(trace, roots, classes)
         if poison is not None:  # 2
             if poison.kind == "output":
                 report(name, f"its split output reaches the model's output (in {poison.where}), which would "
@@ -277,9 +281,9 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
         for call in (info.calls if info is not None else []):
             if call.role != "row" or call.row_ids is None:
                 continue
-            source = _source_of(trace, info, owner, names)
             labels = row_labels(fs, call.row_ids, info.kind.feature_dim)
             if labels is None:
+                source = _source_of(trace, info, owner, names)
                 if source and source not in problems:
                     report(source, f"{name} reads its split features mixed with whole values or along other "
                            "dimensions than its input features", _fix(source, name))
@@ -287,7 +291,8 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
             for r, ranges in enumerate(part.ranges):
                 for a, b in ranges:
                     held = (lo[labels[a:b]] >> r) & 1
-                    if bool((held == 0).any()) and source and source not in problems:
+                    source = _source_of(trace, info, owner, names) if bool((held == 0).any()) else ""
+                    if source and source not in problems:
                         report(source, f"{name} (RowwiseParallel) reads, on device {r}, features that "
                                f"{source} puts on another device ({_show(columns[source])} against "
                                f"{_show(part)})", "give both layers the same blocks (and a tp.Heads entry for "
@@ -316,14 +321,14 @@ def _sliced_per_head(sharded: ShardedModel) -> bool:
     return False
 
 
-def _poison_of(trace: Trace, classes: Ids):
+def _poison_of(trace: Trace, roots: Ids, classes: Ids):
     """The first poison that touches `classes` (one not about the model's output, if any). A whole activation
     meeting split features without varying along them (T5's position bias, under a Heads entry that slices
     it per device) computes the right forward; whether its gradient is whole is left to check=True's
     numerical comparison."""
     if not trace.poisons or not classes.numel():
         return None
-    hit = [p for p in trace.poisons if p.kind != "gradient" and bool(torch.isin(trace.fs.find(p.ids), classes).any())]
+    hit = [p for p in trace.poisons if p.kind != "gradient" and bool(torch.isin(roots[p.ids], classes).any())]
     return next((p for p in hit if p.kind != "output"), hit[0] if hit else None)
 
 
@@ -367,7 +372,7 @@ def _source_of(trace: Trace, info, owner: Ids, names: list[str]) -> str:
 
 
 def _source_of_ids(fs: FeatureSet, ids: Ids, owner: Ids, names: list[str]) -> str:
-    flat = ids.reshape(-1)
+    flat = compact(ids).reshape(-1)
     flat = flat[flat >= 0]
     made = owner[flat]
     made = made[made >= 0]
