@@ -67,24 +67,24 @@ def plan(
         raise SystemExit(f"--devices must be at least 1; got {devices}")
     act_dtype = _dtype(dtype) if dtype else None
     module = load_model(model)
+    trace = None
     if quantize is not None:
+        # Which column layers read one tensor (q, k, v share one backward all-reduce) is the same quantized
+        # or not, and only the unquantized model runs on the meta device: trace it first.
+        trace = _trace(module)
         quant.prepare_empty(module, _quantization_config(quantize, model))
     source = f"plan file {plan}"
-    trace = None
     if plan is not None:
         chosen = Plan.load(plan)
     elif (preset := preset_for(module)) is not None:
         chosen, source = preset, "preset"
     else:
         report = infer(module, devices)
-        chosen, trace, source = report.plan, report.trace, "inferred"
+        chosen, source = report.plan, "inferred"
+        trace = trace or report.trace
         for f in report.fallbacks:
             print(f"note: {f.line()}", file=sys.stderr)
-    if trace is None:
-        try:
-            trace = trace_model(module, capture=False)
-        except Exception:
-            trace = None  # sharing between columns is then not counted
+    trace = trace or _trace(module)
     explanation = explain(module, chosen, devices, trace=trace, dtype=act_dtype)
     _print(module, model, devices, chosen, source, explanation, expand)
     if json is not None:
@@ -94,6 +94,17 @@ def plan(
 
 
 COMMANDS: dict[str, Callable[..., int]] = {"plan": plan}
+
+
+def _trace(module: nn.Module):
+    """A trace of the model for which column layers share an input, or None (each column then counts its own
+    backward all-reduce)."""
+    try:
+        return trace_model(module, capture=False)
+    except Exception as e:  # noqa: BLE001 - the explanation still holds, without the sharing
+        print(f"note: could not trace {type(module).__name__} ({type(e).__name__}); each column layer's backward "
+              "all-reduce is counted on its own", file=sys.stderr)
+        return None
 
 
 # --- building the model ---------------------------------------------------------------------------------

@@ -107,6 +107,34 @@ def test_the_originals_other_presets_as_configs(family, world, gen):
     assert rel_err(model(input_ids=ids, **extra).logits, ref(input_ids=ids, **extra).logits) < 1e-5
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_bloom_preset_as_a_config_slices_alibi_per_device(world, gen):
+    """BLOOM's ALiBi bias, built outside the attention for every head, is an input rule as in the original's
+    preset ({"alibi": split_alibi}): each device keeps its heads' rows, and the config splits like the preset
+    (9 heads: 5 + 4 at 2 devices, 3 each at 3). Before: None ('NoneType' object has no attribute 'attr_rules')."""
+    from tensorshard.compat.head_inputs import SliceHeads
+
+    ref = tiny_model("bloom")
+    config = tp.pretrained_model.find_predefined_tensor_parallel_config(ref.config, ["cpu"] * world)
+    assert isinstance(config, tp.Config)
+    attention = re.compile(".*self_attention$")
+    heads = {2: (5, 4), 3: (3, 3, 3)}[world]
+    assert config.attr_rules[attention]["num_heads"] == tp.pretrained_model.PerDevice(heads)
+    rule = config.input_rules[attention]["alibi"]
+    assert rule == SliceHeads("batch*heads", 9, world)
+    alibi = torch.arange(2 * 9 * 4, dtype=torch.float32).view(2 * 9, 1, 4)  # (batch * heads, 1, keys)
+    pieces = [rule(alibi, rank=r) for r in range(world)]  # as the original called its input rules
+    assert [p.shape[0] for p in pieces] == [2 * h for h in heads]
+    assert torch.equal(torch.cat([p.view(2, -1, 1, 4) for p in pieces], 1).view_as(alibi), alibi)
+
+    model = tp.TensorParallelPreTrainedModel(ref, ["cpu"] * world, tensor_parallel_config=config, sharded=False)
+    preset = tp.TensorParallelPreTrainedModel(ref, ["cpu"] * world, sharded=False)
+    shapes = lambda m: {k: v.shape for k, v in m.state_dict().items()}  # noqa: E731
+    assert shapes(model) == shapes(preset)
+    ids = torch.randint(1, VOCAB, (2, 6), generator=gen)
+    assert rel_err(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
+
+
 def test_predefined_config_keys_are_the_same_for_every_class_of_a_model_type():
     """The original's check: AutoModel, a causal LM and a classifier of one model type get the same rules."""
     for family in ("llama", "gpt2"):

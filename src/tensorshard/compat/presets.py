@@ -21,8 +21,9 @@ and each entry becomes the rules that ask for the same split:
 Head blocks are cut in chunks of one KV group (query heads with their KV head), so the rules give every
 device whole groups, as the preset does. Patterns are regular expressions for the base model's names as
 the original's were (``.*self_attn$``), found in any head class of the model type, so the Config is the same
-for every class; a pattern is made longer only where a short one would also match other modules. Where an
-entry has no rule equivalent (KV heads replicated on several devices, ALiBi slices, experts, per-head norms,
+for every class; a pattern is made longer only where a short one would also match other modules. Per-head inputs
+(BLOOM's ALiBi) become input rules that slice them (`SliceHeads`, as the original's ``split_alibi``). Where an
+entry has no rule equivalent (KV heads replicated on several devices, experts, per-head norms,
 a head count inside a config object), the function logs why and returns None, as the original did for model
 types without a preset: ``tensor_parallel_config=None`` then splits with the preset itself.
 """
@@ -46,6 +47,7 @@ from ..styles import ColwiseParallel, EmbeddingParallel, Heads, HeadsWithValues,
 from ..styles.attention_heads import AttentionHeads
 from .check import UntranslatableConfig
 from .config import Config
+from .head_inputs import SliceHeads
 from .state_actions import Scale, Split, SplitInChunks, SplitInGroupedChunks
 
 logger = get_logger(__name__)
@@ -230,8 +232,8 @@ class _Tables:
         raise _NoRule(f"{name}: head blocks without a Heads entry above it")
 
     def _heads(self, rel: str, where, style: Heads, modules) -> None:
-        if isinstance(style, AttentionHeads) and style.head_inputs:
-            raise _NoRule(f"{rel}: per-head inputs {sorted(style.head_inputs)} (ALiBi) are sliced by the engine")
+        if isinstance(style, AttentionHeads) and style.whole_kv_groups:
+            raise _NoRule(f"{rel}: KV groups fused in one block (whole_kv_groups) have no rule equivalent")
         groups = HeadGroups.build(style.num_heads, style.kv, self.world, where=rel)
         if groups.kv_replicated:
             raise _NoRule(f"{rel}: its {style.kv} KV head(s) would be replicated on several of {self.world} devices")
@@ -251,6 +253,9 @@ class _Tables:
             sub = f"{rel}.{owner}" if owner else rel
             target = [(m, f"{p}.{owner}" if owner else p, s, pl) for m, p, s, pl in where]
             self.attrs.setdefault(_regex(sub, target), {})[attr] = rule
+        if isinstance(style, AttentionHeads) and style.head_inputs:  # BLOOM's ALiBi: each device its heads' rows
+            slices = {arg: SliceHeads(layout, style.num_heads, self.world) for arg, layout in style.head_inputs.items()}
+            self.inputs.setdefault(_regex(rel, where), {}).update(slices)
 
 
 def _shapes(module: nn.Module) -> list:

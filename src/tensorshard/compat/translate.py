@@ -27,6 +27,9 @@ is kept whole and added once after the sum, which is the same forward and keeps 
 divided by N on every device would train N times too fast). Attribute rules ("scale_int", or a callable
 ``f(value, rank=r)``) are evaluated for every device at translation time (styles/per_device.py).
 
+A `SliceHeads` input rule on an attention (BLOOM's ALiBi, compat/head_inputs.py) makes its Heads entry an
+``AttentionHeads(head_inputs=...)``.
+
 Refused, by rule, before the model changes (`UntranslatableConfig` lists every problem): callables as
 state, input or output rules (including the KV-cache plumbing of the original's presets: tensorshard
 keeps each device's cache itself), splits of modules other than Linear / Conv1D / Conv / Embedding, a
@@ -55,7 +58,9 @@ from ..plans.plan import Plan, match_pattern
 from ..styles import (
     ColwiseParallel, EmbeddingParallel, Heads, HeadsWithValues, PerDeviceValues, RowwiseParallel, ShardParams, Style,
 )
+from ..styles.attention_heads import AttentionHeads
 from .bare import bare_modules, bare_tensors
+from .head_inputs import SliceHeads
 from .check import UntranslatableConfig, check_against_config
 from .rules import Rule, RuleTables, compile_pattern, pattern_text, read_action
 
@@ -150,6 +155,8 @@ def _read_rules(config: RuleTables, model: nn.Module, world_size: int, problems:
             into.update(merged)
         for table, actions in (("input_rules", m.inputs), ("output_rules", m.outputs)):
             for key, action in actions.items():
+                if table == "input_rules" and isinstance(action, SliceHeads):
+                    continue  # per-head inputs of an attention: its Heads entry slices them (_heads_and_attrs)
                 if not isinstance(action, str) and _as_split(action) is None:
                     problems.append(
                         f"{table} for {name!r}, argument {key!r}: {action!r} is a Python callable, which tensorshard.compat "
@@ -328,6 +335,8 @@ def _blocks(m: _Module, rule: Rule, size: int, where: str, problems: list[str]):
 
 def _unsplit_module(m: _Module, problems: list[str]) -> None:
     for key, action in m.inputs.items():
+        if isinstance(action, SliceHeads):
+            continue  # the attention's Heads entry (_heads_and_attrs)
         problems.append(f"input rule {key!r}: {_text(action)!r} on {m.name!r}, which the state rules do not split")
     for key, action in m.outputs.items():
         kind, _ = _parse(action)
@@ -396,10 +405,21 @@ def _heads_and_attrs(mods: dict[str, _Module], styles: dict[str, Style], world: 
             attrs = _as_quantities(values, m.module, heads, kv, world)  # values that are the local head counts
             values = {a: v for a, v in values.items() if a not in attrs}
             kv_heads = kv if kv != heads else None
-            styles[m.name] = (
-                HeadsWithValues(num_heads=heads, num_kv_heads=kv_heads, attrs=attrs, values=values) if values
-                else Heads(num_heads=heads, num_kv_heads=kv_heads, attrs=attrs)
-            )
+            sliced = {k: a.layout for k, a in m.inputs.items() if isinstance(a, SliceHeads)}
+            head_dim, features = _feature_counts(values, m.module, heads, kv, world) if sliced else (None, {})
+            attrs |= features
+            values = {a: v for a, v in values.items() if a not in features}
+            if sliced and values:
+                problems.append(f"{m.name!r}: per-head inputs {sorted(sliced)} together with per-device attribute values "
+                                f"{sorted(values)}; tensorshard's AttentionHeads takes head counts only")
+            elif sliced:  # BLOOM's ALiBi (head_inputs.py)
+                styles[m.name] = AttentionHeads(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, attrs=attrs,
+                                                head_inputs=sliced)
+            else:
+                styles[m.name] = (
+                    HeadsWithValues(num_heads=heads, num_kv_heads=kv_heads, attrs=attrs, values=values) if values
+                    else Heads(num_heads=heads, num_kv_heads=kv_heads, attrs=attrs)
+                )
         elif values:
             styles[m.name] = PerDeviceValues(values=values)
     for parent, (heads, kv) in geometry.items():  # parents without attribute rules
@@ -423,6 +443,28 @@ def _as_quantities(values: dict[str, tuple], module: nn.Module, heads: int, kv: 
                 out[attr] = quantity
                 break
     return out
+
+
+def _feature_counts(values: dict[str, tuple], module: nn.Module, heads: int, kv: int, world: int) -> tuple[int | None, dict[str, str]]:
+    """(head_dim, {attribute: "features" / "kv_features"}) for attributes whose per-device values are the local
+    heads times one head width, and whose unsplit value is all heads' (BLOOM's hidden_size, split_size)."""
+    try:
+        local = [HeadGroups.build(heads, kv, world).local(r) for r in range(world)]
+    except ValueError:
+        return None, {}
+    head_dim, out = None, {}
+    for attr, per_rank in values.items():
+        whole = getattr(module, attr, None)
+        if isinstance(whole, bool) or not isinstance(whole, int):
+            continue
+        for quantity, count in (("features", "heads"), ("kv_features", "kv_heads")):
+            full = heads if count == "heads" else kv
+            if whole % full or head_dim not in (None, whole // full):
+                continue
+            if tuple(l[count] * (whole // full) for l in local) == tuple(per_rank):
+                head_dim, out[attr] = whole // full, quantity
+                break
+    return head_dim, out
 
 
 def _attr_values(m: _Module, world: int, problems: list[str]) -> dict[str, tuple]:

@@ -5,15 +5,17 @@ forward call; structure.py and groups.py turn what was seen into column/row grou
 infer.py assembles the Plan; selfcheck.py verifies each group on a copy with the in-process engine (which
 is why this package sits above the engines); auto.py picks a preset or an inferred plan.
 
-Importing this package registers `auto_plan` and `check_plan` with `tensorshard.plans.resolve_plan`, which
+plancheck.py checks a given plan's column/row pairs against a trace. Importing this package registers
+`auto_plan`, `check_plan` and `keep_whole` (the pair check) with `tensorshard.plans.resolve_plan`, which
 the engines call.
 """
 
 from ..plans import register_inference
 from .auto import auto_plan
 from .infer import infer, infer_plan
+from .plancheck import keep_whole
 from .selfcheck import check_plan
 
-register_inference(auto_plan=auto_plan, check_plan=check_plan)
+register_inference(auto_plan=auto_plan, check_plan=check_plan, check_pairs=keep_whole)
 
 __all__ = ["auto_plan", "check_plan", "infer", "infer_plan"]

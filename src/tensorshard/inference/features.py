@@ -31,6 +31,10 @@ class FeatureSet:
         self._version = 0  # bumped by every union that merges classes
         self._needs: list[Ids] = []
         self._needs_cache = None
+        # Who joined what, for naming the op when a given plan's split cuts a unit (inference/plancheck.py): off
+        # (None) unless asked for; the tracer sets `op` before each rule.
+        self.log: list[tuple[str, Ids, Ids]] | None = None
+        self.op = ""
 
     def new(self, count: int) -> Ids:
         """`count` fresh ids, each its own class."""
@@ -88,6 +92,8 @@ class FeatureSet:
             merged = True
             self._version += 1
             ra, rb = ra[differ], rb[differ]
+            if self.log is not None:
+                self.log.append((self.op, ra.clone(), rb.clone()))
             # Link each larger root to the smallest root it meets; repeat until every pair agrees.
             self.parent.scatter_reduce_(0, torch.maximum(ra, rb), torch.minimum(ra, rb), reduce="amin")
             a, b = a[differ], b[differ]

@@ -158,7 +158,7 @@ def decide(g: Group, trace: Trace, module: nn.Module, world_size: int) -> Group:
         info = layers[name]
         seen = None
         for call in info.calls:
-            lab = _row_labels(fs, call.row_ids, info.kind.feature_dim)
+            lab = row_labels(fs, call.row_ids, info.kind.feature_dim)
             if lab is None:
                 return g.fail(f"{name} reads split features that also vary along other dimensions, or mixed with whole ones")
             if seen is not None and not torch.equal(lab, seen):
@@ -230,7 +230,7 @@ def _gather(g: Group, info, world_size: int, module: nn.Module, trace: Trace) ->
     return g
 
 
-def _row_labels(fs, ids: torch.Tensor, feature_dim: int) -> torch.Tensor | None:
+def row_labels(fs, ids: torch.Tensor, feature_dim: int) -> torch.Tensor | None:
     """The class of each input feature of a row call, or None when the split is not on features alone."""
     if ids is None or not bool((ids >= 0).all()):
         return None

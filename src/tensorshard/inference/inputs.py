@@ -67,6 +67,8 @@ def input_candidates(model: nn.Module, *, generator: torch.Generator | None = No
     sizes = [SEQ] + sorted({m.in_features for m in model.modules() if isinstance(m, nn.Linear)} - {SEQ})
     for seq in sizes[:8]:
         yield (_on(torch.randn(BATCH, seq, width, generator=gen, dtype=dtype), mod),), {}
+    # last: a plain (batch, features) input, for a BatchNorm1d after a Linear (channels on dim 1)
+    yield (_on(torch.randn(BATCH, width, generator=gen, dtype=dtype), mod),), {}
 
 
 _WINDOWED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .. import quant
+from ..layers import layer_kind
 from ..engines.inprocess import TensorParallel
 from ..logs import get_logger
 from ..plans.plan import Plan
@@ -115,8 +116,8 @@ def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dic
     tolerance = quant.selfcheck_tolerance(sub, TOLERANCE)
     ref = _Outputs(scratch_copy(sub.inner, gen), sub.keep)
     work = copy.deepcopy(ref)
-    with _quiet():
-        split = TensorParallel(work, ["cpu"] * world_size, plan=Plan(entries))
+    with _quiet():  # check=False: these entries are the pair being checked, by numbers instead
+        split = TensorParallel(work, ["cpu"] * world_size, plan=Plan(entries), check=False)
     ref.eval()
     split.eval()
     # Inputs that carried gradients in the traced pass carry them here (at the top level: all of them).
@@ -155,12 +156,13 @@ def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dic
             return f"the gradient of input {i} differs (relative error {_rel_err(a.grad, b.grad, floor):.1e})"
     for name, p in ref.named_parameters():
         per_shard = [shard.get_parameter(name).grad for shard in split.module_shards]
+        path = _path(name, region)
         if p.grad is None:
             if any(g is not None and g.abs().max() > 0 for g in per_shard):
-                return f"{name} gets a gradient only when split"
+                return f"{path} gets a gradient only when split"
             continue
         if any(g is None for g in per_shard):
-            return f"{name} gets no gradient on some device"
+            return f"{path} gets no gradient on some device"
         split_of = split.splits.get(name)
         if split_of is None:
             candidates = per_shard  # replicated: every copy must hold the full gradient
@@ -170,8 +172,14 @@ def _compare(sub: nn.Module, entries: dict[str, Style], inputs: tuple[tuple, dic
         for g in candidates:
             err = _rel_err(g, p.grad, floor)
             if not err <= tolerance:
-                return f"the gradient of {name} differs (relative error {err:.1e})"
+                return f"the gradient of {path} differs (relative error {err:.1e})"
     return None
+
+
+def _path(name: str, region: str) -> str:
+    """A parameter of the checked copy ("inner.up.weight") by its path in the model ("mlp.up.weight")."""
+    rel = name.removeprefix("inner.")
+    return f"{region}.{rel}" if region else rel
 
 
 def scratch_copy(sub: nn.Module, gen: torch.Generator) -> nn.Module:
@@ -244,16 +252,20 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 def _quiet():
     """Keep the engine's per-split log lines (engines/split_report.py: a region is a small part of the
     model) out of the user's log while checking."""
-    engine = get_logger("tensorshard.engines.inprocess.engine")
-    report = get_logger("tensorshard.engines.split_report")
-    levels = engine.level, report.level
-    engine.setLevel(logging.WARNING)
-    report.setLevel(logging.ERROR)
+    quieter = {
+        "tensorshard.engines.inprocess.engine": logging.WARNING,
+        "tensorshard.engines.split_report": logging.ERROR,
+        # the layout warnings name the copy's modules ("inner.up"); the real split repeats them with real paths
+        "tensorshard.plans.validate": logging.ERROR,
+    }
+    levels = {name: get_logger(name).level for name in quieter}
+    for name, level in quieter.items():
+        get_logger(name).setLevel(level)
     try:
         yield
     finally:
-        engine.setLevel(levels[0])
-        report.setLevel(levels[1])
+        for name, level in levels.items():
+            get_logger(name).setLevel(level)
 
 
 def check_plan(module: nn.Module, plan: Plan, world_size: int, *, example_inputs: Any = None) -> Plan:
@@ -266,13 +278,17 @@ def check_plan(module: nn.Module, plan: Plan, world_size: int, *, example_inputs
 
     if world_size < 2:
         return plan
+    assigned = plan.assign(module)
+    split = {n: a for n, a in assigned.items() if not isinstance(a.style, (Replicate, Heads))}
+    # Traced with the plan's own column layers as the only columns, so a group is one of the plan's pairs.
+    columns = {n for n, a in split.items() if isinstance(a.style, ColwiseParallel) and not a.style.gather_output}
+    fixed = {n for n, m in module.named_modules() if n not in split and layer_kind(m) is not None}
+    run = lambda inputs, capture: trace_model(module, inputs, capture=capture, fixed=fixed, columns=columns)  # noqa: E731
     if example_inputs is not None:
         inputs = as_inputs(example_inputs)
     else:
-        inputs = first_that_runs(module, lambda inputs: trace_model(module, inputs, capture=False))
-    trace = trace_model(module, inputs, capture=True)
-    assigned = plan.assign(module)
-    split = {n: a for n, a in assigned.items() if not isinstance(a.style, (Replicate, Heads))}
+        inputs = first_that_runs(module, lambda inputs: run(inputs, False))
+    trace = run(inputs, True)
     regions = [[n for n in g.layers if n in split] for g in find_groups(trace)]
     grouped = {n for names in regions for n in names}
     regions += [[n] for n in split if n not in grouped and trace.captures.get(n) is not None]
@@ -285,7 +301,7 @@ def check_plan(module: nn.Module, plan: Plan, world_size: int, *, example_inputs
             entries[owner] = assigned[owner].style
         verdict = check_entries(module, trace, entries, world_size, cache)
         if verdict is not None:
-            logger.info("kept whole (self-check): %s: %s", ", ".join(names), verdict)
+            logger.warning("kept whole (self-check): %s: %s", ", ".join(names), verdict)
             for n in (owners or names):
                 replicate[_relative(n, "")] = Replicate()
     return plan | replicate if replicate else plan

@@ -85,7 +85,7 @@ class Poison:
     ids: Ids
     reason: str
     where: str
-    kind: str = "op"  # "output" when the features reach the model's output
+    kind: str = "op"  # "output" when the features reach the model's output, "gradient" (see _gradient_sources)
 
 
 @dataclass
@@ -112,9 +112,13 @@ class Sync:
 
 
 class Tracer(TorchFunctionMode):
-    def __init__(self, model: nn.Module, fixed: set[str], *, capture: bool, meta: bool) -> None:
+    def __init__(self, model: nn.Module, fixed: set[str], *, capture: bool, meta: bool,
+                 columns: set[str] | None = None, log: bool = False) -> None:
         super().__init__()
         self.fs = FeatureSet()
+        if log:
+            self.fs.log = []
+        self.columns = columns  # None: any layer reading a whole input is a column candidate
         self.rules = Rules(self)
         self.meta = meta
         self.capture = capture
@@ -219,6 +223,7 @@ class Tracer(TorchFunctionMode):
         if tracked:
             self.suspended += 1
             try:
+                self.fs.op = f"{name} in {self.where()}"
                 self.rules.apply(Call(func, name, args, kwargs, out))
                 self._gradient_sources(name, leaves, tracked)
                 self._collapsed(name, out)
@@ -300,7 +305,8 @@ class Tracer(TorchFunctionMode):
                 continue
             s = self.sources(t)
             if s is LONG:
-                self.poison(ids, f"{name} combines split features with a whole tensor whose gradient would be partial")
+                self.poison(ids, f"{name} combines split features with a whole tensor whose gradient would be partial",
+                            kind="gradient")
             elif s:
                 self.syncs.append(Sync([self.param_names[p] for p in s], self.fs.distinct(ids)))
 
@@ -402,7 +408,7 @@ class Tracer(TorchFunctionMode):
             return "embedding"
         whole = name in self.fixed or (kind is CONV and info.module.groups != 1)
         if s is None:
-            return "whole" if whole else "column"
+            return "whole" if whole or (self.columns is not None and name not in self.columns) else "column"
         fdim = kind.feature_dim % x.dim()
         classes = self.fs.find(s)
         if bool((classes == classes.narrow(fdim, 0, 1)).all()):
@@ -512,10 +518,14 @@ def trace_model(
     *,
     fixed: set[str] = frozenset(),
     capture: bool = True,
+    columns: set[str] | None = None,
+    log: bool = False,
 ) -> Trace:
     """Run `model` once on `inputs` (default: `inputs.synthetic_inputs(model)`) and record the evidence.
 
-    `fixed` names layers already decided to stay whole (or gathered): they are not candidates. The model
+    `fixed` names layers already decided to stay whole (or gathered): they are not candidates. `columns`,
+    when given, are the only layers that may be columns (a given plan's; inference/plancheck.py); `log`
+    keeps which op joined which features (`FeatureSet.log`). The model
     runs in eval mode without gradients; its train/eval flags are restored afterwards and nothing else of
     it changes.
     """
@@ -524,7 +534,7 @@ def trace_model(
         inputs = synthetic_inputs(model)
     args, kwargs = inputs
     modes = {m: m.training for m in model.modules()}
-    tracer = Tracer(model, set(fixed), capture=capture and not meta, meta=meta)
+    tracer = Tracer(model, set(fixed), capture=capture and not meta, meta=meta, columns=columns, log=log)
     tracer.mark_inputs((args, kwargs))
     threads = torch.get_num_threads()
     try:

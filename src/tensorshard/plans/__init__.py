@@ -22,13 +22,16 @@ __all__ = ["Plan", "match_pattern", "register_inference", "resolve_plan"]
 
 AutoPlan = Callable[..., Plan]  # (module, world_size, *, check) -> Plan: a preset, else an inferred plan
 CheckPlan = Callable[[nn.Module, Plan, int], Plan]  # (module, plan, world_size) -> the plan, failing regions whole
+# (module, plan, world_size, *, check) -> {} when the plan's column/row pairs pass; else refuses the plan
+# (check=None) or returns Replicate() entries for the failing pairs (check=True)
+CheckPairs = Callable[..., dict]
 
 _inference: dict[str, Callable] = {}
 
 
-def register_inference(*, auto_plan: AutoPlan, check_plan: CheckPlan) -> None:
-    """Install the automatic plan and the self-check (tensorshard.inference does, on import)."""
-    _inference.update(auto_plan=auto_plan, check_plan=check_plan)
+def register_inference(*, auto_plan: AutoPlan, check_plan: CheckPlan, check_pairs: CheckPairs) -> None:
+    """Install the automatic plan, the self-check and the pair check (tensorshard.inference does, on import)."""
+    _inference.update(auto_plan=auto_plan, check_plan=check_plan, check_pairs=check_pairs)
 
 
 def _inferred(name: str) -> Callable:
@@ -44,7 +47,9 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
     """The plan to use: the one given (a Plan, a {pattern: style} dict, a JSON file, or an object with a
     ``to_plan(module, world_size)`` method such as a tensorshard.compat.Config), else an automatic one.
 
-    `check`: self-check the plan numerically before splitting (inference/selfcheck.py). None: only inferred plans.
+    `check`: a given plan's column/row pairs are checked against a traced forward (inference/plancheck.py):
+    by default a pair split around an op that mixes features is refused; with True it stays whole and the rest
+    of the plan is self-checked numerically (inference/selfcheck.py); False trusts the plan.
     """
     refuse_prompt_learning(module)  # a PEFT method no plan can split (adapters.py)
     if plan is None:
@@ -65,6 +70,12 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
             f"plan must be a tensorshard Plan, a {{pattern: style}} dict or a path to a plan JSON file; got {type(plan).__name__}"
         )
     resolved = follow_ties(module, resolved)  # a tied weight's other holders split alike (ties.py)
+    # Adapters (LoRA) split with their layer by styles the trace does not follow yet: such models are not
+    # pair-checked (check=True still self-checks them numerically).
+    if check is not False and world_size > 1 and not has_adapters(module):
+        whole = _inferred("check_pairs")(module, resolved, world_size, check=check)
+        if whole:  # check=True: the failing pairs stay whole
+            resolved = resolved | whole
     if check:
         resolved = _inferred("check_plan")(module, resolved, world_size)
     return adapt_plan(module, resolved) if has_adapters(module) else resolved

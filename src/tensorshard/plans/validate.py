@@ -100,6 +100,21 @@ def check_layouts(module: nn.Module, modules: dict[str, ModuleShard], world_size
     _check_head_counts(by_name, modules, layers)
 
 
+def column_readers(module: nn.Module, modules: dict[str, ModuleShard], world_size: int) -> dict[str, str]:
+    """Each layer whose output the plan leaves split -> the row-parallel layer check 3 pairs it with (module
+    order; inference/plancheck.py names the pair with it when the trace cannot tell)."""
+    if world_size == 1:
+        return {}
+    names = [name for name, _ in module.named_modules()]
+    by_name = dict(module.named_modules())
+    layers = _layers(names, by_name, modules)
+    scopes = _scopes(names, by_name)
+    readers = [l for l in layers if l.role in ("row", "reader")]
+    reader_index = [l.index for l in readers]
+    found = {c.name: _first_reader(c, scopes, readers, reader_index) for c in layers if c.role == "column"}
+    return {c: r.name for c, r in found.items() if r is not None and r.role == "row"}
+
+
 # --- the layers ---------------------------------------------------------------------------------------
 
 
