@@ -124,3 +124,17 @@ def test_the_dynamic_cache_is_not_compiled():
     split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
     assert torch.equal(_greedy(split, _ids()), _greedy(model, _ids()))
     assert not split.__dict__.get("_tensorshard_compiled_steps")
+
+
+def test_compiled_decoding_of_a_split_peft_model():
+    """A PeftModel split with its LoRA adapter: generate reaches the split transformers model inside, whose shards
+    (each wrapped by PEFT's layers) compile as any other (AOT autograd's tracing: inductor left out for time)."""
+    import peft
+
+    model = peft.get_peft_model(
+        tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+    ids = _ids()
+    compiled = _greedy(split, ids, cache_implementation="static", compile_config=CompileConfig(backend="aot_eager"))
+    assert torch.equal(compiled, _greedy(model, ids))
