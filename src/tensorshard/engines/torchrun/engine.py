@@ -58,6 +58,7 @@ from ...styles.base import original_forward, wrap_forward
 from ..resplit import refuse_split_twice
 from ..shared_config import guard as guard_configurations
 from ..split_report import report_split
+from . import decoding
 from .copies import deep_copy, keep_skeleton
 from .data import check_same_inputs
 from .late_adapters import adopt_late_adapters
@@ -183,6 +184,7 @@ def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, sou
         raise
     guard_configurations([module], f"over {world} rank(s)")  # fields that size the split stay (shared_config.py)
     _wrap_root(module, state)
+    decoding.install(module)  # generate() compiles its decode step on every device type (decoding.py)
     module.tensorshard = state
     # copy.deepcopy finds this on the instance: a second split model, not a copy of closures (copies.py)
     module.__dict__["__deepcopy__"] = lambda memo: deep_copy(module, memo, _split)
@@ -275,6 +277,11 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     outermost = {"depth": 0}
 
     def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            # What torch.compile traces (docs/torchrun.md, "Compiled decoding"): the model's own computation
+            # and its collectives only. The host-side work (the input check, adopting late adapters, dropout
+            # masks agreed between ranks, failure reports) is not part of a graph.
+            return inner(*args, **kwargs)
         comm.begin_call()
         outermost["depth"] += 1
         try:
