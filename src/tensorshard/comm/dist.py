@@ -429,12 +429,14 @@ class DistComm(Comm):
             return x
         if not (torch.is_grad_enabled() and x.requires_grad):
             return partition.take(x, dim, self.rank)  # no communication without a backward pass
+        _refuse_traced("split", where)
         return _Split.apply(x, self, where, dim, partition)
 
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not groups or not (torch.is_grad_enabled() and x.requires_grad):
             return x
         slot = next((i for i, ranks in enumerate(groups) if self.rank in ranks), None)
+        _refuse_traced("tie", where)
         return _Tie.apply(x, self.group, where, slot, len(groups))
 
     # -- sequence parallelism --------------------------------------------------------------------------------
@@ -442,10 +444,11 @@ class DistComm(Comm):
     def reduce_scatter(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        _refuse_traced("reduce_scatter", where)
         dim = dim % x.dim()
         _even(x, dim, self.world_size, where)
         if torch.is_grad_enabled() and x.requires_grad:
-            return _ReduceScatter.apply(x, self, where, dim)
+                return _ReduceScatter.apply(x, self, where, dim)
         out = reduce_scatter_even(x, dim, self.world_size, self.group, what=label("reduce_scatter", where))
         record("reduce_scatter", _nbytes(out), "forward", where)
         return out
@@ -453,6 +456,7 @@ class DistComm(Comm):
     def gather_sequence(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        _refuse_traced("gather_sequence", where)
         dim = dim % x.dim()
         if not (torch.is_grad_enabled() and x.requires_grad):
             full = gather_even(x, dim, self.world_size, self.group, what=label("all_gather", where))
@@ -473,6 +477,7 @@ class DistComm(Comm):
         its backward) by its own all-reduce during backward."""
         if self.world_size == 1 or not (torch.is_grad_enabled() and local.requires_grad):
             return local
+        _refuse_traced("partial gradients", where)
         if on_the_spot:
             return _CopyToParallel.apply(local, self.group, where)  # unbucketed: all-reduced on the spot
         return _DeferGrad.apply(local, self.bucket, param)
@@ -481,6 +486,16 @@ class DistComm(Comm):
 
     def as_sharded(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = ""):
         return as_dtensor(x, dim % x.dim(), partition, self.mesh, where=where)
+
+
+def _refuse_traced(kind: str, where: str) -> None:
+    """Collectives that comm/dist_ops.py does not provide (here: with autograd on) refuse to be traced."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            f"{where or 'a module'}: the {kind} collective cannot be compiled yet (torch.compile of a parallelized "
+            "model covers all_reduce, all_gather and copy_to_parallel, and split/tie without autograd). Compile "
+            "under torch.no_grad() with a plan without sequence parallelism, or run this model without torch.compile"
+        )
 
 
 # --- Python objects (setup and checks, not the hot path) ----------------------------------------------

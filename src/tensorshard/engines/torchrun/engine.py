@@ -279,9 +279,15 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     def forward(*args, **kwargs):
         if torch.compiler.is_compiling():
             # What torch.compile traces (docs/torchrun.md, "Compiled decoding"): the model's own computation
-            # and its collectives only. The host-side work (the input check, adopting late adapters, dropout
-            # masks agreed between ranks, failure reports) is not part of a graph.
+            # and its collectives only. The host-side work (the input check, adopting late adapters, moving
+            # inputs, failure reports) is not part of a graph. Dropout in training needs masks the ranks agree
+            # on, drawn on the host: that call runs eagerly (a graph break; fullgraph=True refuses it).
+            if dropout is not None and root.training:
+                return untraced(*args, **kwargs)
             return inner(*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    def eager(*args, **kwargs):
         comm.begin_call()
         outermost["depth"] += 1
         try:
@@ -302,6 +308,7 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
             outermost["depth"] -= 1
             comm.end_call()
 
+    untraced = torch.compiler.disable(eager)
     wrap_forward(root, forward)
 
 
