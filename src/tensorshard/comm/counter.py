@@ -14,8 +14,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import torch
-
 _lock = threading.Lock()
 _active: list["CollectiveCounter"] = []
 
@@ -51,9 +49,8 @@ class CollectiveCounter:
 
 
 def record(kind: str, nbytes: int, phase: str, where: str = "") -> None:
-    """Report one collective to every open counter. Code that torch.compile traces reports nothing: its
-    collectives are ops that report when they run (comm/dist_ops.py)."""
-    if torch.compiler.is_compiling() or not _active:
+    """Report one collective to every open counter."""
+    if not _active:
         return
     with _lock:
         for counter in _active:
