@@ -14,9 +14,9 @@ Rows, all `generate(prompt, do_sample=False)` on the same random Llama (seed 0, 
 - split fast: the same model, `cache_implementation="static"`: the engine compiles the decode step itself
   (engines/torchrun/decoding.py), collectives inside the graph (comm/dist_ops.py)
 
-Per token: the decode steps only, `(t(new) - t(1)) / (new - 1)` with t(n) the wall time of a generate() of n new
-tokens (the prefill cancels out), the median over rounds; split rows time the slowest rank (a barrier before
-each call, the maximum over ranks after). First call: the first fast generate() of `new` tokens, compile
+Per token: the decode steps only, the median gap between consecutive tokens of one generate() (a logits
+processor notes the time of each), then the median over rounds; split rows take the slowest rank's (a barrier
+before each call, the maximum over ranks after). First call: the first fast generate() of `new` tokens, compile
 included. Each process uses one intra-op thread, and TORCHINDUCTOR_COMPILE_THREADS=1 (inductor's compile
 workers slow every later eager run of the process). The greedy tokens of every row are compared with the
 unsplit eager ones. The load average is printed: on a shared machine the times are only as good as it is low.
@@ -48,6 +48,20 @@ MODELS = {
 # --- inside a job (one process, or every rank of a torchrun job) ------------------------------------------
 
 
+class _StepClock:
+    """A logits processor that notes the time of each generated token: the gaps are the decode steps."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+    def intervals(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
 def _build(name: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -59,6 +73,7 @@ def _build(name: str):
 
 def _job(args) -> None:
     import torch
+    from transformers import LogitsProcessorList
 
     torch.set_num_threads(1)
     split = args.split
@@ -82,30 +97,31 @@ def _job(args) -> None:
         fast["compile_config"] = config
     paths = {"default": {}, "fast": fast}
 
-    def timed(extra: dict, new: int) -> tuple[float, list]:
+    def timed(extra: dict) -> tuple[float, float, list]:
+        """One generate(): its wall time, the median time between decode steps, and the new tokens."""
+        clock = _StepClock()
         if split:
             dist.barrier()
         began = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0, **extra)
-        took = time.perf_counter() - began
-        if split:  # the slowest rank's time
-            slowest = torch.tensor([took])
+            out = model.generate(prompt, max_new_tokens=args.new, do_sample=False, pad_token_id=0,
+                                 logits_processor=LogitsProcessorList([clock]), **extra)
+        took, step = time.perf_counter() - began, statistics.median(clock.intervals())
+        if split:  # the slowest rank's times
+            slowest = torch.tensor([took, step], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            took = float(slowest)
-        return took, out[0, args.prompt:].tolist()
+            took, step = slowest.tolist()
+        return took, step, out[0, args.prompt:].tolist()
 
     result = {"load_before": os.getloadavg()[0]}
-    first, _ = timed(fast, args.new)  # compiles the decode step (and warms the static cache's path)
-    result["first_call_s"] = first
-    timed(paths["default"], args.new)  # warm-up
+    result["first_call_s"], _, _ = timed(fast)  # compiles the decode step
+    timed(paths["default"])  # warm-up
     per_token: dict[str, list[float]] = {p: [] for p in paths}
     tokens = {}
     for _ in range(args.rounds):
         for path, extra in paths.items():  # interleaved: load drifts hit both paths alike
-            whole, tokens[path] = timed(extra, args.new)
-            one, _ = timed(extra, 1)
-            per_token[path].append((whole - one) / (args.new - 1))
+            _, step, tokens[path] = timed(extra)
+            per_token[path].append(step)
     result.update({f"{p}_s": statistics.median(v) for p, v in per_token.items()}, tokens=tokens)
     result["load_after"] = os.getloadavg()[0]
     if not split or dist.get_rank() == 0:
@@ -181,8 +197,8 @@ def main() -> None:
         return _job(args)
     if args.quick:
         args.model, args.new, args.prompt, args.rounds = "tiny", 4, 6, 1
-    if args.new < 2:
-        parser.error(f"--new {args.new}: per-token times need at least 2 new tokens (t(new) - t(1))")
+    if args.new < 3:
+        parser.error(f"--new {args.new}: per-token times need at least 3 new tokens (2 decode steps)")
     print(f"load average before: {os.getloadavg()}", flush=True)
     settings = dict(new=args.new, prompt=args.prompt, rounds=args.rounds, timeout=args.timeout)
     unsplit = _run(args.model, 0, **settings)
