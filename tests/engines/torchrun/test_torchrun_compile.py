@@ -16,6 +16,7 @@ import torch
 import tensorshard as tp
 from support import tiny_llama
 from support.harness import world_mesh
+from support.helpers import log_messages
 
 pytestmark = pytest.mark.timeout(600)
 INDUCTOR_TASK = 540  # seconds a task that compiles with inductor may take on this machine's loaded cores
@@ -65,22 +66,12 @@ def test_compiled_forward_gives_the_unsplit_logits_with_the_collectives_in_the_g
         assert out["same_again"]
 
 
-def _log_lines(name: str) -> list[str]:
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger(name)
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    return lines
-
-
 def generate_static_task() -> dict:
     """generate()'s own path on a split model, as a user calls it: static cache, default CompileConfig (inductor)."""
     from tensorshard.engines.torchrun.decoding import compiled_graphs
 
     _fresh_dynamo()
-    logged = _log_lines("tensorshard.engines.torchrun.decoding")
+    logged, stop_logging = log_messages("tensorshard.engines.torchrun.decoding", logging.INFO)
     ref, model = _split_pair()
     ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
     settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -90,6 +81,7 @@ def generate_static_task() -> dict:
         first = model.generate(ids, cache_implementation="static", **settings)
         after_first = compiled_graphs()
         second = model.generate(ids, cache_implementation="static", **settings)
+    stop_logging()
     return {"tokens": [first.tolist(), second.tolist()], "expected": expected.tolist(), "logged": logged,
             "graphs": [after_first - before, compiled_graphs() - after_first]}
 
@@ -101,7 +93,8 @@ def test_generate_with_a_static_cache_compiles_the_decode_step_and_gives_the_uns
         assert out["graphs"][0] >= 1 and out["graphs"][1] == 0  # compiled once, the second generate reuses it
         compiled = [line for line in out["logged"] if line.startswith("compiled the decode step of LlamaForCausalLM")]
         assert len(compiled) == (1 if rank == 0 else 0), out["logged"]  # rank 0 logs it, with its duration
-        assert "batch 1" in compiled[0] if compiled else True
+        if compiled:
+            assert "batch 1, 1 new token(s), cache of 10 tokens (StaticCache), float32) in " in compiled[0]
 
 
 def recompiles_task(world: int) -> dict:

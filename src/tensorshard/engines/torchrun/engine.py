@@ -21,6 +21,10 @@ device, for its first `check_inputs` calls checks that every TP rank got the sam
 and, when it raises, tells the other ranks to stop (comm/dist_guard.py: every collective is bounded by
 `timeout` and stops when another rank failed).
 
+Under `torch.compile` the root wrapper does none of this host-side work: the graph holds the model's computation
+and its collectives (comm/dist_ops.py), and a transformers model's `generate` compiles its static-cache decode
+step on every device type (decoding.py).
+
 Memory: each rank must be able to hold the whole model once (it starts from its own full copy); build the
 model on the meta device with `src_data_rank=None` and load weights afterwards to avoid that.
 """
