@@ -38,7 +38,12 @@ def _nbytes(t: torch.Tensor) -> int:
 # --- all_reduce -----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("tensorshard::all_reduce", mutates_args=())
+# Inductor keeps these out of CUDA graphs (it partitions the graph around them, or leaves it uncaptured): a
+# collective replayed from a graph would not wait on the host as the guard does, and NCCL's may hang on replay.
+_NOT_IN_CUDA_GRAPHS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("tensorshard::all_reduce", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def all_reduce(x: torch.Tensor, group_name: str, where: str, backward: bool = False) -> torch.Tensor:
     """The sum of every rank's `x` (a new tensor)."""
     out = x.clone(memory_format=torch.contiguous_format)
@@ -62,7 +67,7 @@ all_reduce.register_autograd(_all_reduce_backward)
 # --- all_gather -----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("tensorshard::all_gather", mutates_args=())
+@torch.library.custom_op("tensorshard::all_gather", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def all_gather(piece: torch.Tensor, group_name: str, world: int, rank: int, where: str) -> torch.Tensor:
     """Every rank's `piece` (equal shapes), stacked on dim 0 in rank order: (world * piece.shape[0], ...)."""
     piece = piece.contiguous()

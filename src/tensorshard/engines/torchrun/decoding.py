@@ -36,14 +36,16 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def install(model: nn.Module) -> None:
-    """Give `model` (a transformers generating model; anything else is left alone) compiled decoding on every device."""
-    criteria = getattr(type(model), "_valid_auto_compile_criteria", None)
-    compiled_call = getattr(type(model), "get_compiled_call", None)
-    if criteria is None or compiled_call is None:
-        return
-    model._valid_auto_compile_criteria = _on_every_device(model, criteria)
-    model.get_compiled_call = _logging_compiles(model, compiled_call)
+def install(root: nn.Module) -> None:
+    """Give the transformers generating model in `root` (root itself, or the model inside a PEFT wrapper) compiled
+    decoding on every device; a module without one is left alone."""
+    for model in root.modules():  # outermost first
+        criteria = getattr(type(model), "_valid_auto_compile_criteria", None)
+        compiled_call = getattr(type(model), "get_compiled_call", None)
+        if criteria is not None and compiled_call is not None:
+            model._valid_auto_compile_criteria = _on_every_device(model, criteria)
+            model.get_compiled_call = _logging_compiles(model, compiled_call)
+            return
 
 
 def _on_every_device(model: nn.Module, criteria: Callable) -> Callable:
@@ -60,8 +62,10 @@ def _on_every_device(model: nn.Module, criteria: Callable) -> Callable:
 
 def _compileable_cache(cache: Any) -> bool:
     """transformers' test for a cache worth compiling with: compileable, and not a plain DynamicCache."""
+    from transformers import DynamicCache  # a model that generates comes with transformers
+
     decoder_cache = getattr(cache, "self_attention_cache", cache)  # an encoder-decoder cache: its decoder's
-    return bool(getattr(cache, "is_compileable", False)) and type(decoder_cache).__name__ != "DynamicCache"
+    return bool(getattr(cache, "is_compileable", False)) and type(decoder_cache) is not DynamicCache
 
 
 def _logging_compiles(model: nn.Module, compiled_call: Callable) -> Callable:
