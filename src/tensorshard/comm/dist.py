@@ -448,7 +448,7 @@ class DistComm(Comm):
         dim = dim % x.dim()
         _even(x, dim, self.world_size, where)
         if torch.is_grad_enabled() and x.requires_grad:
-                return _ReduceScatter.apply(x, self, where, dim)
+            return _ReduceScatter.apply(x, self, where, dim)
         out = reduce_scatter_even(x, dim, self.world_size, self.group, what=label("reduce_scatter", where))
         record("reduce_scatter", _nbytes(out), "forward", where)
         return out
