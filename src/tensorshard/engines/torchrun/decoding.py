@@ -36,15 +36,16 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-def install(root: nn.Module) -> None:
+def install(root: nn.Module, guard) -> None:
     """Give the transformers generating model in `root` (root itself, or the model inside a PEFT wrapper) compiled
-    decoding on every device; a module without one is left alone."""
+    decoding on every device; a module without one is left alone. `guard`: the group's GroupGuard, told when a
+    compiled step raises (compiled code skips the root forward's report, so the other ranks stop at once)."""
     for model in root.modules():  # outermost first
         criteria = getattr(type(model), "_valid_auto_compile_criteria", None)
         compiled_call = getattr(type(model), "get_compiled_call", None)
         if criteria is not None and compiled_call is not None:
             model._valid_auto_compile_criteria = _on_every_device(model, criteria)
-            model.get_compiled_call = _logging_compiles(model, compiled_call)
+            model.get_compiled_call = _logging_compiles(model, compiled_call, guard)
             return
 
 
@@ -68,26 +69,30 @@ def _compileable_cache(cache: Any) -> bool:
     return bool(getattr(cache, "is_compileable", False)) and type(decoder_cache) is not DynamicCache
 
 
-def _logging_compiles(model: nn.Module, compiled_call: Callable) -> Callable:
+def _logging_compiles(model: nn.Module, compiled_call: Callable, guard) -> Callable:
     wrapped: dict[int, Callable] = {}  # id(compiled function) -> its logging wrapper
 
     def get_compiled_call(compile_config) -> Callable:
         compiled = compiled_call(model, compile_config)
         if id(compiled) not in wrapped:
             wrapped.clear()  # transformers made a new one (another CompileConfig): the old one is gone
-            wrapped[id(compiled)] = _logged(model, compiled, compile_config or model._default_compile_config())
+            wrapped[id(compiled)] = _logged(model, compiled, compile_config or model._default_compile_config(), guard)
         return wrapped[id(compiled)]
 
     return get_compiled_call
 
 
-def _logged(model: nn.Module, compiled: Callable, compile_config) -> Callable:
+def _logged(model: nn.Module, compiled: Callable, compile_config, guard) -> Callable:
     name = type(model).__name__
 
     def call(*args, **kwargs):
         before = compiled_graphs()
         began = time.perf_counter()
-        out = compiled(*args, **kwargs)
+        try:
+            out = compiled(*args, **kwargs)
+        except BaseException as e:
+            guard.report(e, f"the compiled decode step of {name}")
+            raise
         if compiled_graphs() != before and _rank0():
             options = compile_config.to_dict()
             logger.info(

@@ -188,7 +188,7 @@ def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, sou
         raise
     guard_configurations([module], f"over {world} rank(s)")  # fields that size the split stay (shared_config.py)
     _wrap_root(module, state)
-    decoding.install(module)  # generate() compiles its decode step on every device type (decoding.py)
+    decoding.install(module, comm.guard)  # generate() compiles its decode step on every device type (decoding.py)
     module.tensorshard = state
     # copy.deepcopy finds this on the instance: a second split model, not a copy of closures (copies.py)
     module.__dict__["__deepcopy__"] = lambda memo: deep_copy(module, memo, _split)
