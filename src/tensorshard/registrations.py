@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from typing import Iterable
 
+import torch
 from torch import nn
 
 from .global_hooks import GlobalHook
@@ -27,6 +28,11 @@ _watched: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 def _seen(module: nn.Module, *_args) -> None:
     global _count
+    # While torch.compile traces, the registrations are those of modules the traced code makes (Llama's sliced
+    # ModuleList), never watched ones; looking them up would make dynamo guard on the whole weak set's contents,
+    # which change as unrelated split models are freed (failed guards, recompiles).
+    if torch.compiler.is_compiling():
+        return
     if module in _watched:
         _count += 1
 

@@ -74,3 +74,16 @@ def train_causal_lms(models, batches, *, lr: float = 1e-2) -> list[list[float]]:
 def train_both_causal_lm(model: nn.Module, ref: nn.Module, batches, *, lr: float = 1e-2) -> list[tuple[float, float]]:
     """`train_causal_lms` of a split model and its unsplit reference: each step's losses as (split, unsplit)."""
     return [(split, unsplit) for split, unsplit in train_causal_lms((model, ref), batches, lr=lr)]
+
+
+def log_messages(name: str, level: int) -> tuple[list[str], Callable[[], None]]:
+    """The messages logger `name` emits at `level` and above from now on, and a function that stops collecting."""
+    import logging
+
+    messages: list[str] = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    return messages, lambda: logger.removeHandler(handler)

@@ -46,6 +46,7 @@ from torch.autograd import Function, Variable
 from torch.distributed.tensor import DTensor
 
 from ..partition import Partition
+from . import dist_ops
 from .base import Comm
 from .counter import record
 from .dist_guard import collective, guard_for
@@ -320,6 +321,7 @@ class DistComm(Comm):
     def __init__(self, mesh: "DeviceMesh", timeout: float | None = None) -> None:
         self.mesh = mesh
         self.group = mesh.get_group()
+        self.group_name = self.group.group_name  # how traced code names it (comm/dist_ops.py)
         self.rank = mesh.get_local_rank()
         self.world_size = mesh.size()
         self.guard = guard_for(self.group)
@@ -348,12 +350,22 @@ class DistComm(Comm):
 
     # -- the collectives -----------------------------------------------------------------------------------
 
+    # While torch.compile traces (torch.compiler.is_compiling()), every collective is one of comm/dist_ops.py's
+    # ops: the graph holds the call, and the per-call bookkeeping below (Python dicts keyed by storage
+    # addresses) is skipped: a traced column layer reduces its own input gradient, still exact.
+
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
-        return x if self.world_size == 1 else all_reduce(x, self.group, where=where)
+        if self.world_size == 1:
+            return x
+        if torch.compiler.is_compiling():
+            return dist_ops.all_reduce(x, self.group_name, where)
+        return all_reduce(x, self.group, where=where)
 
     def copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
+        if torch.compiler.is_compiling():
+            return dist_ops.copy_to_parallel(x, self.group_name, where)
         key = _alias_key(x)
         if self._depth:
             hit = self._parallel.get(key)
@@ -374,11 +386,24 @@ class DistComm(Comm):
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or where in self._left_split:
             return x
+        if torch.compiler.is_compiling():
+            return self._traced_gather(x, dim, partition, where)
         if torch.is_grad_enabled() and x.requires_grad:
             return _AllGather.apply(x, self, where, dim, partition)
         full = gather_partition(x, dim, partition, self.group, what=label("all_gather", where))
         record("all_gather", _nbytes(full), "forward", where)
         return full
+
+    def _traced_gather(self, x: torch.Tensor, dim: int, partition: Partition, where: str) -> torch.Tensor:
+        """`all_gather` as comm/dist_ops.py's op: each rank's piece padded to the longest, as gather_pieces does."""
+        sizes = [partition.local_size(r) for r in range(self.world_size)]
+        longest = max(sizes)
+        piece = x.movedim(dim, 0)
+        if piece.shape[0] < longest:
+            piece = torch.cat([piece, piece.new_zeros((longest - piece.shape[0], *piece.shape[1:]))])
+        stacked = dist_ops.all_gather(piece, self.group_name, self.world_size, self.rank, where)  # (world * longest, ..)
+        pieces = [stacked.narrow(0, r * longest, n).movedim(0, dim) for r, n in enumerate(sizes)]
+        return partition.assemble(pieces, dim)
 
     def gather_small(self, x: torch.Tensor, *, where: str = "") -> list[torch.Tensor]:
         """Every rank's copy of a small 1-D tensor (no autograd), in rank order: for agreeing on metadata."""
@@ -404,12 +429,14 @@ class DistComm(Comm):
             return x
         if not (torch.is_grad_enabled() and x.requires_grad):
             return partition.take(x, dim, self.rank)  # no communication without a backward pass
+        _refuse_traced("split", where)
         return _Split.apply(x, self, where, dim, partition)
 
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not groups or not (torch.is_grad_enabled() and x.requires_grad):
             return x
         slot = next((i for i, ranks in enumerate(groups) if self.rank in ranks), None)
+        _refuse_traced("tie", where)
         return _Tie.apply(x, self.group, where, slot, len(groups))
 
     # -- sequence parallelism --------------------------------------------------------------------------------
@@ -417,6 +444,7 @@ class DistComm(Comm):
     def reduce_scatter(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        _refuse_traced("reduce_scatter", where)
         dim = dim % x.dim()
         _even(x, dim, self.world_size, where)
         if torch.is_grad_enabled() and x.requires_grad:
@@ -428,6 +456,7 @@ class DistComm(Comm):
     def gather_sequence(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        _refuse_traced("gather_sequence", where)
         dim = dim % x.dim()
         if not (torch.is_grad_enabled() and x.requires_grad):
             full = gather_even(x, dim, self.world_size, self.group, what=label("all_gather", where))
@@ -448,6 +477,7 @@ class DistComm(Comm):
         its backward) by its own all-reduce during backward."""
         if self.world_size == 1 or not (torch.is_grad_enabled() and local.requires_grad):
             return local
+        _refuse_traced("partial gradients", where)
         if on_the_spot:
             return _CopyToParallel.apply(local, self.group, where)  # unbucketed: all-reduced on the spot
         return _DeferGrad.apply(local, self.bucket, param)
@@ -456,6 +486,16 @@ class DistComm(Comm):
 
     def as_sharded(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = ""):
         return as_dtensor(x, dim % x.dim(), partition, self.mesh, where=where)
+
+
+def _refuse_traced(kind: str, where: str) -> None:
+    """Collectives that comm/dist_ops.py does not provide (here: with autograd on) refuse to be traced."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            f"{where or 'a module'}: the {kind} collective cannot be compiled yet (torch.compile of a parallelized "
+            "model covers all_reduce, all_gather and copy_to_parallel, and split/tie without autograd). Compile "
+            "under torch.no_grad() with a plan without sequence parallelism, or run this model without torch.compile"
+        )
 
 
 # --- Python objects (setup and checks, not the hot path) ----------------------------------------------

@@ -66,6 +66,15 @@ def guard_for(group, timeout: float | None = None) -> "GroupGuard":
     return guard
 
 
+def guard_named(name: str) -> "GroupGuard":
+    """The guard of the group called `name` (its `group_name`): how code that torch.compile traces, which can
+    hold a group's name but not the group, finds it (comm/dist_ops.py)."""
+    guard = _guards.get(name)
+    if guard is None:
+        raise RuntimeError(f"no tensor-parallel group named {name!r} in this process: parallelize() sets one up")
+    return guard
+
+
 def collective(fn: Callable, tensor: torch.Tensor, *args: Any, group, what: str, **kwargs: Any) -> None:
     """`fn(*args, group=group, **kwargs)` (a torch.distributed collective on `tensor`), guarded."""
     guard_for(group).run(what, tensor.device, lambda async_op: fn(*args, group=group, async_op=async_op, **kwargs))

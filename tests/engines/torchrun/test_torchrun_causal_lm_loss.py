@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import tensorshard as tp
 from support import tiny_llama
 from support.harness import world_mesh
-from support.helpers import rel_err
+from support.helpers import log_messages, rel_err
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -171,13 +171,7 @@ def _masking_llama():
 def _debug_log(name: str):
     import logging
 
-    records: list[str] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda r: records.append(r.getMessage())
-    logger = logging.getLogger(name)
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    return records, lambda: logger.removeHandler(handler)
+    return log_messages(name, logging.DEBUG)
 
 
 def masking_task() -> dict:

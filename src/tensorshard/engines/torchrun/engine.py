@@ -21,6 +21,10 @@ device, for its first `check_inputs` calls checks that every TP rank got the sam
 and, when it raises, tells the other ranks to stop (comm/dist_guard.py: every collective is bounded by
 `timeout` and stops when another rank failed).
 
+Under `torch.compile` the root wrapper does none of this host-side work: the graph holds the model's computation
+and its collectives (comm/dist_ops.py), and a transformers model's `generate` compiles its static-cache decode
+step on every device type (decoding.py).
+
 Memory: each rank must be able to hold the whole model once (it starts from its own full copy); build the
 model on the meta device with `src_data_rank=None` and load weights afterwards to avoid that.
 """
@@ -59,6 +63,7 @@ from ...styles.base import original_forward, wrap_forward
 from ..resplit import refuse_split_twice
 from ..shared_config import guard as guard_configurations
 from ..split_report import report_split
+from . import decoding
 from .copies import deep_copy, keep_skeleton
 from .data import check_same_inputs
 from .late_adapters import adopt_late_adapters
@@ -184,6 +189,7 @@ def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, sou
         raise
     guard_configurations([module], f"over {world} rank(s)")  # fields that size the split stay (shared_config.py)
     _wrap_root(module, state)
+    decoding.install(module, comm.guard)  # generate() compiles its decode step on every device type (decoding.py)
     module.tensorshard = state
     # copy.deepcopy finds this on the instance: a second split model, not a copy of closures (copies.py)
     module.__dict__["__deepcopy__"] = lambda memo: deep_copy(module, memo, _split)
@@ -277,6 +283,17 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     outermost = {"depth": 0}
 
     def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            # What torch.compile traces (docs/torchrun.md, "Compiled decoding"): the model's own computation
+            # and its collectives only. The host-side work (the input check, adopting late adapters, moving
+            # inputs, failure reports) is not part of a graph. Dropout in training needs masks the ranks agree
+            # on, drawn on the host: that call runs eagerly (a graph break; fullgraph=True refuses it).
+            if dropout is not None and root.training:
+                return untraced(*args, **kwargs)
+            return inner(*args, **kwargs)
+        return eager(*args, **kwargs)
+
+    def eager(*args, **kwargs):
         comm.begin_call()
         outermost["depth"] += 1
         try:
@@ -297,6 +314,7 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
             outermost["depth"] -= 1
             comm.end_call()
 
+    untraced = torch.compiler.disable(eager)
     wrap_forward(root, forward)
 
 

@@ -57,8 +57,11 @@ def _wrap(around: nn.Module, entries: list[tuple[nn.Module, str, str, Layout]], 
         for owner, table_name, name, layout, partial in entries:
             table = getattr(owner, table_name)
             t = table.get(name)
-            if not isinstance(t, DTensor) or t.device_mesh != mesh:
-                continue  # already local (a re-entrant call), or not a tensor of this mesh
+            if not isinstance(t, DTensor) or (not torch.compiler.is_compiling() and t.device_mesh != mesh):
+                # already local (a re-entrant call), or not a tensor of this mesh. Dynamo cannot always read a
+                # traced parameter's mesh (an unresolved attribute, seen on one rank of two): compiled code takes
+                # every DTensor of the module's own to be the engine's.
+                continue
             # to_local() makes a Parameter view per call, which costs a module call in decoding as much as the
             # rest of this wrapper
             local = layout.view(t.to_local() if grad else t._local_tensor)

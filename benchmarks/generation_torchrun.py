@@ -1,0 +1,214 @@
+"""Greedy decoding per token under the torchrun engine: the unsplit model and the split one, each on its default
+path and on the fast path (static cache + compiled decode step), with the first call's (compile) time.
+
+    python benchmarks/generation_torchrun.py                 # small Llama, 2 ranks, 32 new tokens, 5 rounds
+    python benchmarks/generation_torchrun.py --ranks 2 4     # more rank counts
+    python benchmarks/generation_torchrun.py --quick         # a tiny Llama, 1 round: a check that it runs
+
+Rows, all `generate(prompt, do_sample=False)` on the same random Llama (seed 0, batch 1, prompt of 16 tokens):
+
+- unsplit eager: one process, transformers' default (dynamic cache, no compile)
+- unsplit fast: one process, `cache_implementation="static"` and transformers' compiled decode step, forced on
+  CPU (`CompileConfig._compile_all_devices = True`: transformers compiles by itself on CUDA only)
+- split default: `tp.parallelize` over N gloo ranks (torchrun), dynamic cache, no compile
+- split fast: the same model, `cache_implementation="static"`: the engine compiles the decode step itself
+  (engines/torchrun/decoding.py), collectives inside the graph (comm/dist_ops.py)
+
+Per token: the decode steps only, the median gap between consecutive tokens of one generate() (a logits
+processor notes the time of each), then the median over rounds; split rows take the slowest rank's (a barrier
+before each call, the maximum over ranks after). First call: the first fast generate() of `new` tokens, compile
+included. Each process uses one intra-op thread, and TORCHINDUCTOR_COMPILE_THREADS=1 (inductor's compile
+workers slow every later eager run of the process). The greedy tokens of every row are compared with the
+unsplit eager ones. The load average is printed: on a shared machine the times are only as good as it is low.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[1]
+
+MODELS = {
+    "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+# --- inside a job (one process, or every rank of a torchrun job) ------------------------------------------
+
+
+class _StepClock:
+    """A logits processor that notes the time of each generated token: the gaps are the decode steps."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+    def intervals(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+def _build(name: str):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**MODELS[name], max_position_embeddings=2048, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval()
+
+
+def _job(args) -> None:
+    import torch
+    from transformers import LogitsProcessorList
+
+    torch.set_num_threads(1)
+    split = args.split
+    if split:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import tensorshard as tp
+
+        dist.init_process_group("gloo")
+        model = tp.parallelize(_build(args.model), init_device_mesh("cpu", (dist.get_world_size(),)))
+    else:
+        from transformers import CompileConfig
+
+        model = _build(args.model)
+    prompt = torch.randint(0, MODELS[args.model]["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    fast = dict(cache_implementation="static")
+    if not split:
+        config = CompileConfig()
+        config._compile_all_devices = True  # transformers' fast path, which it takes by itself on CUDA only
+        fast["compile_config"] = config
+    paths = {"default": {}, "fast": fast}
+
+    def timed(extra: dict) -> tuple[float, float, list]:
+        """One generate(): its wall time, the median time between decode steps, and the new tokens."""
+        clock = _StepClock()
+        if split:
+            dist.barrier()
+        began = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(prompt, max_new_tokens=args.new, do_sample=False, pad_token_id=0,
+                                 logits_processor=LogitsProcessorList([clock]), **extra)
+        took, step = time.perf_counter() - began, statistics.median(clock.intervals())
+        if split:  # the slowest rank's times
+            slowest = torch.tensor([took, step], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            took, step = slowest.tolist()
+        return took, step, out[0, args.prompt:].tolist()
+
+    result = {"load_before": os.getloadavg()[0]}
+    result["first_call_s"], _, _ = timed(fast)  # compiles the decode step
+    timed(paths["default"])  # warm-up
+    per_token: dict[str, list[float]] = {p: [] for p in paths}
+    tokens = {}
+    for _ in range(args.rounds):
+        for path, extra in paths.items():  # interleaved: load drifts hit both paths alike
+            _, step, tokens[path] = timed(extra)
+            per_token[path].append(step)
+    result.update({f"{p}_s": statistics.median(v) for p, v in per_token.items()}, tokens=tokens)
+    result["load_after"] = os.getloadavg()[0]
+    if not split or dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    if split:
+        dist.destroy_process_group()
+
+
+# --- the launcher ---------------------------------------------------------------------------------------
+
+
+def _run(model: str, ranks: int, *, new: int, prompt: int, rounds: int, timeout: float) -> dict:
+    """One job (`ranks` 0: the unsplit model in one process); its result."""
+    with tempfile.TemporaryDirectory(prefix="tensorshard-generation-") as folder:
+        out = os.path.join(folder, "result.json")
+        job = [str(HERE), "--job", "--model", model, "--new", str(new), "--prompt", str(prompt), "--rounds",
+               str(rounds), "--out", out] + (["--split"] if ranks else [])
+        cmd = [sys.executable, *job] if not ranks else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *job]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONWARNINGS": "ignore",
+               "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+            raise RuntimeError(f"{' '.join(cmd[:5])} ... failed (exit status {proc.returncode}):\n{tail}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def _table(model: str, unsplit: dict, split: dict[int, dict], new: int) -> str:
+    eager, fast = unsplit["default_s"], unsplit["fast_s"]
+    reference = unsplit["tokens"]["default"]
+    lines = [
+        f"Llama {model!r} ({MODELS[model]}), batch 1, greedy, {new} new tokens; per token (decode steps only), "
+        "ratios against the unsplit fast path and unsplit eager",
+        "",
+        "| run | per token | vs unsplit fast | vs unsplit eager | first call (compile) | tokens as unsplit |",
+        "|---|---:|---:|---:|---:|---|",
+        f"| unsplit eager | {eager * 1e3:.2f} ms | {eager / fast:.2f}x | 1.00x | | yes |",
+        f"| unsplit fast (static + compile, forced on CPU) | {fast * 1e3:.2f} ms | 1.00x | {fast / eager:.2f}x | "
+        f"{unsplit['first_call_s']:.1f} s | {_same(unsplit['tokens']['fast'], reference)} |",
+    ]
+    for ranks, r in sorted(split.items()):
+        for path, label in (("default", "split default"), ("fast", "split fast (static + compile)")):
+            first = f"{r['first_call_s']:.1f} s" if path == "fast" else ""
+            s = r[f"{path}_s"]
+            lines.append(f"| {label}, {ranks} ranks | {s * 1e3:.2f} ms | {s / fast:.2f}x | {s / eager:.2f}x | {first} | "
+                         f"{_same(r['tokens'][path], reference)} |")
+    return "\n".join(lines)
+
+
+def _same(tokens: list, reference: list) -> str:
+    return "yes" if tokens == reference else "NO"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="rank counts of the split rows")
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
+    parser.add_argument("--new", type=int, default=32, help="new tokens per generate()")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt length")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny Llama, 4 new tokens, 1 round: a check that it runs")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per job")
+    parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.job:
+        return _job(args)
+    if args.quick:
+        args.model, args.new, args.prompt, args.rounds = "tiny", 4, 6, 1
+    if args.new < 3:
+        parser.error(f"--new {args.new}: per-token times need at least 3 new tokens (2 decode steps)")
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    settings = dict(new=args.new, prompt=args.prompt, rounds=args.rounds, timeout=args.timeout)
+    unsplit = _run(args.model, 0, **settings)
+    split = {n: _run(args.model, n, **settings) for n in args.ranks}
+    print(_table(args.model, unsplit, split, args.new))
+    print(f"load average after: {os.getloadavg()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"unsplit": unsplit, "split": split}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

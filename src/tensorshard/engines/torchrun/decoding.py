@@ -1,0 +1,131 @@
+"""Compiled decoding for a transformers model parallelized under torchrun: what transformers does on CUDA, on
+every device type.
+
+    model = tp.parallelize(model, mesh)
+    model.generate(ids, max_new_tokens=32, do_sample=False, cache_implementation="static")
+    # rank 0 logs: compiled the decode step of LlamaForCausalLM (batch 1, cache 37 tokens, float32): 14.2 s
+
+transformers' `generate` compiles the decode step (`get_compiled_call`: `torch.compile(model.__call__)` with
+the `CompileConfig`) when `_valid_auto_compile_criteria` says so: a compileable cache (StaticCache, passed by
+hand or from `cache_implementation="static"`), no `generation_config.disable_compile`, and a CUDA/XPU/TPU
+device. The last condition is what a split model lifts: its shards decode faster compiled on CPU ranks too
+(docs/torchrun.md, "Compiled decoding"), so `parallelize` gives this one model instance
+(not its class, not other models) two attributes that wrap transformers' methods:
+
+1. `_valid_auto_compile_criteria`: transformers' own decision, asked as if `CompileConfig._compile_all_devices`
+   were set when the cache is compileable; everything else (disable_compile, quantizers, offloading, flash
+   attention's fullgraph override) stays transformers' call.
+2. `get_compiled_call`: transformers' compiled call, wrapped so that each call that compiled (dynamo counted
+   a new graph) logs on global rank 0 what it compiled and how long that took.
+
+The compiled step runs the model and its collectives as one graph (comm/dist_ops.py); the engine's host-side
+work stays outside it (engine.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def install(root: nn.Module, guard) -> None:
+    """Give the transformers generating model in `root` (root itself, or the model inside a PEFT wrapper) compiled
+    decoding on every device; a module without one is left alone. `guard`: the group's GroupGuard, told when a
+    compiled step raises (compiled code skips the root forward's report, so the other ranks stop at once)."""
+    for model in root.modules():  # outermost first
+        criteria = getattr(type(model), "_valid_auto_compile_criteria", None)
+        compiled_call = getattr(type(model), "get_compiled_call", None)
+        if criteria is not None and compiled_call is not None:
+            model._valid_auto_compile_criteria = _on_every_device(model, criteria)
+            model.get_compiled_call = _logging_compiles(model, compiled_call, guard)
+            return
+
+
+def _on_every_device(model: nn.Module, criteria: Callable) -> Callable:
+    def valid_auto_compile_criteria(model_kwargs: dict, generation_config) -> bool:
+        if generation_config.disable_compile or not _compileable_cache(model_kwargs.get("cache")):
+            return criteria(model, model_kwargs, generation_config)
+        forced = copy.copy(generation_config)  # the caller's config is left as it was
+        forced.compile_config = copy.copy(generation_config.compile_config or model._default_compile_config())
+        forced.compile_config._compile_all_devices = True
+        return criteria(model, model_kwargs, forced)
+
+    return valid_auto_compile_criteria
+
+
+def _compileable_cache(cache: Any) -> bool:
+    """transformers' test for a cache worth compiling with: compileable, and not a plain DynamicCache."""
+    from transformers import DynamicCache  # a model that generates comes with transformers
+
+    decoder_cache = getattr(cache, "self_attention_cache", cache)  # an encoder-decoder cache: its decoder's
+    return bool(getattr(cache, "is_compileable", False)) and type(decoder_cache) is not DynamicCache
+
+
+def _logging_compiles(model: nn.Module, compiled_call: Callable, guard) -> Callable:
+    wrapped: dict[int, Callable] = {}  # id(compiled function) -> its logging wrapper
+
+    def get_compiled_call(compile_config) -> Callable:
+        compiled = compiled_call(model, compile_config)
+        if id(compiled) not in wrapped:
+            wrapped.clear()  # transformers made a new one (another CompileConfig): the old one is gone
+            wrapped[id(compiled)] = _logged(model, compiled, compile_config or model._default_compile_config(), guard)
+        return wrapped[id(compiled)]
+
+    return get_compiled_call
+
+
+def _logged(model: nn.Module, compiled: Callable, compile_config, guard) -> Callable:
+    name = type(model).__name__
+
+    def call(*args, **kwargs):
+        before = compiled_graphs()
+        began = time.perf_counter()
+        try:
+            out = compiled(*args, **kwargs)
+        except BaseException as e:
+            guard.report(e, f"the compiled decode step of {name}")
+            raise
+        if compiled_graphs() != before and _rank0():
+            options = compile_config.to_dict()
+            logger.info(
+                "compiled the decode step of %s (%s) in %.1f s; torch.compile options %s",
+                name, _describe_step(model, kwargs), time.perf_counter() - began, options,
+            )
+        return out
+
+    return call
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (its `unique_graphs` counter; 0 where torch lacks it)."""
+    counters = getattr(getattr(torch._dynamo, "utils", None), "counters", None)
+    return int(counters["stats"]["unique_graphs"]) if counters is not None else 0
+
+
+def _describe_step(model: nn.Module, kwargs: dict) -> str:
+    """What a recompile depends on: batch size, cache length, dtype."""
+    ids = kwargs.get("input_ids")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    parts = []
+    if isinstance(ids, torch.Tensor):
+        parts.append(f"batch {ids.shape[0]}, {ids.shape[-1]} new token(s)")
+    layers = getattr(cache, "layers", None) or [None]
+    length = getattr(layers[0], "max_cache_len", None)
+    if length is not None:
+        parts.append(f"cache of {length} tokens ({type(cache).__name__})")
+    dtype = getattr(model, "dtype", None)
+    if dtype is not None:
+        parts.append(str(dtype).replace("torch.", ""))
+    return ", ".join(parts) or "no tensor inputs"
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

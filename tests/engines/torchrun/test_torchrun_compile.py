@@ -1,0 +1,181 @@
+"""torch.compile on a model parallelized under torchrun, and generate()'s compiled static-cache decoding.
+
+The compiled graph holds the collectives (tensorshard's ops, comm/dist_ops.py): no graph break, the counted
+collectives those of the eager model, the unsplit model's logits and greedy tokens. Inductor compiles slowly
+on two loaded cores (a minute or two per graph), so only two tests use it (the paths users take:
+`torch.compile(model.forward, fullgraph=True)` and generate's default); the others trace with backends that
+skip code generation ("aot_eager": the graph with its fake shapes and autograd, "eager": dynamo only).
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import tensorshard as tp
+from support import tiny_llama
+from support.harness import world_mesh
+from support.helpers import log_messages
+
+pytestmark = pytest.mark.timeout(600)
+INDUCTOR_TASK = 540  # seconds a task that compiles with inductor may take on this machine's loaded cores
+# the embedding (split by vocabulary), 2 layers x (o_proj, down_proj); lm_head gathers its logits
+COUNTS = {"all_reduce": 5, "all_gather": 1}
+
+
+def _fresh_dynamo():
+    """Each task compiles from scratch in the pool's long-lived processes; inductor in one thread (its
+    worker pool would slow every later eager run, and two ranks share two cores)."""
+    torch._dynamo.reset()
+    torch._inductor.config.compile_threads = 1
+
+
+def _split_pair(world_mesh_fn=world_mesh):
+    ref = tiny_llama.build()
+    return ref, tp.parallelize(copy.deepcopy(ref), world_mesh_fn(), plan=tiny_llama.plan())
+
+
+def _graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def compiled_forward_task(fullgraph: bool, backend: str) -> dict:
+    _fresh_dynamo()
+    ref, model = _split_pair()
+    ids = torch.randint(0, tiny_llama.VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    step = torch.compile(model.forward, fullgraph=fullgraph, backend=backend)
+    breaks = _graph_breaks()
+    with torch.no_grad():
+        with tp.count_collectives() as counted:
+            logits = step(ids).logits
+        with tp.count_collectives() as eager:
+            model(ids)
+        expected = ref(ids).logits
+        again = step(ids).logits  # the compiled graph, run again: same bits
+    return {"error": ((logits - expected).abs().max() / expected.abs().max()).item(), "counts": [counted.counts, eager.counts],
+            "graph_breaks": _graph_breaks() - breaks, "same_again": torch.equal(logits, again)}
+
+
+@pytest.mark.parametrize("fullgraph,backend", [(True, "inductor"), (False, "aot_eager")])
+def test_compiled_forward_gives_the_unsplit_logits_with_the_collectives_in_the_graph(pool2, fullgraph, backend):
+    for out in pool2.run(compiled_forward_task, fullgraph, backend, timeout=INDUCTOR_TASK):
+        assert out["error"] < 1e-5  # fp32; inductor fuses and reorders sums: a few ulps
+        assert out["graph_breaks"] == 0  # fullgraph=False too: the collectives are ops of the graph
+        assert out["counts"] == [COUNTS, COUNTS]  # counted when the compiled graph runs them, as in eager
+        assert out["same_again"]
+
+
+def generate_static_task() -> dict:
+    """generate()'s own path on a split model, as a user calls it: static cache, default CompileConfig (inductor)."""
+    from tensorshard.engines.torchrun.decoding import compiled_graphs
+
+    _fresh_dynamo()
+    logged, stop_logging = log_messages("tensorshard.engines.torchrun.decoding", logging.INFO)
+    ref, model = _split_pair()
+    ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = ref.generate(ids, **settings)  # the unsplit model, its default (dynamic) cache, eager
+        before = compiled_graphs()
+        first = model.generate(ids, cache_implementation="static", **settings)
+        after_first = compiled_graphs()
+        second = model.generate(ids, cache_implementation="static", **settings)
+    stop_logging()
+    return {"tokens": [first.tolist(), second.tolist()], "expected": expected.tolist(), "logged": logged,
+            "graphs": [after_first - before, compiled_graphs() - after_first]}
+
+
+def test_generate_with_a_static_cache_compiles_the_decode_step_and_gives_the_unsplit_tokens(pool2):
+    results = pool2.run(generate_static_task, timeout=INDUCTOR_TASK)
+    for rank, out in enumerate(results):
+        assert out["tokens"] == [out["expected"]] * 2
+        assert out["graphs"][0] >= 1 and out["graphs"][1] == 0  # compiled once, the second generate reuses it
+        compiled = [line for line in out["logged"] if line.startswith("compiled the decode step of LlamaForCausalLM")]
+        assert len(compiled) == (1 if rank == 0 else 0), out["logged"]  # rank 0 logs it, with its duration
+        if compiled:
+            # prompt 5 + 5 new - 1: the last token is never fed back
+            assert "batch 1, 1 new token(s), cache of 9 tokens (StaticCache), float32) in " in compiled[0]
+
+
+def recompiles_task(world: int) -> dict:
+    """What triggers a recompile (docs/torchrun.md): a new batch size or cache length; not new prompts. Dynamo
+    alone (backend "eager"): the graphs are the same whatever compiles them. Also: a StaticCache passed by hand,
+    and disable_compile."""
+    from transformers import CompileConfig, StaticCache
+
+    from tensorshard.engines.torchrun.decoding import compiled_graphs
+
+    _fresh_dynamo()
+    ref, model = _split_pair()
+    gen = torch.Generator().manual_seed(2)
+    config = CompileConfig(backend="eager")
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    graphs, same = [], []
+
+    def run(ids, **extra):
+        before = compiled_graphs()
+        with torch.no_grad():
+            out = model.generate(ids, **settings, **extra)
+            expected = ref.generate(ids, **settings)
+        graphs.append(compiled_graphs() - before)
+        same.append(out.tolist() == expected.tolist())
+
+    static = dict(cache_implementation="static", compile_config=config)
+    run(torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=gen), **static)  # first compile
+    run(torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=gen), **static)  # another prompt: none
+    run(torch.randint(0, tiny_llama.VOCAB, (2, 5), generator=gen), **static)  # batch 2: a recompile
+    run(torch.randint(0, tiny_llama.VOCAB, (2, 9), generator=gen), **static)  # longer cache: a recompile
+    run(torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=gen), **static)  # batch 1 again: its own graph
+    run(torch.randint(0, tiny_llama.VOCAB, (3, 7), generator=gen), **static)  # batch 3, other length: dynamic
+    run(torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=gen), **static, disable_compile=True)  # off
+    ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=gen)
+    cache = StaticCache(config=model.config, max_cache_len=5 + 4)  # by hand; each rank sizes its heads lazily
+    run(ids, cache=cache, compile_config=config)
+    return {"graphs": graphs, "same": same}
+
+
+@pytest.mark.parametrize("world", [2, 3])  # 3 ranks: 4 query heads over 3 (2/1/1), KV heads shared
+def test_recompiles_are_bounded_and_disable_compile_is_honoured(pool2, pool3, world):
+    for out in (pool2 if world == 2 else pool3).run(recompiles_task, world, timeout=INDUCTOR_TASK):
+        assert all(out["same"]), out
+        first, other_prompt, batch2, longer, batch1_again, batch3, disabled, by_hand = out["graphs"]
+        assert first == 1 and other_prompt == 0  # one graph for the whole decode step; new prompts reuse it
+        # dynamo's automatic dynamic shapes: the first new batch size, then the first new cache length, each
+        # compile a graph with that size symbolic; size 1 keeps a graph of its own; after that nothing compiles
+        assert batch2 == 1 and longer == 1 and batch1_again <= 1 and batch3 == 0
+        assert disabled == 0  # generation_config.disable_compile: eager decoding
+        assert by_hand == 0  # a StaticCache of the shape generate makes: the same graph
+
+
+def compiled_training_task() -> dict:
+    """A training step through the compiled forward: the ops' backward (comm/dist_ops.py) gives eager's gradients."""
+    import torch.nn.functional as F
+
+    _fresh_dynamo()
+    ref, compiled_model = _split_pair()
+    eager_model = tp.parallelize(copy.deepcopy(ref), world_mesh(), plan=tiny_llama.plan())
+    ids = torch.randint(0, tiny_llama.VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    step = torch.compile(compiled_model.forward, fullgraph=True, backend="aot_eager")
+
+    def loss_of(out):
+        return F.cross_entropy(out.logits[:, :-1].reshape(-1, tiny_llama.VOCAB), ids[:, 1:].reshape(-1))
+
+    counts = []
+    for forward in (step, eager_model):
+        with tp.count_collectives() as counted:
+            loss_of(forward(ids)).backward()
+        counts.append([dict(counted.forward), dict(counted.backward)])
+    grads = {n: p.grad.to_local() for n, p in compiled_model.named_parameters()}
+    error = max((grads[n] - p.grad.to_local()).abs().max().item() for n, p in eager_model.named_parameters())
+    return {"error": error, "counts": counts}
+
+
+def test_a_compiled_training_step_gives_the_eager_gradients(pool2):
+    for out in pool2.run(compiled_training_task, timeout=INDUCTOR_TASK):
+        assert out["error"] < 1e-6  # fp32, the same ops in another order
+        compiled, eager = out["counts"]
+        assert compiled[0] == eager[0] == COUNTS
+        # traced code keeps no per-call state: every column layer reduces its own input gradient (q, k, v, gate,
+        # up: 5 per layer, and lm_head) where eager shares one per input (2 per layer, and lm_head)
+        assert eager[1] == {"all_reduce": 2 * 2 + 1} and compiled[1] == {"all_reduce": 2 * 5 + 1}
