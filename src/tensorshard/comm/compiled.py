@@ -5,8 +5,8 @@ Python, a collective of the in-process engine is a rendezvous of threads that dy
 would break the graph in two (a resume function with its own guards per site: 18 per token for an 8-block Llama),
 which costs more than the compiled code saves. Here each collective a decode step needs is one opaque operator,
 
-    tensorshard::all_reduce(x, comm, where)                      -> the sum over the shards (a new tensor)
-    tensorshard::all_gather(x, comm, dim, layout, where)         -> the whole tensor along `dim`
+    tensorshard::threads_all_reduce(x, comm, where)              -> the sum over the shards (a new tensor)
+    tensorshard::threads_all_gather(x, comm, dim, layout, where) -> the whole tensor along `dim`
 
 whose implementation is the eager collective of the shard's `ThreadComm` (the same rendezvous, the same rank-ordered
 sums, the same counters), so a compiled graph holds the whole forward and calls back into Python only at the
@@ -109,12 +109,16 @@ def _all_gather_shape(x: torch.Tensor, comm: int, dim: int, layout: list[int], w
 # per call; a collective runs ~20 times per token), where `torch.library.custom_op` adds its autograd and
 # dynamo-disabling layers to every call.
 _library = torch.library.Library("tensorshard", "DEF")
-_library.define("all_reduce(Tensor x, int comm, str where) -> Tensor")
-_library.define("all_gather(Tensor x, int comm, int dim, int[] layout, str where) -> Tensor")
-_library.impl("all_reduce", _all_reduce, "CompositeExplicitAutograd")
-_library.impl("all_gather", _all_gather, "CompositeExplicitAutograd")
-torch.library.register_fake("tensorshard::all_reduce", _all_reduce_shape, lib=_library)
-torch.library.register_fake("tensorshard::all_gather", _all_gather_shape, lib=_library)
+# (the torchrun engine's collectives are operators of the same namespace: comm/dist_ops.py). Kept out of CUDA graphs:
+# they call back into Python, which a replayed graph would skip.
+_NOT_IN_CUDA_GRAPHS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+_library = torch.library.Library("tensorshard", "FRAGMENT")
+_library.define("threads_all_reduce(Tensor x, int comm, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.define("threads_all_gather(Tensor x, int comm, int dim, int[] layout, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.impl("threads_all_reduce", _all_reduce, "CompositeExplicitAutograd")
+_library.impl("threads_all_gather", _all_gather, "CompositeExplicitAutograd")
+torch.library.register_fake("tensorshard::threads_all_reduce", _all_reduce_shape, lib=_library)
+torch.library.register_fake("tensorshard::threads_all_gather", _all_gather_shape, lib=_library)
 
-all_reduce = torch.ops.tensorshard.all_reduce.default
-all_gather = torch.ops.tensorshard.all_gather.default
+all_reduce = torch.ops.tensorshard.threads_all_reduce.default
+all_gather = torch.ops.tensorshard.threads_all_gather.default

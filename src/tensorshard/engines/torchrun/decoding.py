@@ -25,7 +25,6 @@ work stays outside it (engine.py).
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from typing import Any, Callable
 
@@ -33,7 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from ...logs import get_logger
+
+logger = get_logger(__name__)
 
 
 def install(root: nn.Module, guard) -> None:
