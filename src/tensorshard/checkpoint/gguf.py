@@ -17,7 +17,6 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -100,6 +99,8 @@ class GGUFSource(Source):
         return tuple(int(n) for n in reversed(t.shape)), torch.float32
 
     def read(self, name: str, targets: Sequence[Target]) -> None:
+        import numpy as np  # deferred: the gguf package's dependency, not tensorshard's
+
         gguf, _, _ = _libraries()
         t = self.tensors[name]
         weights = gguf.dequantize(t.data, t.tensor_type)

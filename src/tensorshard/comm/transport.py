@@ -21,10 +21,10 @@ tensor of the collective's shape: no data moves for it.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from .dist_guard import GroupGuard, collective, guard_for
@@ -106,9 +106,12 @@ def reduce_scatter_(out: torch.Tensor, inp: torch.Tensor, group, *, what: str) -
 
 def _comm_debug_mode_on() -> bool:
     """A CommDebugMode is active in this thread (one C call when no dispatch mode is)."""
-    return bool(torch._C._len_torch_dispatch_stack()) and any(
-        isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack()
-    )
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    # Not imported here: torch.distributed.tensor.debug imports numpy (its sharding visualizer), which torch
+    # does not depend on. Whoever made a CommDebugMode has imported that module already.
+    debug = sys.modules.get("torch.distributed.tensor.debug")
+    return debug is not None and any(isinstance(m, debug.CommDebugMode) for m in _get_current_dispatch_mode_stack())
 
 
 def _meta(t: torch.Tensor) -> torch.Tensor:
