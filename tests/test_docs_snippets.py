@@ -67,7 +67,9 @@ def _id(path: Path) -> str:
 DRIVER = r"""
 import ast, json, sys, traceback
 import torch
+from support import deprecations
 torch.set_num_threads(1)
+deprecations.install()  # a deprecated call of torch, transformers or peft from a block fails its file
 for name, blocks in json.load(sys.stdin):
     namespace, error = {"__name__": "__main__"}, None
     for b in blocks:
