@@ -32,7 +32,7 @@ from . import shm_setup
 
 logger = logging.getLogger(__name__)
 
-# torch 2.13 renamed the single-tensor collectives; 2.12 (the oldest accepted) has only the old names.
+# torch 2.13 renamed the single-tensor collectives; 2.10-2.12 have only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
