@@ -10,14 +10,17 @@ doc's example (README.md, docs/*.md) or in examples/; then the warning is raised
 The tests' own calls, and one library's deprecated call into another (peft reading a transformers property),
 only warn (pytest lists them).
 
-The in-process engine only forwards its caller's arguments into the shards (in worker threads): a frame of
-engines/inprocess/ is looked past, on to the frames of the thread that called the split model (the main
-thread), whose first frame outside tensorshard and the libraries made the call.
+A tensorshard frame that only passes its caller's keyword arguments on (it holds them in a dict, its
+**kwargs, with the deprecated keyword the warning names) is looked past, and so is the in-process engine
+(engines/inprocess/), which runs a split model's call in worker threads: then the call is the first frame
+outside tensorshard and the libraries, in that thread or, from a worker, in the thread that called the split
+model (the main thread).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import warnings
@@ -55,31 +58,40 @@ def _ours(filename: str) -> bool:
     )
 
 
-def _caller(frame, library: str, *, past_tensorshard: bool = False):
-    """The first frame from `frame` outward that `library` did not run (past tensorshard's too if asked)."""
+def _forwards(frame, names: set[str]) -> bool:
+    """`frame` holds a dict (its **kwargs) with a keyword the warning names: it passes on its caller's argument."""
+    return bool(names) and any(isinstance(v, dict) and not names.isdisjoint(v) for v in frame.f_locals.values())
+
+
+def _caller(frame, library: str, names: set[str], *, past_tensorshard: bool = False):
+    """The first frame from `frame` outward that `library` did not run and that did not only pass on its caller's
+    arguments (past every tensorshard frame if asked)."""
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(FORWARDER):
-            past_tensorshard = True  # forwarded: the call is whoever called the split model
+        if name.startswith(FORWARDER) or (name.startswith(SRC) and _forwards(frame, names)):
+            past_tensorshard = True  # forwarded: the call is whoever called this code
         elif not _passed(name, library) and not (past_tensorshard and name.startswith(SRC)):
             return frame
         frame = frame.f_back
     return None
 
 
-def origin(frame) -> str | None:
-    """The file of the frame that made the call issuing a warning at `frame` (see the module docstring)."""
+def origin(frame, text: str = "") -> str | None:
+    """The file of the frame that made the call issuing a warning at `frame` (see the module docstring); `text`,
+    the warning's, names the deprecated keywords in backquotes."""
     library = _library(frame.f_code.co_filename) if frame is not None else None
     if library is None:
         return None  # issued outside the libraries: not theirs to deprecate
-    found = _caller(frame, library)
+    names = set(re.findall(r"`(\w+)`", text))
+    found = _caller(frame, library, names)
     if found is None and threading.current_thread() is not threading.main_thread():
-        found = _caller(sys._current_frames().get(threading.main_thread().ident), library, past_tensorshard=True)
+        main = sys._current_frames().get(threading.main_thread().ident)
+        found = _caller(main, library, names, past_tensorshard=True)
     return found.f_code.co_filename if found is not None else None
 
 
 def _check(text: str, frame) -> None:
-    where = origin(frame)
+    where = origin(frame, text)
     if where is not None and _ours(where):
         raise DeprecationError(f"a deprecated call from {where}: {text}")
 
