@@ -4,7 +4,7 @@ the dependencies pyproject.toml declares, run from outside the tree.
 - the bare install (`pip install tensorshard`: torch and tqdm) runs the README's one-line example and
   `tensorshard --help`, with no undeclared package (numpy) imported on the way: part of `make test`, about a
   minute, most of it pip unpacking torch;
-- each extra (`[hf]`, `[peft]`, `[lightning]`, `[quant]`) runs its own example from extras/: minutes each, so
+- each extra (`[hf]`, `[peft]`, `[lightning]`, `[quant]`) runs its own example, extras/EXTRA_example.py: minutes each, so
   only under `make test-extras` (TENSORSHARD_TEST_EXTRAS=1).
 
 torch is pinned to the version this suite runs with, so pip reuses the wheel it came from (here a local CPU
@@ -80,5 +80,6 @@ def test_bare_install_runs_the_readme_example_and_the_cli(wheel, tmp_path):
 @pytest.mark.parametrize("extra", ["hf", "peft", "lightning", "quant"])
 def test_extra_runs_its_example(wheel, tmp_path, extra):
     python = _fresh_venv(tmp_path / "venv", wheel, f"[{extra}]")
-    out = _run([python, EXTRAS / f"{extra}.py"], cwd=tmp_path, timeout=600)
+    # named extra_example.py, not peft.py: the script's folder comes first on sys.path and would shadow peft
+    out = _run([python, EXTRAS / f"{extra}_example.py"], cwd=tmp_path, timeout=600)
     assert f"{extra} ok" in out, out
