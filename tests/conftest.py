@@ -13,9 +13,17 @@ asks for one, and shared by every folder: engines/torchrun, checkpoint (3 ranks:
 import pytest
 import torch
 
+from support import deprecations
 from support.harness import shared_pool
 
 torch.set_num_threads(1)  # two cores: keep the simulated devices from fighting over threads
+
+
+@pytest.fixture(autouse=True)
+def _no_deprecated_calls():
+    """A deprecated API of torch, transformers or peft called by tensorshard, a doc or an example fails the test
+    (support/deprecations.py); pytest's warning capture undoes it after the test."""
+    deprecations.install()
 
 
 @pytest.fixture

@@ -115,8 +115,10 @@ class DocRun:
 DRIVER = r"""
 import json, os, sys
 import torch
+from support import deprecations
 from support.docs import run_captured
 torch.set_num_threads(1)
+deprecations.install()  # a deprecated call of torch, transformers or peft from a block fails its file
 for name, folder in json.load(sys.stdin):
     os.chdir(folder)
     errors, printed = run_captured(name)

@@ -17,7 +17,6 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -105,8 +104,12 @@ class GGUFSource(Source):
         weights = gguf.dequantize(t.data, t.tensor_type)
         parsed = {"tensors": {}, "config": self.config}
         result = self.processor.process(weights=weights, name=t.name, tensor_key_mapping=self.mapping, parsed_parameters=parsed)
-        # F32 tensors come back as read-only views of the mapped file; copy those (quantized ones are new arrays)
-        full = torch.from_numpy(np.require(result.weights, requirements=["C", "W"]))
+        # F32 tensors come back as read-only views of the mapped file; copy those (quantized ones are new arrays).
+        # Through the array's own methods: numpy is the gguf package's dependency, not tensorshard's.
+        array = result.weights
+        if not (array.flags.c_contiguous and array.flags.writeable):
+            array = array.copy(order="C")
+        full = torch.from_numpy(array)
         shape = self.info(name)[0]
         if tuple(full.shape) != shape:
             full = full.reshape(shape)

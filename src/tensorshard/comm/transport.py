@@ -20,10 +20,10 @@ tensor of the collective's shape: no data moves for it.
 
 from __future__ import annotations
 
+import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from ..logs import get_logger
@@ -32,7 +32,7 @@ from . import shm_setup
 
 logger = get_logger(__name__)
 
-# torch 2.13 renamed the single-tensor collectives; 2.12 (the oldest accepted) has only the old names.
+# torch 2.13 renamed the single-tensor collectives; 2.10-2.12 have only the old names.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -106,9 +106,12 @@ def reduce_scatter_(out: torch.Tensor, inp: torch.Tensor, group, *, what: str) -
 
 def _comm_debug_mode_on() -> bool:
     """A CommDebugMode is active in this thread (one C call when no dispatch mode is)."""
-    return bool(torch._C._len_torch_dispatch_stack()) and any(
-        isinstance(m, CommDebugMode) for m in _get_current_dispatch_mode_stack()
-    )
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    # Not imported here: torch.distributed.tensor.debug imports numpy (its sharding visualizer), which torch
+    # does not depend on. Whoever made a CommDebugMode has imported that module already.
+    debug = sys.modules.get("torch.distributed.tensor.debug")
+    return debug is not None and any(isinstance(m, debug.CommDebugMode) for m in _get_current_dispatch_mode_stack())
 
 
 def _meta(t: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...comm.dtensor import Layout
+from ...comm.old_torch import to_local
 from ...plans.adapters import is_adapter_layer
 from ...plans.sharding import direct_tensors
 from ...styles.base import wrap_forward
@@ -64,7 +65,7 @@ def _wrap(around: nn.Module, entries: list[tuple[nn.Module, str, str, Layout]], 
                 continue
             # to_local() makes a Parameter view per call, which costs a module call in decoding as much as the
             # rest of this wrapper
-            local = layout.view(t.to_local() if grad else t._local_tensor)
+            local = layout.view(to_local(t) if grad else t._local_tensor)
             if partial:
                 # FSDP2 reads a managed module's gradients right after its backward: reduce on the spot.
                 on_the_spot = getattr(owner, "_is_fsdp_managed_module", False)

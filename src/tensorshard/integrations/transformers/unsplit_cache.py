@@ -27,12 +27,19 @@ from __future__ import annotations
 import copy
 
 from torch import nn
-from transformers.cache_utils import (
-    BaseQuantizedLayer, Cache, DynamicIndexedLayer, DynamicLayer, EncoderDecoderCache, LinearAttentionCacheLayerMixin,
-)
+from transformers import cache_utils
+from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 
 from ...partition import HeadGroups
 from ...styles.heads import Heads
+
+# DynamicLayer subclasses whose tensors are not plain keys and values per head. transformers 5.0 has only
+# QuantizedLayer; later releases renamed it BaseQuantizedLayer and added the indexer and recurrent layers.
+_NOT_KV_PAIRS = tuple(
+    getattr(cache_utils, name)
+    for name in ("QuantizedLayer", "BaseQuantizedLayer", "DynamicIndexedLayer", "LinearAttentionCacheLayerMixin")
+    if hasattr(cache_utils, name)
+)
 
 _HOW = (
     "Start the split model from an empty cache (past_key_values=None or DynamicCache()) and feed it the "
@@ -114,7 +121,7 @@ def _holds_kv_pairs(layer) -> bool:
     """A layer of keys and values per head, (batch, heads, tokens, head_dim), that slices by heads alone."""
     return (
         isinstance(layer, DynamicLayer)
-        and not isinstance(layer, (BaseQuantizedLayer, DynamicIndexedLayer, LinearAttentionCacheLayerMixin))
+        and not isinstance(layer, _NOT_KV_PAIRS)
     )
 
 
