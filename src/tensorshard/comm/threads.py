@@ -204,17 +204,27 @@ class ThreadComm(Comm):
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or where in self.group.left_split[self.rank]:
             return x
-        if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        traced = self._traced_gather(x, dim, partition, where)
+        return traced if traced is not None else self.eager_all_gather(x, dim, partition, where=where)
+
+    def _traced_gather(self, x: torch.Tensor, dim: int, partition: Partition, where: str) -> torch.Tensor | None:
+        """While torch.compile traces a call without gradients: the all-gather as one operator of its graph."""
+        if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
             return compiled.all_gather(x, self.handle, dim % x.dim(), compiled.layout_of(partition), where)
-        return self.eager_all_gather(x, dim, partition, where=where)
+        return None
+
+    def _slice_dim(self, op: str, where: str, x: torch.Tensor, dim: int, partition: Partition) -> int:
+        """`dim` as a non-negative index, once `x` is checked to hold this device's slice along it."""
+        dim %= x.dim()
+        self._check_size(op, where, x, dim, partition.local_size(self.rank), f"this device's slice of {partition.size}")
+        return dim
 
     @_not_compiled
     def eager_all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         """The all-gather itself (`all_gather` without the check for an output left split)."""
         if self.world_size == 1:
             return x
-        dim %= x.dim()
-        self._check_size("all_gather", where, x, dim, partition.local_size(self.rank), f"this device's slice of {partition.size}")
+        dim = self._slice_dim("all_gather", where, x, dim, partition)
         if self.group.own_graphs:
             return _node(per_shard.AllGather, self, where, partition, dim, x)
         devices = self.group.devices
@@ -259,17 +269,14 @@ class ThreadComm(Comm):
         """The all-gather of a result no shard changes afterwards (a model's output): every shard gets a view
         of one whole tensor, each having copied its slice into it (comm/per_shard.py). Shards that own their
         graphs only: the caller checks `group.own_graphs`. Compiled, every shard gets a whole copy instead."""
-        if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
-            return compiled.all_gather(x, self.handle, dim % x.dim(), compiled.layout_of(partition), where)
-        return self._assemble(x, dim, partition, where=where)
+        traced = self._traced_gather(x, dim, partition, where)
+        return traced if traced is not None else self._assemble(x, dim, partition, where=where)
 
     @_not_compiled
     def _assemble(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
-        dim %= x.dim()
-        self._check_size("assemble", where, x, dim, partition.local_size(self.rank), f"this device's slice of {partition.size}")
-        return _node(per_shard.Assemble, self, where, partition, dim, x)
+        return _node(per_shard.Assemble, self, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)
 
     @_not_compiled
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
