@@ -131,7 +131,7 @@ def replicate_inputs(tree: Any, devices: list[torch.device], grad_copies: Callab
     return for_rank
 
 
-def output_leaves(outputs: list, src: int, labels, *, check_equal: bool) -> tuple[list, "Rebuild"]:
+def output_leaves(outputs: list, src: int, labels, *, check_equal: bool) -> tuple[list, Callable[[list], Any]]:
     """Shard `src`'s output leaves, each as ``(leaf, per_rank)``: a tensor with its copy from every shard (checked
     to be replicated), or a non-tensor already joined (``per_rank`` None); and how to rebuild the output from them."""
     flats = [flatten(o) for o in outputs]
@@ -144,7 +144,7 @@ def output_leaves(outputs: list, src: int, labels, *, check_equal: bool) -> tupl
             continue
         check_replicated(i, leaf, per_rank, src, labels, check_equal=check_equal)
         items.append((leaf, per_rank))
-    return items, Rebuild(outputs[src], leaves, spec)
+    return items, rebuilder(outputs[src], leaves, spec)
 
 
 def gather_outputs(outputs: list, src: int, device: torch.device, devices, labels, *, check_equal: bool) -> Any:
@@ -160,21 +160,19 @@ def gather_outputs(outputs: list, src: int, device: torch.device, devices, label
     return rebuild(result)
 
 
-@dataclass(frozen=True)
-class Rebuild:
-    """A shard's output tree and its leaves: `rebuild(leaves)` is that tree holding `leaves` instead."""
+def rebuilder(output: Any, leaves: list, spec: Any) -> Callable[[list], Any]:
+    """A function `rebuild(new_leaves)`: the shard's output tree `output` (flattened as `leaves`, `spec`) holding
+    `new_leaves` instead. (A closure, not an object: torch.compile traces a split model's call through it.)"""
 
-    output: Any
-    leaves: list
-    spec: Any
-
-    def __call__(self, leaves: list) -> Any:
+    def rebuild(new_leaves: list) -> Any:
         # Every leaf the one the shard's output holds (a decoding step's logits, on the output device, and the cache
         # every shard was given): that output object itself, without building a copy of it (a transformers
         # ModelOutput costs tens of microseconds to make).
-        if all(a is b for a, b in zip(leaves, self.leaves)):
-            return self.output
-        return unflatten(leaves, self.spec)
+        if all(a is b for a, b in zip(new_leaves, leaves)):
+            return output
+        return unflatten(new_leaves, spec)
+
+    return rebuild
 
 
 def join_object(leaf: Any, per_rank: list) -> Any:
