@@ -79,14 +79,15 @@ def test_manual_decoding_loop(llama, gen):
     assert rel_err(model(step, past_key_values=cache).logits, expected) < 1e-5
 
 
-def test_caches_it_cannot_use_are_refused(llama, gen):
+def test_caches_it_cannot_use_are_refused_and_others_used(llama, gen):
     ref, model = llama
     ids = torch.randint(1, VOCAB, (1, 4), generator=gen)
     foreign = ref(ids, use_cache=True).past_key_values  # keys of all 3 KV heads: divided by heads, not refused
     model(ids, past_key_values=foreign)  # (test_unsplit_cache.py checks the numbers and refusals)
     assert foreign.get_seq_length() == 8
-    with pytest.raises(NotImplementedError, match="pre-allocates"):
-        model(ids, past_key_values=StaticCache(config=ref.config, max_cache_len=16))
+    # a static cache is used, each device's copy allocated with its own heads (test_static_cache.py: generate)
+    static = model(ids, past_key_values=StaticCache(config=ref.config, max_cache_len=16)).logits
+    assert torch.allclose(static, ref(ids, past_key_values=StaticCache(config=ref.config, max_cache_len=16)).logits, atol=1e-5)
     with pytest.raises(NotImplementedError, match="output_attentions"):
         model(ids, output_attentions=True)
     with pytest.raises(NotImplementedError, match="resize the unsplit model"):
