@@ -1,4 +1,4 @@
-"""Render benchmarks/results/{memory,comm,speed,scaling}.json into BENCHMARKS.md and benchmarks/plots/*.png.
+"""Render benchmarks/results/{memory,comm,speed,scaling}.json (and generation.md) into BENCHMARKS.md and benchmarks/plots/*.png.
 
 Needs only the standard library and matplotlib (installed in the bench environment, .venv-bench-peers);
 without matplotlib the markdown is written and the plots are skipped with a note.
@@ -142,6 +142,13 @@ def gpu_section(results: Path) -> list[str]:
             "against one shard and all visible GPUs, and the memory per GPU).", ""]
 
 
+def generation_section(results: Path) -> list[str]:
+    """Section 5, generation on both paths (benchmarks/generation.py, generation_torchrun.py): results/generation.md,
+    its tables and analysis, written from their output; nothing where it is absent."""
+    measured = results / "generation.md"
+    return measured.read_text().rstrip().splitlines() + [""] if measured.exists() else []
+
+
 def render(results: Path, out: Path, plots_dir: Path) -> str:
     memory, comm, speed = load(results, "memory"), load(results, "comm"), load(results, "speed")
     scaling = load(results, "scaling")
@@ -164,7 +171,8 @@ def render(results: Path, out: Path, plots_dir: Path) -> str:
     if note:
         lines += [note, ""]
     lines += targets_section(speed) + memory_section(memory, plots) + comm_section(comm, plots)
-    lines += speed_section(speed, plots) + scaling_section(scaling, plots) + missed_section(speed) + gpu_section(results)
+    lines += speed_section(speed, plots) + scaling_section(scaling, plots) + generation_section(results)
+    lines += missed_section(speed) + gpu_section(results)
     jobs = [j for x in (memory, comm, speed) if x for j in x.get("jobs", [])]
     if jobs:
         lines += ["## The run", "", f"{len(jobs)} jobs, {sum(j['seconds'] for j in jobs) / 60:.1f} minutes in all "
