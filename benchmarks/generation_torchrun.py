@@ -28,14 +28,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))  # suite/
+
+from suite.scaling_torchrun import run_script  # noqa: E402
 
 MODELS = {
     "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
@@ -136,21 +136,9 @@ def _job(args) -> None:
 
 def _run(model: str, ranks: int, *, new: int, prompt: int, rounds: int, timeout: float) -> dict:
     """One job (`ranks` 0: the unsplit model in one process); its result."""
-    with tempfile.TemporaryDirectory(prefix="tensorshard-generation-") as folder:
-        out = os.path.join(folder, "result.json")
-        job = [str(HERE), "--job", "--model", model, "--new", str(new), "--prompt", str(prompt), "--rounds",
-               str(rounds), "--out", out] + (["--split"] if ranks else [])
-        cmd = [sys.executable, *job] if not ranks else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *job]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "HF_HUB_OFFLINE": "1",
-               "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-        if proc.returncode != 0 or not os.path.exists(out):
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
-            raise RuntimeError(f"{' '.join(cmd[:5])} ... failed (exit status {proc.returncode}):\n{tail}")
-        with open(out) as f:
-            return json.load(f)
+    args = ["--job", "--model", model, "--new", str(new), "--prompt", str(prompt), "--rounds", str(rounds)]
+    args += ["--split"] if ranks else []
+    return run_script(HERE, args, ranks=ranks, timeout=timeout, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
 
 
 def _table(model: str, unsplit: dict, split: dict[int, dict], new: int) -> str:

@@ -82,13 +82,21 @@ def measure(spec: ModelSpec, world: int, *, kinds=KINDS, rounds: int = 5, unspli
     docstring). Raises RuntimeError with the job's last output lines when it fails."""
     if unsplit and world != 1:
         raise ValueError(f"the unsplit model runs in one process; got world={world}")
-    with tempfile.TemporaryDirectory(prefix="tensorshard-scaling-") as folder:
+    args = ["--job", "--spec", json.dumps(asdict(spec)), "--kinds", *kinds, "--rounds", str(rounds)]
+    args += ["--unsplit"] if unsplit else []
+    return run_script(HERE, args, ranks=0 if unsplit else world, timeout=timeout, python=python)
+
+
+def run_script(script: Path, args: list[str], *, ranks: int, timeout: float, python: str = sys.executable,
+               env: dict[str, str] | None = None) -> dict:
+    """`script args --out FILE` in one process (`ranks` 0) or under torchrun with `ranks` processes, one intra-op
+    thread each; the JSON it wrote to FILE. Raises RuntimeError with the job's last output lines when it fails."""
+    with tempfile.TemporaryDirectory(prefix="tensorshard-bench-") as folder:
         out = os.path.join(folder, "result.json")
-        args = [str(HERE), "--job", "--spec", json.dumps(asdict(spec)), "--kinds", *kinds, "--rounds", str(rounds),
-                "--out", out] + (["--unsplit"] if unsplit else [])
-        cmd = [python, *args] if unsplit else [python, "-m", "torch.distributed.run", "--standalone",
-                                                f"--nproc_per_node={world}", *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
+        job = [str(script), *args, "--out", out]
+        cmd = [python, *job] if not ranks else [
+            python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *job]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", **(env or {}),
                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
         if proc.returncode != 0 or not os.path.exists(out):

@@ -1,6 +1,6 @@
 """The in-process collectives as operators that `torch.compile` keeps inside its graph.
 
-A shard's decode step is compiled once (engines/inprocess/compiled_decode.py) and replayed per token. Traced as
+A shard's decode step is compiled once (engines/inprocess/compiled_steps.py) and replayed per token. Traced as
 Python, a collective of the in-process engine is a rendezvous of threads that dynamo cannot follow: every call site
 would break the graph in two (a resume function with its own guards per site: 18 per token for an 8-block Llama),
 which costs more than the compiled code saves. Here each collective a decode step needs is one opaque operator,

@@ -1,7 +1,7 @@
 """Each shard's forward compiled once and replayed per call: the fast decoding path of the in-process engine.
 
-Decoding a token is mostly Python and operator dispatch (a small Llama on CPU: ~11 ms of Python for ~1 ms of
-arithmetic), and every shard of a split model runs the model's whole Python, one thread at a time under the GIL,
+Decoding a token is mostly Python and operator dispatch (a small Llama on CPU: 11 ms per token eagerly, 6 ms
+compiled), and every shard of a split model runs the model's whole Python, one thread at a time under the GIL,
 so N shards cost about N times the unsplit model's token. A compiled shard runs no model Python per token: the
 forward is one graph of generated kernels whose only calls back into Python are the collectives, kept inside
 the graph as operators (comm/compiled.py).
@@ -18,8 +18,12 @@ What happens per call:
   thread-safe; each shard compiles its own graphs, under a code object of its own (`_entry`);
 - later calls on CPU slots run the shards one at a time too: compiled code does little between two collectives,
   and two threads running it at once hand the GIL back and forth at every kernel (measured on 2 cores: a third
-  of the speed of one thread after the other);
-  on GPUs, whose compiled kernels are queued asynchronously, the call schedule chooses (schedule.py).
+  of the speed of one thread after the other); on GPUs, whose compiled kernels are queued asynchronously, the
+  call schedule chooses (schedule.py);
+- a graph torch.compile fails to make runs that part eagerly (the same numbers, slower), unless `fullgraph`.
+
+What is left per token on CPU slots is the hand-off between the shards' threads at every collective
+(BENCHMARKS.md, section 5).
 """
 
 from __future__ import annotations
@@ -74,16 +78,16 @@ class CompiledSteps:
         kind = _kind(args, kwargs)
         first = kind not in self.kinds
         started = time.perf_counter()
+        serial = True if first or self.cpu_only else None
         # A graph torch.compile fails to make (an internal error at a recompile) runs that frame eagerly, as a
         # failure to compile does without graph breaks allowed: the numbers are the same, only slower.
-        serial = True if first or self.cpu_only else None
         with torch._dynamo.config.patch(suppress_errors=not self.options.get("fullgraph", False)):
             out = self.model.run_modules(args, kwargs, self._run, serial=serial)
         if first:
             self.kinds.add(kind)
             logger.info(
-                "compiled the decode step of %s on each of %d device(s) in %.1f s (%s; inputs %s)",
-                type(self.model).__name__, world, time.perf_counter() - started, _describe(self.options), kind,
+                "compiled the decode step of %s on each of %d device(s) in %.1f s (%s; %s)",
+                type(self.model).__name__, world, time.perf_counter() - started, _describe(self.options), _summary(kind),
             )
         return out
 
@@ -110,10 +114,21 @@ def _kind(args: tuple, kwargs: dict) -> Hashable:
     length of a static KV cache (its tensors' shapes)."""
     leaves, _ = tree_flatten((args, kwargs))
     return tuple(
-        (tuple(x.shape), str(x.dtype).removeprefix("torch.")) if isinstance(x, torch.Tensor)
-        else (type(x).__name__, getattr(x, "max_cache_len", None))
-        for x in leaves if isinstance(x, torch.Tensor) or hasattr(x, "max_cache_len")
+        (tuple(x.shape), str(x.dtype).removeprefix("torch.")) if isinstance(x, torch.Tensor) else _cache_lengths(x)
+        for x in leaves if isinstance(x, torch.Tensor) or hasattr(x, "layers")
     )
+
+
+def _cache_lengths(cache: Any) -> tuple:
+    """A transformers cache's kind and each layer's fixed length (a static layer's `max_cache_len`; None for others)."""
+    return type(cache).__name__, tuple(getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ()))
+
+
+def _summary(kind: Hashable) -> str:
+    """A kind of call in a few words: its tensors' shapes and dtypes, and a cache's longest static length."""
+    shapes = [f"{tuple(shape)} {dtype}" for shape, dtype in kind if not isinstance(dtype, tuple)]
+    lengths = [n for _, layers in kind if isinstance(layers, tuple) for n in layers if n is not None]
+    return "inputs " + ", ".join(shapes) + (f"; static cache of {max(lengths)} tokens" if lengths else "")
 
 
 def _describe(options: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ eagerly, every later token through the compiled call. A split model answers the 
 - what to compile: not the split model's call (threads and a rendezvous: nothing a compiler can trace), but each
   shard's forward, once, with the collectives kept inside the graphs (engines/inprocess/compiled_steps.py,
   comm/compiled.py). The compile options are `generation_config.compile_config`'s, except that
-  `mode="reduce-overhead"` (CUDA graphs, transformers' default) applies only where every device is a GPU.
+  `mode="reduce-overhead"` (CUDA graphs, transformers' default) is replaced by inductor's default mode.
 
 The compiled steps are kept on the model (one set per compile options) and reused by every later `generate`.
 What recompiles them: a new batch size, a new cache length (`max_cache_len`, which `generate` sets from
@@ -34,7 +34,7 @@ logger = get_logger(__name__)
 _STEPS = "_tensorshard_compiled_steps"
 
 
-def wants_compiled_decode(model, model_kwargs: dict, generation_config) -> bool:
+def wants_compiled_decode(model_kwargs: dict, generation_config) -> bool:
     """`generate`'s question: decode through compiled shards? Yes for a compileable (static) cache, on any device,
     unless `generation_config.disable_compile`."""
     if getattr(generation_config, "disable_compile", False):
@@ -62,13 +62,11 @@ def _options(model, compile_config) -> dict[str, Any]:
     options = {k: v for k, v in options.items() if not k.startswith("_")}
     options.setdefault("fullgraph", False)
     options.setdefault("dynamic", False)
-    if options.get("mode") == "reduce-overhead" and any(d.type != "cuda" for d in model.devices):
-        options["mode"] = None  # CUDA graphs: GPUs only
-    if options.get("mode") is None:
-        options.pop("mode", None)
-    if options.get("options") is None:
-        options.pop("options", None)
-    return options
+    if options.get("mode") == "reduce-overhead":
+        # CUDA graphs (transformers' default mode): a replayed graph would skip the collectives' calls into the
+        # engine's rendezvous, so their operators are kept out of graphs anyway; inductor's default mode instead.
+        options["mode"] = None
+    return {k: v for k, v in options.items() if not (k in ("mode", "options") and v is None)}
 
 
 def _own_cache(value: Any, rank: int) -> Any:

@@ -166,7 +166,7 @@ class TransformersTensorParallel(TensorParallel):
 
     def _valid_auto_compile_criteria(self, model_kwargs: dict, generation_config) -> bool:
         """generate(): decode through compiled shards with a static cache, on every device type (fast_decode.py)."""
-        return wants_compiled_decode(self, model_kwargs, generation_config)
+        return wants_compiled_decode(model_kwargs, generation_config)
 
     def get_compiled_call(self, compile_config) -> Any:
         """generate(): each shard's forward compiled, in place of the split model's call (fast_decode.py)."""
