@@ -32,9 +32,9 @@ from ..partition import Partition
 class ThreadComm(Protocol):
     """What these operators need of a shard's `ThreadComm` (comm/threads.py, which imports this module)."""
 
-    def reduce_now(self, x: torch.Tensor, where: str) -> torch.Tensor: ...
+    def eager_all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor: ...
 
-    def gather_now(self, x: torch.Tensor, dim: int, partition: Partition, where: str) -> torch.Tensor: ...
+    def eager_all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor: ...
 
 
 _comms: "weakref.WeakValueDictionary[int, ThreadComm]" = weakref.WeakValueDictionary()
@@ -88,11 +88,11 @@ def _own(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
-    return _own(_comm(comm).reduce_now(x, where), x)
+    return _own(_comm(comm).eager_all_reduce(x, where=where), x)
 
 
 def _all_gather(x: torch.Tensor, comm: int, dim: int, layout: list[int], where: str) -> torch.Tensor:
-    return _own(_comm(comm).gather_now(x, dim, partition_of(layout), where), x)
+    return _own(_comm(comm).eager_all_gather(x, dim, partition_of(layout), where=where), x)
 
 
 def _all_reduce_shape(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:

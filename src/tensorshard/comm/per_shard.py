@@ -40,7 +40,7 @@ from .counter import record
 from .reduce import copies, each_computes_its_own, nbytes as _nbytes, signature as _signature, sum_chunk_into, sum_to_all
 
 
-def summed(comm: Comm, op: str, where: str, x: torch.Tensor, phase: str) -> torch.Tensor:
+def _summed(comm: Comm, op: str, where: str, x: torch.Tensor, phase: str) -> torch.Tensor:
     devices = comm.group.devices
     if each_computes_its_own(devices, _nbytes(x)):
         # Each shard brings its input and an empty result, sums its own chunk of every element into all the
@@ -62,7 +62,7 @@ def summed(comm: Comm, op: str, where: str, x: torch.Tensor, phase: str) -> torc
     return comm._exchange(op, where, x, compute, _signature(x))
 
 
-def gathered(comm: Comm, op: str, where: str, x: torch.Tensor, dim: int, part, phase: str) -> torch.Tensor:
+def _gathered(comm: Comm, op: str, where: str, x: torch.Tensor, dim: int, part, phase: str) -> torch.Tensor:
     devices = comm.group.devices
     full = list(x.shape)
     full[dim] = part.size
@@ -111,7 +111,7 @@ def _assembled(comm: Comm, where: str, x: torch.Tensor, dim: int, part) -> torch
 class AllReduce(Function):
     @staticmethod
     def forward(ctx, comm, where, x):
-        return summed(comm, "all_reduce", where, x, "forward")
+        return _summed(comm, "all_reduce", where, x, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -126,14 +126,14 @@ class CopyToParallel(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, summed(ctx.comm, "copy_to_parallel", ctx.where, grad, "backward")
+        return None, None, _summed(ctx.comm, "copy_to_parallel", ctx.where, grad, "backward")
 
 
 class AllGather(Function):
     @staticmethod
     def forward(ctx, comm, where, part, dim, x):
         ctx.part, ctx.dim, ctx.rank = part, dim, comm.rank
-        return gathered(comm, "all_gather", where, x, dim, part, "forward")
+        return _gathered(comm, "all_gather", where, x, dim, part, "forward")
 
     @staticmethod
     def backward(ctx, grad):
@@ -159,7 +159,7 @@ class Split(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        full = gathered(ctx.comm, "split", ctx.where, grad.contiguous(), ctx.dim, ctx.part, "backward")
+        full = _gathered(ctx.comm, "split", ctx.where, grad.contiguous(), ctx.dim, ctx.part, "backward")
         return None, None, None, None, full
 
 

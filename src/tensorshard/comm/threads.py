@@ -156,16 +156,6 @@ class ThreadComm(Comm):
             return compiled.all_reduce(x, self.handle, where)  # one operator inside the graph
         return self.eager_all_reduce(x, where=where)
 
-    def reduce_now(self, x: torch.Tensor, where: str) -> torch.Tensor:
-        """The sum without autograd, for a compiled graph's operator (comm/compiled.py)."""
-        return per_shard.summed(self, "all_reduce", where, x, "forward") if self.group.own_graphs else self.eager_all_reduce(x, where=where)
-
-    def gather_now(self, x: torch.Tensor, dim: int, partition: Partition, where: str) -> torch.Tensor:
-        """The all-gather without autograd, for a compiled graph's operator (comm/compiled.py)."""
-        if self.group.own_graphs:
-            return per_shard.gathered(self, "all_gather", where, x, dim, partition, "forward")
-        return self.eager_all_gather(x, dim, partition, where=where)
-
     @_not_compiled
     def eager_all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:

@@ -35,9 +35,9 @@ from torch import nn
 from ... import quant
 from ...comm.dropout import ShardDropout, ThreadPeers, may_drop
 from ...comm.threads import ThreadGroup
-from ...global_hooks import split_model_made
 from ...comm.timeout import resolve_timeout
 from ...devices import as_device, device_labels, resolve_devices
+from ...global_hooks import split_model_made
 from ...logs import get_logger
 from ...partition import Partition
 from ...plans import resolve_plan
