@@ -9,7 +9,7 @@
 Families (`FAMILIES`): causal LM, masked LM, seq2seq LM, sequence classification, image classification,
 speech seq2seq, image-text-to-text. For each model type of the family's mapping: build it from a tiny random
 config (its defaults with hidden sizes, layers, heads, experts, vocabulary and image size shrunk), fp32, eval
-mode, and run it on the input it describes (`tensorshard.inference.model_inputs`: its main input sized by its
+mode, and run it on the input it describes (`tensorshard.plan_inference.model_inputs`: its main input sized by its
 config, decoder ids for an encoder-decoder). A type that does not build or run is counted as *not
 buildable*, with the reason. Every other type is split with ``tp.tensor_parallel(model, ["cpu"] * n)`` and no
 plan (a preset if one exists, else an inferred, self-checked plan) for n = 2 and 3, and passes when:
@@ -294,7 +294,7 @@ def _randomize_zeros(model) -> None:
 def inputs_for(model, cfg, family: str) -> dict:
     """The batch parity is measured on: 8 random ids for causal LMs (4 and up: clear of special tokens),
     else the first input the model describes itself (model_inputs.py) that it runs on."""
-    from tensorshard.inference.model_inputs import model_input_candidates
+    from tensorshard.plan_inference.model_inputs import model_input_candidates
 
     gen = torch.Generator().manual_seed(1)
     if family == "image-text-to-text":
@@ -326,9 +326,9 @@ def image_text_inputs(model, cfg, gen: torch.Generator) -> dict:
     as the model's own `get_image_features` makes of them, between a few text ids."""
     import inspect
 
-    from tensorshard.inference.model_inputs import vocab_size
+    from tensorshard.plan_inference.model_inputs import vocab_size
 
-    from tensorshard.inference.model_inputs import patch_grid_inputs
+    from tensorshard.plan_inference.model_inputs import patch_grid_inputs
 
     token = next((v for v in (getattr(cfg, "image_token_id", None), getattr(cfg, "image_token_index", None))
                   if isinstance(v, int)), None)
@@ -410,7 +410,7 @@ def greedy(model, inputs: dict, use_generate: bool) -> list[int]:
 
 def run_one(model_type: str, family: str = "causal-lm") -> dict:
     import tensorshard as tp
-    from tensorshard.inference.infer import infer
+    from tensorshard.plan_inference.infer import infer
     from tensorshard.plans.presets import PRESETS, preset_for
 
     rec: dict = {"arch": model_type, "commit": _git("rev-parse", "--short", "HEAD"),  # the code it ran on

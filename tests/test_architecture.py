@@ -26,7 +26,7 @@ LAYERS = [
     (2, ["tensorshard.styles", "tensorshard.loss_parallel"]),
     (3, ["tensorshard.plans", "tensorshard.optimizers"]),
     (4, ["tensorshard.engines"]),
-    (5, ["tensorshard.inference"]),
+    (5, ["tensorshard.plan_inference"]),
     (6, ["tensorshard.checkpoint"]),
     (7, ["tensorshard.integrations"]),
     (8, ["tensorshard.api", "tensorshard.cli", "tensorshard.demo", "tensorshard.__main__", "tensorshard"]),

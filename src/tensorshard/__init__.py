@@ -22,7 +22,7 @@ from .comm.rendezvous import CollectiveAborted
 from .comm.timeline import ShardTimeline, shard_timeline
 from .engines.inprocess import PerDeviceOptimizer, TensorParallel, per_device_optimizer
 from .engines.torchrun import InputMismatchError, TensorParallelSampler, broadcast_batch, check_same_inputs, synchronize_rng
-from .inference import infer_plan
+from .plan_inference import infer_plan
 from .integrations import causal_lm_loss as _causal_lm_loss  # noqa: F401  (registers its after_split hook)
 from .integrations.peft import after_split as _peft_after_split  # noqa: F401  (defines its hooks: global_hooks.py)
 from .loss_parallel import vocab_parallel_cross_entropy

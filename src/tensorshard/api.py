@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from . import inference  # noqa: F401 - registers the automatic plan and the self-check with plans.resolve_plan
+from . import plan_inference  # noqa: F401 - registers the automatic plan and the self-check with plans.resolve_plan
 from . import quant
 from .checkpoint.streaming import load_pretrained
 from .devices import resolve_devices

@@ -30,8 +30,8 @@ from torch import nn
 
 from . import quant
 from .checkpoint.gguf import gguf_config
-from .inference.infer import infer
-from .inference.trace import trace_model
+from .plan_inference.infer import infer
+from .plan_inference.trace import trace_model
 from .plans import Plan
 from .plans.explain import explain, human_bytes
 from .plans.presets import preset_for

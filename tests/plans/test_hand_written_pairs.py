@@ -1,4 +1,4 @@
-"""A hand-written plan's column/row pairs are checked like an inferred plan's (inference/plancheck.py), in
+"""A hand-written plan's column/row pairs are checked like an inferred plan's (plan_inference/plancheck.py), in
 one process at 2 and 3 devices: per op between a hand-placed ColwiseParallel and its RowwiseParallel partner
 (tests/support/plan_pairs.py), the split either matches the unsplit model (fp32, 1e-5 relative: only the
 reduction order differs) or is refused before the model changes, naming the module path, the op and the fix.
@@ -94,7 +94,7 @@ def test_every_preset_passes_the_pair_check(world):
     suite's tiny transformers models."""
     pytest.importorskip("transformers")
     from support.hf_configs import FAMILIES, tiny_model
-    from tensorshard.inference.plancheck import plan_problems
+    from tensorshard.plan_inference.plancheck import plan_problems
     from tensorshard.plans.presets import preset_for
     from tensorshard.plans.sharding import shard_plan
 
@@ -114,7 +114,7 @@ def test_every_preset_passes_the_pair_check(world):
 def test_big_models_are_checked_on_an_empty_meta_copy(name, monkeypatch):
     """Past META_TRACE_BYTES of weights the trace runs on a meta-device copy (no weight read): same verdicts,
     and the model is not touched."""
-    from tensorshard.inference import plancheck
+    from tensorshard.plan_inference import plancheck
 
     monkeypatch.setattr(plancheck, "META_TRACE_BYTES", 0)
     traced = []

@@ -1,4 +1,4 @@
-"""Hand-placed column/row pairs around one op each: what a given plan's pair check (inference/plancheck.py)
+"""Hand-placed column/row pairs around one op each: what a given plan's pair check (plan_inference/plancheck.py)
 must refuse at split time, and what it must let through. Shared by the in-process and the torchrun tests.
 
 Each case: a model factory (seeded), its plan, and whether the pair is exact when split ("exact") or refused

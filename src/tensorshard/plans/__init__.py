@@ -1,7 +1,7 @@
 """Plans: which style each module gets. `Plan` is the data; presets and inference produce Plans.
 
 `resolve_plan` turns what a user passes (a Plan, a dict, a JSON path, rules with a ``to_plan`` method, or
-nothing) into the Plan an engine splits by. Inferring a plan and self-checking one live a layer up (tensorshard.inference, whose self-check
+nothing) into the Plan an engine splits by. Inferring a plan and self-checking one live a layer up (tensorshard.plan_inference, whose self-check
 runs an engine); that package registers both here when it is imported (`register_inference`), so the
 engines resolve plans without importing the layer above them.
 """
@@ -30,14 +30,14 @@ _inference: dict[str, Callable] = {}
 
 
 def register_inference(*, auto_plan: AutoPlan, check_plan: CheckPlan, check_pairs: CheckPairs) -> None:
-    """Install the automatic plan, the self-check and the pair check (tensorshard.inference does, on import)."""
+    """Install the automatic plan, the self-check and the pair check (tensorshard.plan_inference does, on import)."""
     _inference.update(auto_plan=auto_plan, check_plan=check_plan, check_pairs=check_pairs)
 
 
 def _inferred(name: str) -> Callable:
     if name not in _inference:
         raise RuntimeError(
-            f"no {name} is registered: import tensorshard (or tensorshard.inference) before splitting a model "
+            f"no {name} is registered: import tensorshard (or tensorshard.plan_inference) before splitting a model "
             "without a plan or with check=True"
         )
     return _inference[name]
@@ -47,9 +47,9 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
     """The plan to use: the one given (a Plan, a {pattern: style} dict, a JSON file, or an object with a
     ``to_plan(module, world_size)`` method such as a tensorshard.compat.Config), else an automatic one.
 
-    `check`: a given plan's column/row pairs are checked against a traced forward (inference/plancheck.py):
+    `check`: a given plan's column/row pairs are checked against a traced forward (plan_inference/plancheck.py):
     by default a pair split around an op that mixes features is refused; with True it stays whole and the rest
-    of the plan is self-checked numerically (inference/selfcheck.py); False trusts the plan.
+    of the plan is self-checked numerically (plan_inference/selfcheck.py); False trusts the plan.
     """
     refuse_prompt_learning(module)  # a PEFT method no plan can split (adapters.py)
     if plan is None:

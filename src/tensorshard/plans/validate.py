@@ -102,7 +102,7 @@ def check_layouts(module: nn.Module, modules: dict[str, ModuleShard], world_size
 
 def column_readers(module: nn.Module, modules: dict[str, ModuleShard], world_size: int) -> dict[str, str]:
     """Each layer whose output the plan leaves split -> the row-parallel layer check 3 pairs it with (module
-    order; inference/plancheck.py names the pair with it when the trace cannot tell)."""
+    order; plan_inference/plancheck.py names the pair with it when the trace cannot tell)."""
     if world_size == 1:
         return {}
     names = [name for name, _ in module.named_modules()]

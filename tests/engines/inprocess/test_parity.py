@@ -98,7 +98,7 @@ def test_wrapper_keeps_the_module_mode():
     assert not model.training and not model.module_shards[1].layers[0].training
 
 
-# --- no plan: the plan is inferred from the model (tensorshard.inference.infer) and self-checked -------------
+# --- no plan: the plan is inferred from the model (tensorshard.plan_inference.infer) and self-checked -------------
 
 
 def styles(model, plan) -> dict:

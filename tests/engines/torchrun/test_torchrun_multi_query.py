@@ -1,6 +1,6 @@
 """Multi-query attention (Gemma3 text, one KV head) under torchrun with the automatic plan: the inferred plan
 splits the query heads and keeps the KV head whole on each rank, as the in-process engine does
-(tests/inference/test_multi_query.py); logits, three AdamW steps and greedy tokens match the unsplit model."""
+(tests/plan_inference/test_multi_query.py); logits, three AdamW steps and greedy tokens match the unsplit model."""
 
 import copy
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from support.helpers import rel_err, split_copy
-from tensorshard.inference.model_inputs import model_input_candidates
+from tensorshard.plan_inference.model_inputs import model_input_candidates
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -126,7 +126,7 @@ def test_an_embedding_called_with_floats_is_not_a_lookup():
             soft = torch.nn.functional.one_hot(ids, 24).float().mul(0.9).add(0.1 / 24)
             return self.out(self.table(soft))
 
-    from tensorshard.inference.infer import infer
+    from tensorshard.plan_inference.infer import infer
 
     report = infer(Model(), 2, example_inputs=(torch.randint(0, 24, (2, 5)),), check=True)
     assert report.trace.layers["table"].roles == {"soft"}  # not "embedding": no vocabulary split candidate

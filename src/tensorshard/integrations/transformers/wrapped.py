@@ -12,7 +12,7 @@
     model.generate(ids, max_new_tokens=20)                              # the inner model's generate
     model.save_pretrained("out/")                                       # the inner model's unsplit checkpoint
 
-The plan is the inner model's (preset or inferred), prefixed with its path (inference/auto.py). The wrapper's
+The plan is the inner model's (preset or inferred), prefixed with its path (plan_inference/auto.py). The wrapper's
 forward runs in every shard as usual; KV caches passed to or returned from it are per device
 (cache.py). ``generate``, ``save_pretrained``, ``config`` and ``generation_config`` are the inner model's,
 through `inner_model`: a split model of the inner model's class running that submodule of every shard.
@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from ...engines.inprocess import TensorParallel
-from ...inference.auto import contained_model
+from ...plan_inference.auto import contained_model
 from .model import TransformersTensorParallel, transformers_view
 
 

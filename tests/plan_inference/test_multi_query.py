@@ -3,7 +3,7 @@ replicated on every device, as with fewer KV heads than devices.
 
 RoPE (Llama) or a per-head norm (Gemma3's k_norm) joins every feature of a one-head k_proj into one unit
 before attention reads it; the trace used to stop following such a column at once ("nothing is left to
-split"), so attention stayed whole with no fallback in the log (inference/collapses.py)."""
+split"), so attention stayed whole with no fallback in the log (plan_inference/collapses.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import transformers as T
 
 import tensorshard as tp
 from support.helpers import rel_err, split_copy, train_both_causal_lm
-from tensorshard.inference.infer import infer
+from tensorshard.plan_inference.infer import infer
 from tensorshard.styles import ColwiseParallel, Heads, RowwiseParallel
 
 VOCAB = 301
@@ -80,7 +80,7 @@ def test_one_kv_head_splits_query_heads_exactly(family, n):
 def test_one_head_attention_says_why_it_stays_whole(caplog):
     """One query head and one KV head: nothing to split, and the log says so (it counted no fallback)."""
     ref = _llama(kv=1, heads=1)
-    with caplog.at_level(logging.INFO, logger="tensorshard.inference.infer"):
+    with caplog.at_level(logging.INFO, logger="tensorshard.plan_inference.infer"):
         plan = tp.infer_plan(ref, 2)
     assert "self_attn" not in str(plan)
     assert "2 fallback(s)" in caplog.text  # one per layer

@@ -1,7 +1,7 @@
 """Plan inference: a plan for a model nobody wrote one for, read from how its features flow.
 
     plan = tp.infer_plan(model, world_size=4)           # a Plan like a hand-written one
-    report = tensorshard.inference.infer.infer(model, 4, check=True)  # the plan, its groups and every fallback
+    report = tensorshard.plan_inference.infer.infer(model, 4, check=True)  # the plan, its groups and every fallback
 
 1. Trace (trace.py): one forward pass on a tiny synthetic input records, per column candidate, which
    features must stay together (units), which rows consume them, and what poisons them.

@@ -94,7 +94,7 @@ def test_transformers_architecture_without_a_preset(gen):
 def test_a_model_that_fools_the_structure_falls_back_after_the_self_check(gen, caplog):
     ref = TemperatureAttention()
     x = torch.randn(2, 5, 32, generator=gen)
-    with caplog.at_level(logging.INFO, logger="tensorshard.inference.infer"):
+    with caplog.at_level(logging.INFO, logger="tensorshard.plan_inference.infer"):
         model = split_copy(ref, 2)
     assert "kept whole (self-check): wq, wk, wv, wo" in caplog.text and "differs" in caplog.text
     assert len(model.plan) == 0  # the attention stays whole ...
@@ -105,7 +105,7 @@ def test_a_model_that_fools_the_structure_falls_back_after_the_self_check(gen, c
 
 def test_too_few_units_for_the_devices_fall_back(gen, caplog):
     ref = FeedForward(16, 2)  # 2 hidden features cannot go to 3 devices
-    with caplog.at_level(logging.INFO, logger="tensorshard.inference.infer"):
+    with caplog.at_level(logging.INFO, logger="tensorshard.plan_inference.infer"):
         model = split_copy(ref, 3)
     assert len(model.plan) == 0 and "kept whole (structure): w1, w3, w2" in caplog.text
     x = torch.randn(4, 16, generator=gen)
@@ -173,7 +173,7 @@ def test_check_true_verifies_a_given_plan(gen, caplog):
         "w[qkv]": tp.ColwiseParallel(blocks=("q",)),
         "wo": tp.RowwiseParallel(blocks=("q",)),
     })
-    with caplog.at_level(logging.INFO, logger="tensorshard.inference.selfcheck"):
+    with caplog.at_level(logging.INFO, logger="tensorshard.plan_inference.selfcheck"):
         model = split_copy(ref, 2, plan=plan, check=True)
     assert "kept whole (self-check)" in caplog.text
     x = torch.randn(2, 5, 32, generator=gen)
@@ -185,7 +185,7 @@ def test_inference_fast_paths_are_checked_too(gen, caplog):
     bypassing their forwards: the traced pass cannot see that; reading the layer's source does
     (plans/direct_reads.py), and the self-check's no-grad run would."""
     ref = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0).eval()
-    with caplog.at_level(logging.INFO, logger="tensorshard.inference.infer"):
+    with caplog.at_level(logging.INFO, logger="tensorshard.plan_inference.infer"):
         model = split_copy(ref, 2)
     assert "<root> reads linear1.weight itself instead of calling linear1" in caplog.text
     x = torch.randn(2, 5, 32, generator=gen)

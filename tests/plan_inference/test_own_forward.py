@@ -1,4 +1,4 @@
-"""Layers with a forward of their own (inference/own_forward.py): a weight-standardized convolution (BiT's)
+"""Layers with a forward of their own (plan_inference/own_forward.py): a weight-standardized convolution (BiT's)
 normalizes each filter over its input channels, so it must never be cut by input channels (row); cut by
 output channels with the output gathered it is exact. Parity (fp32) at 2 and 3 devices, forward and after
 training steps, and one all-gather per such convolution forward."""
@@ -54,7 +54,7 @@ def test_weight_standardized_convs_split_by_output_and_gather(n, gen):
 def test_a_row_split_of_a_weight_standardized_conv_is_refused():
     """The data flow alone pairs conv1 -> conv2 like plain convolutions; the self-check refuses the row cut
     through conv2's standardization (never silently wrong), and only then are the outputs gathered."""
-    from tensorshard.inference.infer import infer
+    from tensorshard.plan_inference.infer import infer
 
     torch.manual_seed(0)
     unchecked = {k: v.describe() for k, v in infer(StdBlock(), 2, check=False).plan.items()}

@@ -7,8 +7,8 @@ from torch import nn
 
 import tensorshard as tp
 from support.helpers import rel_err, split_copy
-from tensorshard.inference.inputs import input_candidates, synthetic_inputs
-from tensorshard.inference.model_inputs import model_input_candidates, receptive_field
+from tensorshard.plan_inference.inputs import input_candidates, synthetic_inputs
+from tensorshard.plan_inference.model_inputs import model_input_candidates, receptive_field
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -524,7 +524,7 @@ def trace_model(
     """Run `model` once on `inputs` (default: `inputs.synthetic_inputs(model)`) and record the evidence.
 
     `fixed` names layers already decided to stay whole (or gathered): they are not candidates. `columns`,
-    when given, are the only layers that may be columns (a given plan's; inference/plancheck.py); `log`
+    when given, are the only layers that may be columns (a given plan's; plan_inference/plancheck.py); `log`
     keeps which op joined which features (`FeatureSet.log`). The model
     runs in eval mode without gradients; its train/eval flags are restored afterwards and nothing else of
     it changes.

@@ -31,7 +31,7 @@ class FeatureSet:
         self._version = 0  # bumped by every union that merges classes
         self._needs: list[Ids] = []
         self._needs_cache = None
-        # Who joined what, for naming the op when a given plan's split cuts a unit (inference/plancheck.py): off
+        # Who joined what, for naming the op when a given plan's split cuts a unit (plan_inference/plancheck.py): off
         # (None) unless asked for; the tracer sets `op` before each rule.
         self.log: list[tuple[str, Ids, Ids]] | None = None
         self.op = ""
