@@ -255,7 +255,7 @@ PACKAGES = {"tensorshard", "tensorshard.comm", "tensorshard.plans", "tensorshard
         ([Import("tensorshard.integrations.peft.after_split", "tensorshard.integrations.transformers.model",
                  where="after_split.py:3")], "must not import tensorshard.integrations.transformers"),
         # a function-level import hiding a cycle instead of an optional dependency
-        ([Import("tensorshard.plans.plan", "tensorshard.styles.base", in_function=True, commented=True, where="p.py:9")],
+        ([Import("tensorshard.plans.plan", "tensorshard.styles.style", in_function=True, commented=True, where="p.py:9")],
          "import it at the top"),
         # an optional dependency deferred without a comment
         ([Import("tensorshard.cli", "rich.table", in_function=True, where="cli.py:3")], "needs a comment"),
@@ -273,7 +273,7 @@ def test_the_check_catches_a_bad_import_graph(bad, expected):
 def test_a_clean_graph_passes():
     good = [
         Import("tensorshard.engines.inprocess.engine", "tensorshard.plans.plan"),
-        Import("tensorshard.plans.plan", "tensorshard.styles.base"),
+        Import("tensorshard.plans.plan", "tensorshard.styles.style"),
         Import("tensorshard.checkpoint.gguf", "gguf", in_function=True, commented=True),
     ]
     assert problems(good, PACKAGES) == []

@@ -294,7 +294,7 @@ def test_a_split_action_refuses_a_dimension_the_tensor_does_not_have():
 def test_rules_that_match_nothing_are_named_in_a_warning(caplog):
     config = tp.Config(dict(MLP_RULES, **{r"^nowhere\.weight$": "split 0"}), {r"^nope$": {0: "split -1"}},
                        {r"mlp$": {0: "sum"}, r"^none$": {0: "gather -1"}}, {r"^absent$": {"n": "scale_int"}})
-    with caplog.at_level("WARNING", logger="tensorshard.compat.translate"):
+    with caplog.at_level("WARNING", logger="tensorshard.compat.config_to_plan"):
         config.to_plan(Net(), W)
     said = caplog.text
     assert "state rules that match no parameter or buffer: ['^nowhere\\\\.weight$']" in said

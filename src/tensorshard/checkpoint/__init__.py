@@ -11,7 +11,7 @@ Each works for the in-process engine (`TensorParallel`) and, collectively, for a
 `parallelize` under torchrun (torchrun.py: the layout of one rank, and how the processes agree).
 """
 
-from .dispatch import convert_state_dict, infer_sharded_device_map
+from .hand_loading import convert_state_dict, infer_sharded_device_map
 from .gather import gathered_state_dict, save_gathered, save_tensor_parallel
 from .index import read_index
 from .sharded import load_sharded, save_sharded

@@ -46,7 +46,7 @@ from .folders import open_folder
 from .index import DATA_FILE, FORMAT, data_file_name, previous_generation, read_index, write_index
 from .layout import ModelLayout, local_view, saved_pieces
 from .loader import fill, match_tensors
-from .optimizer import check_optimizer_section, load_optimizer, optimizer_files
+from .optimizer_state import check_optimizer_section, load_optimizer, optimizer_files
 from .sources import INDEX_NAME, SafetensorsSource
 from .torchrun import job_of
 

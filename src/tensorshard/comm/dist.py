@@ -2,7 +2,7 @@
 
 One process per device runs one shard; shards meet in the collectives of the tensor-parallel group (one
 dimension of a DeviceMesh). Every collective is an autograd Function that follows the SPMD convention of
-comm/base.py, so a backward pass issues exactly the collectives the convention implies, in the same order
+comm/interface.py, so a backward pass issues exactly the collectives the convention implies, in the same order
 on every rank (every rank runs the same graph):
 
     all_reduce        forward: all-reduce             backward: nothing
@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from ..partition import Partition
 from . import dist_ops
-from .base import Comm
+from .interface import Comm
 from .counter import record
 from .dist_guard import collective, guard_for
 from .dtensor import as_dtensor, mesh_device

@@ -8,7 +8,7 @@ the shared-memory transport polls FIFOs), and torch's functional collectives wou
 instead of shared memory. So the compiled graph calls these opaque ops instead: each runs the very same
 guarded collective as eager code (comm/transport.py: shared memory between CPU ranks of one host, else the
 backend), counts it for `tp.count_collectives()` when it runs (not when it is traced), and has a fake
-implementation (shapes only) and a backward that follows comm/base.py's convention:
+implementation (shapes only) and a backward that follows comm/interface.py's convention:
 
     all_reduce        backward: identity
     all_gather        backward: this rank's block of the gradient

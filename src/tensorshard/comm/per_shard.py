@@ -35,7 +35,7 @@ import math
 import torch
 from torch.autograd import Function
 
-from .base import Comm  # a ThreadComm (comm/threads.py), which builds these nodes
+from .interface import Comm  # a ThreadComm (comm/threads.py), which builds these nodes
 from .counter import record
 from .reduce import copies, each_computes_its_own, nbytes as _nbytes, signature as _signature, sum_chunk_into, sum_to_all
 

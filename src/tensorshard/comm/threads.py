@@ -27,7 +27,7 @@ from torch.autograd import Function
 
 from ..partition import Partition
 from . import compiled, per_shard
-from .base import Comm
+from .interface import Comm
 from .counter import record
 from .partial_grads import PartialGrads
 from .reduce import copies, native_collectives, nbytes as _nbytes, signature as _signature, sum_to_all

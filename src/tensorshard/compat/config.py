@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import nn
 
 from .rules import TABLES, RuleTables
-from .translate import translate
+from .config_to_plan import translate
 
 
 class Config(RuleTables):

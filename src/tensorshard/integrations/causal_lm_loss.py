@@ -48,7 +48,7 @@ from .lazy_logits import gather_logits_on_read
 from ..partition import Partition
 from ..plans.slices import after_split, split_layout
 from ..styles import ColwiseParallel
-from ..styles.base import original_forward, wrap_forward
+from ..styles.style import original_forward, wrap_forward
 
 logger = get_logger(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm.base import Comm
+from ..comm.interface import Comm
 from ..partition import HeadGroups
-from ..styles.base import ShardContext, Splits, Style
+from ..styles.style import ShardContext, Splits, Style
 
 
 @dataclass

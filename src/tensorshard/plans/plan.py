@@ -28,7 +28,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..styles.base import Style
+from ..styles.style import Style
 from ..styles.heads import Heads
 from ..styles.replicate import Replicate
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .. import quant
-from ..comm.base import NoComm
+from ..comm.interface import NoComm
 from ..partition import HeadGroups, Partition
 from ..styles.heads import Heads
 from .direct_reads import direct_reads

@@ -1,7 +1,7 @@
 """Parallel styles: how one module is split across devices. See base.py for the contract."""
 
 from .attention_heads import AttentionHeads
-from .base import STYLES, ShardContext, Style
+from .style import STYLES, ShardContext, Style
 from .channel import ChannelParallel
 from .column import ColwiseParallel
 from .embedding import EmbeddingParallel

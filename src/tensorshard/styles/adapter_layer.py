@@ -14,7 +14,7 @@ from typing import Callable, ClassVar, Literal
 
 from torch import nn
 
-from .base import ShardContext, Splits, Style, check_choices
+from .style import ShardContext, Splits, Style, check_choices
 
 
 @dataclass(frozen=True, kw_only=True)

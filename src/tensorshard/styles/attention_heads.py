@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..partition import Partition
-from .base import ShardContext, Splits, original_forward, register, wrap_forward
+from .style import ShardContext, Splits, original_forward, register, wrap_forward
 from .heads import Heads
 
 LAYOUTS = ("batch*heads", "heads")

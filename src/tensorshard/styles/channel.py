@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..partition import block_partition
-from .base import ShardContext, Splits, Style, register, wrap_forward
+from .style import ShardContext, Splits, Style, register, wrap_forward
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)  # BatchNorm1d/2d/3d, SyncBatchNorm, Lazy variants
 _GROUP_NORMS = (nn.GroupNorm,)

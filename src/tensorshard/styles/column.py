@@ -19,7 +19,7 @@ from torch import nn
 from .. import quant
 from ..layers import CONV, CONV1D_HF, LINEAR, require_kind, weight_shape
 from ..partition import block_partition, kv_local_ranges
-from .base import ShardContext, Splits, Style, feature_dim, original_forward, register, wrap_forward
+from .style import ShardContext, Splits, Style, feature_dim, original_forward, register, wrap_forward
 
 
 @register("colwise")

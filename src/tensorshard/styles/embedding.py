@@ -19,7 +19,7 @@ from torch import nn
 
 from ..layers import EMBEDDING, require_kind
 from ..partition import block_partition
-from .base import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
+from .style import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
 
 
 @register("embedding")

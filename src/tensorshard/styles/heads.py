@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .base import ShardContext, Splits, Style, register
+from .style import ShardContext, Splits, Style, register
 from .local_values import set_local_path
 
 QUANTITIES = ("heads", "kv_heads", "groups", "features", "kv_features")

@@ -44,7 +44,7 @@ from torch import nn
 
 from ..partition import block_partition, kv_local_ranges
 from .adapter_layer import AdapterLayerStyle
-from .base import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
+from .style import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
 from .column import tie_ranges
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from .base import ShardContext, Splits, Style, register
+from .style import ShardContext, Splits, Style, register
 from .heads import Heads
 
 

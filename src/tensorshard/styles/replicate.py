@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Style, register
+from .style import Style, register
 
 
 @register("replicate")

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..layers import CONV, CONV1D_HF, LINEAR, require_kind, shape_along, weight_shape
 from ..partition import block_partition
-from .base import ShardContext, Splits, Style, feature_dim, register, wrap_forward
+from .style import ShardContext, Splits, Style, feature_dim, register, wrap_forward
 
 
 @register("rowwise")

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..partition import block_partition
-from .base import ShardContext, Splits, Style, check_choices, register, wrap_forward
+from .style import ShardContext, Splits, Style, check_choices, register, wrap_forward
 from .row import RowwiseParallel
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..partition import block_partition
-from .base import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
+from .style import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
 
 
 @register("shard_params")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .base import ShardContext, Splits, Style, original_forward, register, wrap_forward
+from .style import ShardContext, Splits, Style, original_forward, register, wrap_forward
 
 
 @register("sum_gradients")

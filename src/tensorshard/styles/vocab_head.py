@@ -24,7 +24,7 @@ from torch import nn
 
 from ..comm.dtensor import chunk_partition
 from ..layers import CONV1D_HF, LINEAR, require_kind
-from .base import ShardContext, Splits, feature_dim, register, wrap_forward
+from .style import ShardContext, Splits, feature_dim, register, wrap_forward
 from .column import ColwiseParallel
 
 

@@ -8,7 +8,7 @@ import torch
 import transformers as T
 
 import tensorshard as tp
-from tensorshard.plans.presets.translate import translate_tp_plan
+from tensorshard.plans.presets.hf_tp_plan import translate_tp_plan
 from tensorshard.styles import SumGradients
 from support.helpers import rel_err
 

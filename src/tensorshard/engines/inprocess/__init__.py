@@ -10,7 +10,7 @@ after it was split, views.py runs a submodule of every shard as a split model of
 """
 
 from .engine import TensorParallel, current_rank
-from .optimizer import PerDeviceOptimizer, per_device_optimizer
+from .per_device_optimizer import PerDeviceOptimizer, per_device_optimizer
 from . import default_step  # noqa: F401  (registers torch.optim's global step hooks)
 
 __all__ = ["PerDeviceOptimizer", "TensorParallel", "current_rank", "per_device_optimizer"]

@@ -47,7 +47,7 @@ from ...logs import get_logger
 from ...optimizers import step_split_whole
 from ...plans.slices import split_layout
 from .engine import TensorParallel, live_models
-from .optimizer import DeviceSteps, PerDeviceOptimizer
+from .per_device_optimizer import DeviceSteps, PerDeviceOptimizer
 
 logger = get_logger(__name__)
 

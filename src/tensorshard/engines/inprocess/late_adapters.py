@@ -39,7 +39,7 @@ from ...logs import get_logger
 from ...plans import late_adapters as late_plan
 from ...plans.late_adapters import LateAdapters, tensor_of
 from ...registrations import count_modules_and_tensors, nothing_added, registrations
-from ...styles.base import ShardContext
+from ...styles.style import ShardContext
 from .views import follow_root, root_of
 from .zero import shard_added
 

@@ -11,7 +11,7 @@ At the start of every forward call each shard gathers all of its partitioned par
 (counted by `tp.count_collectives` as ``all_gather`` at "zero-3") and the modules see full tensors until the
 call returns (when the shards own their graphs, through a per-shard autograd node, `_GatherOwnParams`;
 with one graph across devices, through one node for all, `_GatherParams`). Backward needs no
-communication: under the SPMD convention (comm/base.py) every shard computes the full, identical gradient
+communication: under the SPMD convention (comm/interface.py) every shard computes the full, identical gradient
 of a replicated parameter, so the gather's backward keeps each shard's own rows. The optimizer updates rows elementwise, exactly as it would update the full copies, so
 training matches the unsplit run bit for bit where the unsharded engine does.
 

@@ -59,7 +59,7 @@ from ...plans.module_shard import ModuleShard
 from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine, run_after_split
 from ...registrations import count_modules_and_tensors
-from ...styles.base import original_forward, wrap_forward
+from ...styles.style import original_forward, wrap_forward
 from ..resplit import refuse_split_twice
 from ..shared_config import guard as guard_configurations
 from ..split_report import report_split

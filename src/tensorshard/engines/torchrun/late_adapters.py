@@ -35,7 +35,7 @@ from ...logs import get_logger
 from ...plans import late_adapters as late_plan
 from ...plans.late_adapters import LateAdapters, tensor_of
 from ...registrations import count_modules_and_tensors, nothing_added, registrations
-from ...styles.base import ShardContext
+from ...styles.style import ShardContext
 from .local_views import restore_after_building, swap_adapter_layers, swap_local_views
 
 logger = get_logger(__name__)

@@ -17,7 +17,7 @@ from ...comm.dtensor import Layout
 from ...comm.old_torch import to_local
 from ...plans.adapters import is_adapter_layer
 from ...plans.sharding import direct_tensors
-from ...styles.base import wrap_forward
+from ...styles.style import wrap_forward
 
 
 def swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state) -> None:

@@ -61,7 +61,7 @@ from ..peft.transformers_adapters import SplitAdapters
 from .cache import shard_cache
 from .fast_decode import compiled_call, wants_compiled_decode
 from .unsplit_cache import split_filled_cache
-from .views import on_every_shard, part_view, submodule_view, top_level_tensor
+from .part_views import on_every_shard, part_view, submodule_view, top_level_tensor
 
 logger = get_logger(__name__)
 

@@ -33,7 +33,7 @@ from torch import nn
 from ...comm.threads import ThreadComm
 from ...layers import is_peft_model
 from ...logs import get_logger
-from ...styles.base import original_forward, wrap_forward
+from ...styles.style import original_forward, wrap_forward
 from ..causal_lm_loss import call_labels, plain_causal_lm_loss, sliced_head, sliced_loss_function
 
 logger = get_logger(__name__)

@@ -27,7 +27,7 @@ from ..plan import Plan, match_pattern
 from ..ties import follow_ties
 from . import decoders, encoders, gpt  # noqa: F401  (importing the families registers their presets)
 from .registry import PRESETS, preset  # noqa: F401  (preset: the decorator, for presets written elsewhere)
-from .translate import translate_tp_plan
+from .hf_tp_plan import translate_tp_plan
 
 logger = get_logger(__name__)
 

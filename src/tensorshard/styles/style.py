@@ -21,7 +21,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from ..comm.base import Comm
+from ..comm.interface import Comm
 from ..partition import HeadGroups, Partition
 
 Splits = dict[str, tuple[int, Partition]]
