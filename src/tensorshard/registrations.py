@@ -1,6 +1,6 @@
 """Has a split model gained a submodule, parameter or buffer since a given moment (`nothing_added`)? A cheap test
-before walking its module tree on every call (late adapters: engines/inprocess/late_adapters.py,
-engines/torchrun/late_adapters.py); `count_modules_and_tensors` watches every module it counts.
+before walking its module tree on every call (modules added after splitting: engines/late_modules.py,
+integrations/peft/late_adapters.py); `count_modules_and_tensors` watches every module it counts.
 
 Three global hooks of torch.nn (module, parameter and buffer registration), installed while a watched split
 model lives (global_hooks.py; none at import), count the registrations made on the modules of split models
@@ -60,7 +60,7 @@ def count_modules_and_tensors(root: nn.Module) -> int:
 def nothing_added(root: nn.Module, registrations_then: int | None, count_then: int) -> int | None:
     """The registration count to keep when nothing was added below `root` since the last look (no registration on
     the split model's modules since `registrations_then`, or still `count_then` modules and tensors); None when
-    something may have been: then the engine looks (plans/late_adapters.py's `plan_late_adapters`)."""
+    something may have been: then the engine looks (engines/late_modules.py)."""
     seen = registrations()
     if seen == registrations_then or count_modules_and_tensors(root) == count_then:
         return seen

@@ -3,4 +3,7 @@
 
 - inprocess/: one process, a list of devices, one thread per shard (`TensorParallel`).
 - torchrun/: one process per device under torchrun, shards as DTensors (`parallelize`).
+
+Both look for modules added to a split model after splitting through late_modules.py (PEFT's adapters:
+integrations/peft registers the adopters).
 """

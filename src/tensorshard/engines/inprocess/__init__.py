@@ -5,8 +5,7 @@ and outputs across devices (and gives each shard its own KV cache and other per-
 shard_backward.py runs every shard's own backward pass, rollback.py undoes a half-built split, zero.py adds
 ZeRO-3 for the parameters the plan leaves whole, optimizer.py steps an optimizer per device in the
 shards' threads (default_step.py makes that the default step of plain torch.optim optimizers on CPU
-slots), late_adapters.py adopts PEFT adapters added to a model
-after it was split, views.py runs a submodule of every shard as a split model of its own (`TensorParallel.view`).
+slots), views.py runs a submodule of every shard as a split model of its own (`TensorParallel.view`).
 """
 
 from .engine import TensorParallel, current_rank

@@ -44,6 +44,8 @@ from ...plans import resolve_plan
 from ...plans.plan import Plan
 from ...plans.sharding import shard_plan
 from ...plans.slices import SplitLayout, register_engine
+from ...registrations import count_modules_and_tensors
+from ..late_modules import adopt_late_modules
 from ..resplit import mark_consumed, mark_split, refuse_split_twice
 from ..shared_config import guard as guard_configurations
 from ..split_report import report_split
@@ -51,7 +53,6 @@ from .boundary import gather_outputs, replicate_inputs, to_device
 from .build import build_shards, consume
 from .copies import deep_copy, refuse_pickle
 from .grad_norm import clip_grad_norm_
-from .late_adapters import adopt_late_modules, module_count
 from .package_names import PackageNames
 from .schedule import Schedule
 from .shard_attributes import record_per_device
@@ -168,7 +169,7 @@ class TensorParallel(PackageNames, nn.Module):
         guard_configurations(self.module_shards, f"over {world} device(s)")  # one configuration (shared_config.py)
         self._placement = placement
         self._module_names = {n for n, _ in self.module_shards[0].named_modules()}  # to spot adapters added later
-        self._module_count = module_count(self)
+        self._module_count = count_modules_and_tensors(self.module_shards[0])
         self._layout_modules = dict(layout.modules)  # each split module's style and head groups, for those adapters
         self._register_load_state_dict_pre_hook(_load_unsplit, with_module=True)
         # The wrapper takes the module's own mode; every submodule of the shards keeps the mode it had (a
@@ -223,7 +224,7 @@ class TensorParallel(PackageNames, nn.Module):
         (default: the shard module itself; compiled_steps.py gives each shard's compiled forward). `serial`: the
         shards one at a time (True) or together (False); default: as the call schedule chooses (schedule.py)."""
         _check_loaded(self)
-        adopt_late_modules(self)  # LoRA added after splitting follows the split (late_adapters.py)
+        adopt_late_modules("inprocess", self)  # LoRA added after splitting follows the split (late_modules.py)
         shards, devices, group = self.module_shards, self._placement, self._group
         call = module if module is not None else (lambda rank, a, kw: shards[rank](*a, **kw))
         if len(shards) == 1:
@@ -299,14 +300,14 @@ class TensorParallel(PackageNames, nn.Module):
     def state_dict(self, *args, **kwargs):
         """The shards' state (keys ``module_shards.N...``; ``tp.save_tensor_parallel(model)`` gives the unsplit
         one). ``load_state_dict`` takes either form (unsplit names: each device keeps its slice), as
-        transformers' Trainer uses it to resume. Adapters added since splitting are adopted first (late_adapters.py)."""
-        adopt_late_modules(self)
+        transformers' Trainer uses it to resume. Adapters added since splitting are adopted first (engines/late_modules.py)."""
+        adopt_late_modules("inprocess", self)
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Loads the shards' state (keys ``module_shards.N...``, as `state_dict()` writes it) or the unsplit
         model's state dict (its own names and shapes): each tensor is sliced for every device."""
-        adopt_late_modules(self)
+        adopt_late_modules("inprocess", self)
         if is_unsplit(state_dict):
             return load_unsplit(self, state_dict, strict=strict)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
@@ -374,7 +375,7 @@ def _check_loaded(model: TensorParallel) -> None:
 def _load_unsplit(model: TensorParallel, state_dict: dict, prefix: str, *_args) -> None:
     """Load-state-dict pre-hook: entries with the unsplit model's names become each device's slice, under its
     shard's name (both forms may be mixed; shard names load as they are)."""
-    adopt_late_modules(model)  # a parent loading PEFT adapters it added since splitting: their splits first
+    adopt_late_modules("inprocess", model)  # a parent loading PEFT adapters it added since splitting: their splits first
     zero = getattr(model, "zero_splits", None) or {}
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + "module_shards.")]:
         name = key[len(prefix):]

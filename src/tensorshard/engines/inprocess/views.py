@@ -10,7 +10,7 @@ its shards (the submodule of each device's shard), the splits and plan records o
 called directly rather than inside its model's call.
 
 The split model it was made from (its root; a view of a view has the same root) keeps the truth. Adapters
-added after splitting (late_adapters.py) are adopted by the root alone, whichever of the two is called first,
+added after splitting (engines/late_modules.py) are adopted by the root alone, whichever of the two is called first,
 and a view then derives its bookkeeping from the root's again (`follow_root`). A view that adopted on its own
 would see PEFT's wrappers as new under the names it knew, and adopt them a second time: device 0's values
 copied over tensors ZeRO-3 had partitioned, the styles attached twice (every collective twice), the new

@@ -60,13 +60,13 @@ from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
 from ...plans.slices import SplitLayout, register_engine, run_after_split
 from ...registrations import count_modules_and_tensors
 from ...styles.style import original_forward, wrap_forward
+from ..late_modules import adopt_late_modules
 from ..resplit import refuse_split_twice
 from ..shared_config import guard as guard_configurations
 from ..split_report import report_split
 from . import decoding
 from .copies import deep_copy, keep_skeleton
 from .data import check_same_inputs
-from .late_adapters import adopt_late_adapters
 from .local_views import swap_adapter_layers, swap_local_views
 
 logger = get_logger(__name__)
@@ -297,7 +297,7 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
         comm.begin_call()
         outermost["depth"] += 1
         try:
-            adopt_late_adapters(root)  # PEFT adapters added since parallelize follow the split (late_adapters.py)
+            adopt_late_modules("torchrun", root)  # PEFT adapters added since parallelize follow the split (late_modules.py)
             args, kwargs = _inputs_on(device, args, kwargs, signature)
             if state.checks_left > 0 and comm.world_size > 1:
                 state.checks_left -= 1

@@ -4,7 +4,7 @@ for their local views for the duration of its own forward (engine.py step 4).
 Two kinds of module read tensors they do not own, outside their owner's forward, and get the views of those too:
 a PEFT adapter layer (DoRA reads its base layer's weight; IA3 its ``ia3_l`` vectors, held in a ParameterDict
 that has no forward) and anything PEFT builds while it adds adapters after `parallelize`: `building_views`
-shows every layer its local slices until the engine adopts the new adapters (late_adapters.py).
+shows every layer its local slices until the engine adopts the new adapters (integrations/peft/late_adapters.py).
 """
 
 from __future__ import annotations

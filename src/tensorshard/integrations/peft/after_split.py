@@ -18,9 +18,8 @@ it looks at nothing but PEFT objects taking a split model) steps in at two momen
    a method that cannot follow a split (LoHa, VeRA, ... anything but LoRA, DoRA and IA3) is refused here,
    before anything changes.
 2. A PeftModel takes that tuner as its ``base_model``, once every layer is wrapped: the split model adopts
-   the adapters (engines/inprocess/late_adapters.py, engines/torchrun/late_adapters.py: the styles, splits
-   and values they would have had if added before splitting; what cannot follow is refused and taken out
-   again), and the PeftModel's class becomes `AroundSplit` over PEFT's own, so that its methods that read or
+   the adapters (late_adapters.py: the styles, splits and values they would have had if added before
+   splitting; what cannot follow is refused and taken out again), and the PeftModel's class becomes `AroundSplit` over PEFT's own, so that its methods that read or
    write the adapter by name work on the split model. A prompt-learning method (prompt tuning, prefix tuning,
    P-tuning) takes the split model itself as ``base_model``: refused, as its encoder reads the whole
    vocabulary's embedding, which the split model does not hold in one piece.
@@ -61,9 +60,7 @@ from ...checkpoint.gather import save_pretrained_options
 from ...checkpoint.torchrun import Job, TorchrunJob, is_parallelized
 from ...comm.dtensor import mesh_device
 from ...engines.inprocess import TensorParallel
-from ...engines.inprocess.late_adapters import adopt_late_modules
 from ...engines.inprocess.param_count import UnsplitParameter, count_parameters, unsplit_parameters
-from ...engines.torchrun.late_adapters import adopt_late_adapters
 from ...engines.torchrun.local_views import building_views
 from ...global_hooks import GlobalHook, Patch
 from ...layers import is_peft_model
@@ -80,6 +77,7 @@ from .adapter_io import (
     whole_adapter_tensors,
     with_adapter_names,
 )
+from .late_adapters import adopt_in_process, adopt_under_torchrun
 
 logger = get_logger(__name__)
 
@@ -170,9 +168,9 @@ def _adopt(split: nn.Module) -> None:
 def adopt(split: nn.Module) -> None:
     """The split model (of either engine) adopts what PEFT added to it since the last look, or refuses it."""
     if isinstance(split, TensorParallel):
-        adopt_late_modules(split)
+        adopt_in_process(split)
     else:
-        adopt_late_adapters(split)
+        adopt_under_torchrun(split)
 
 
 @functools.lru_cache(maxsize=None)
@@ -295,10 +293,10 @@ class AroundSplit(RestructuringRefused):
         with self._whole_model():
             split = self._split_model()
             if not isinstance(split, TensorParallel):
-                adopt_late_adapters(split)
+                adopt_under_torchrun(split)
                 state_dict = _local_for_torchrun(split, state_dict)
             else:  # PEFT's checkpoint names (set_peft_model_state_dict): the unsplit names say where they go
-                adopt_late_modules(split)
+                adopt_in_process(split)
                 state_dict = with_adapter_names(state_dict, [PEFT_PREFIX + n for n in split.splits], self.peft_config)
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
 

@@ -8,7 +8,7 @@ format of ``save_pretrained``.
 
 transformers injects PEFT's layers into the model it is called on (here: into every device's shard), then
 names, selects and loads the adapter's tensors by the model's module names. The split model adopts what was
-injected as soon as transformers returns (engines/inprocess/late_adapters.py; refused and taken out again
+injected as soon as transformers returns (late_adapters.py; refused and taken out again
 if it cannot follow the split), and PEFT's own loading and saving functions look at the first device's
 shard, whose module names are the unsplit model's: loaded tensors go to the split model, which gives each
 device its slices, and saved ones are gathered from every device (only the adapter's). What this shares with
@@ -30,7 +30,6 @@ except ImportError:  # pragma: no cover - without PEFT these methods say how to 
 
 from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import save_pretrained_options
-from ...engines.inprocess.late_adapters import adopt_late_modules
 from ...logs import get_logger
 from .adapter_io import (
     ADAPTER_FILES,
@@ -41,6 +40,7 @@ from .adapter_io import (
     refuse_restructuring,
     standing_in_for,
 )
+from .late_adapters import adopt_in_process
 
 logger = get_logger(__name__)
 
@@ -62,7 +62,7 @@ class SplitAdapters:
         adapter_config.base_model_name_or_path = self.__dict__.get("name_or_path", None)
         peft.inject_adapter_in_model(adapter_config, self, name)  # PEFT keeps the configs in self.peft_config
         try:
-            adopt_late_modules(self)
+            adopt_in_process(self)
         except NotImplementedError:
             if had:
                 self.peft_config = had
@@ -114,7 +114,7 @@ class SplitAdapters:
         if not getattr(self, "_hf_peft_config_loaded", False):
             return super().save_pretrained(save_directory, **kwargs)
         _require_peft()
-        adopt_late_modules(self)
+        adopt_in_process(self)
         kwargs, given = save_pretrained_options(kwargs)
         target = Path(save_directory)
         check_save_folder(target)
