@@ -39,7 +39,8 @@ class AdapterLayerStyle(Style):
 
     def beside(self, module: nn.Module, part) -> Splits:
         """The splits of this style's module when it is created beside a base layer already split by `part`
-        (an adapter added after splitting; plans/late_adapters.py, for both engines): what `shard` would say."""
+        (an adapter added after splitting; integrations/peft/late_adapters.py, for both engines): what `shard`
+        would say."""
         return {}
 
     def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
