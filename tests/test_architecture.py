@@ -250,7 +250,7 @@ PACKAGES = {"tensorshard", "tensorshard.comm", "tensorshard.plans", "tensorshard
             "import cycle between files",
         ),
         # peft imported outside the PEFT package
-        ([Import("tensorshard.plans.adapters", "peft.tuners", where="adapters.py:3")], "only tensorshard.integrations.peft"),
+        ([Import("tensorshard.plans.rewriters", "peft.tuners", where="rewriters.py:3")], "only tensorshard.integrations.peft"),
         # the PEFT package reaching up into the transformers integration
         ([Import("tensorshard.integrations.peft.after_split", "tensorshard.integrations.transformers.model",
                  where="after_split.py:3")], "must not import tensorshard.integrations.transformers"),

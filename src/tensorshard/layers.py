@@ -6,7 +6,9 @@ to run the layer without its bias (a row-parallel layer adds its bias once, afte
 
 Supported: nn.Linear (and subclasses, bitsandbytes' quantized Linear4bit / Linear8bitLt among them:
 their shapes and products go through `tensorshard.quant`), transformers' GPT-2 style Conv1D (weight stored
-(in, out)), nn.Conv1d/2d/3d with groups=1, nn.Embedding and nn.EmbeddingBag.
+(in, out)), nn.Conv1d/2d/3d with groups=1, nn.Embedding and nn.EmbeddingBag. Recognised without importing
+their library: transformers models, PEFT models and PEFT's layer wrappers (`is_adapter_layer`,
+`is_modules_to_save`: integrations/peft/ splits them).
 """
 
 from __future__ import annotations
@@ -113,6 +115,19 @@ def is_peft_model(module: object) -> bool:
     """True for a peft PeftModel, without importing peft when nobody has."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(module, peft.PeftModel)
+
+
+def is_adapter_layer(module: nn.Module) -> bool:
+    """A PEFT tuner layer (LoRA, IA3, ...): it wraps the original layer as ``.base_layer`` (recognised by its
+    attributes: PEFT is not imported; what follows from it is in integrations/peft/)."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
+
+
+def is_modules_to_save(module: nn.Module) -> bool:
+    """PEFT's ModulesToSaveWrapper (a trainable copy of a whole module per adapter)."""
+    return isinstance(getattr(module, "original_module", None), nn.Module) and isinstance(
+        getattr(module, "modules_to_save", None), nn.ModuleDict
+    )
 
 
 def contains_transformers_model(module: object) -> bool:

@@ -30,9 +30,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..layers import is_peft_model, is_transformers_model
+from ..layers import is_transformers_model
 from ..logs import get_logger
-from ..plans.adapters import is_adapter_tensor
 from ..plans.slices import after_split
 from .atomic import atomic_write, fsync_dir, publish, write_into_folder
 from .describe import model_layout
@@ -353,8 +352,7 @@ def _parse_size(size: int | str) -> int:
 
 @after_split
 def _install_gathering_save_pretrained(module: nn.Module) -> None:
-    """A transformers model split by `parallelize` saves the unsplit weights, not DTensor pieces."""
-    if is_peft_model(module):  # PEFT's adapter format, from the gathered adapter
-        module.save_pretrained = gathering_save_pretrained(module, only=is_adapter_tensor)
-    elif is_transformers_model(module):
+    """A transformers model split by `parallelize` saves the unsplit weights, not DTensor pieces (a PeftModel, the
+    adapter's only: integrations/peft/adapter_io.py)."""
+    if is_transformers_model(module):
         module.save_pretrained = gathering_save_pretrained(module)

@@ -6,8 +6,8 @@ beside it. A config's rules name the layer as the model without adapters does (`
 did when the original package was written (PEFT then kept the weight at that name). The translator reads the
 rules against this view: the wrapper's name with the original layer, tensors under their names without
 ``base_layer.`` / ``original_module.``, the adapters' modules and tensors left out. The plan it writes names the
-wrapper, which the adapter rewrite (plans/adapters.py, run when the plan is resolved) turns into entries for the
-base layer and its adapters, each following the layer's split.
+wrapper, which the adapter rewrite (integrations/peft/adapter_plan.py, run when the plan is resolved) turns
+into entries for the base layer and its adapters, each following the layer's split.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..plans.adapters import adapt_plan, has_adapters, is_adapter_layer, is_modules_to_save
+from ..layers import is_adapter_layer, is_modules_to_save
 from ..plans.plan import Plan
+from ..plans.rewriters import rewrite_plan
 
 _INNER = ("base_layer", "original_module")
 
@@ -47,7 +48,7 @@ def bare_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def adapted(model: nn.Module, plan: Plan) -> Plan:
     """The plan as the engine applies it: entries for wrappers rewritten for their layers and adapters."""
-    return adapt_plan(model, plan) if has_adapters(model) else plan
+    return rewrite_plan(model, plan)
 
 
 def _wrappers(model: nn.Module) -> set[str]:

@@ -3,7 +3,8 @@
 `resolve_plan` turns what a user passes (a Plan, a dict, a JSON path, rules with a ``to_plan`` method, or
 nothing) into the Plan an engine splits by. Inferring a plan and self-checking one live a layer up (tensorshard.plan_inference, whose self-check
 runs an engine); that package registers both here when it is imported (`register_inference`), so the
-engines resolve plans without importing the layer above them.
+engines resolve plans without importing the layer above them. Likewise a library that wraps layers in place
+(PEFT) registers how plans are rewritten for its wrappers (rewriters.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Callable
 
 from torch import nn
 
-from .adapters import adapt_plan, has_adapters, refuse_prompt_learning
 from .plan import Plan, match_pattern
+from .rewriters import has_wrappers, refuse_unsplittable, rewrite_plan
 from .ties import follow_ties
 
 __all__ = ["Plan", "match_pattern", "register_inference", "resolve_plan"]
@@ -51,10 +52,10 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
     by default a pair split around an op that mixes features is refused; with True it stays whole and the rest
     of the plan is self-checked numerically (plan_inference/selfcheck.py); False trusts the plan.
     """
-    refuse_prompt_learning(module)  # a PEFT method no plan can split (adapters.py)
+    refuse_unsplittable(module)  # e.g. a PEFT method no plan can split (rewriters.py)
     if plan is None:
         resolved = _inferred("auto_plan")(module, world_size, check=check)
-        return adapt_plan(module, resolved) if has_adapters(module) else resolved
+        return rewrite_plan(module, resolved)
     if isinstance(plan, Plan):
         resolved = plan
     elif callable(getattr(plan, "to_plan", None)):  # rules that become a plan for this model and device count
@@ -70,12 +71,12 @@ def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None
             f"plan must be a tensorshard Plan, a {{pattern: style}} dict or a path to a plan JSON file; got {type(plan).__name__}"
         )
     resolved = follow_ties(module, resolved)  # a tied weight's other holders split alike (ties.py)
-    # Adapters (LoRA) split with their layer by styles the trace does not follow yet: such models are not
-    # pair-checked (check=True still self-checks them numerically).
-    if check is not False and world_size > 1 and not has_adapters(module):
+    # Wrapped layers (PEFT's LoRA) split with their layer by styles the trace does not follow yet: such models are
+    # not pair-checked (check=True still self-checks them numerically).
+    if check is not False and world_size > 1 and not has_wrappers(module):
         whole = _inferred("check_pairs")(module, resolved, world_size, check=check)
         if whole:  # check=True: the failing pairs stay whole
             resolved = resolved | whole
     if check:
         resolved = _inferred("check_plan")(module, resolved, world_size)
-    return adapt_plan(module, resolved) if has_adapters(module) else resolved
+    return rewrite_plan(module, resolved)  # entries for wrapped layers, e.g. PEFT adapters (rewriters.py)

@@ -17,7 +17,7 @@ whole l scaling a row-parallel layer's output sees the replicated output and its
 Rows of replicated KV heads (fewer KV heads than devices) sum their gradient over the devices holding them,
 as the base weight's do.
 
-Two styles, which `plans/adapters.py` puts in a plan for every IA3 layer it finds: ``Ia3Parallel`` on the
+Two styles, which `adapter_plan.py` puts in a plan for every IA3 layer it finds: ``Ia3Parallel`` on the
 IA3 layer (its forward, where the split needs one) and ``Ia3Scale`` on its ``ia3_l`` vectors.
 """
 

@@ -27,7 +27,7 @@ by m / ||W + s B A||, the row norm of the adapted weight (detached, as in PEFT):
                           call); m stays whole, with partial gradients like B; each device adds
                           (m/n - 1) W_d x_d + (m/n) s B A_d x_d to the base layer's all-reduce
 
-Four styles, which `plans/adapters.py` puts in a plan for every LoRA layer it finds:
+Four styles, which `adapter_plan.py` puts in a plan for every LoRA layer it finds:
 ``LoraParallel`` on the LoRA layer itself (its forward), the base layer's own style on ``.base_layer``,
 ``LoraFactor`` on each ``lora_A.<adapter>`` / ``lora_B.<adapter>``, and ``LoraMagnitude`` on each DoRA
 ``lora_magnitude_vector.<adapter>``.

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from ...comm.dtensor import Layout
 from ...comm.old_torch import to_local
-from ...plans.adapters import is_adapter_layer
+from ...layers import is_adapter_layer
 from ...plans.sharding import direct_tensors
 from ...styles.style import wrap_forward
 

@@ -7,11 +7,14 @@ files, gathering the adapter, the refusals). transformers_adapters.py: transform
 (``add_adapter``, ``load_adapter``) on a split transformers model. late_adapters.py: adapters PEFT added to a
 split model, adopted by either engine (registered with engines/late_modules.py).
 
-What plans and styles know of adapters needs no PEFT (its wrappers are recognised by their attributes):
-plans/adapters.py rewrites a plan around PEFT's layers, styles/lora.py and styles/ia3.py split them.
+adapter_plan.py: plans rewritten around PEFT's layers (registered with plans/rewriters.py);
+styles/lora.py and styles/ia3.py split them. None of these imports PEFT: its wrappers are recognised by their
+attributes (layers.py).
 
-Importing this package registers what the layers below call (the engines' adopters) and imports no PEFT:
+Importing this package registers what the layers below call (the plan rewriter, the engines' adopters, the
+gathering ``save_pretrained`` of a PeftModel split by `parallelize`) and imports no PEFT:
 transformers_adapters.py, which does, is loaded with the transformers integration.
 """
 
-from . import after_split, late_adapters  # noqa: F401  (registers the engines' adopters; defines PEFT's hooks)
+# each registers what the layers below it call; after_split.py defines PEFT's hooks (installed at first use)
+from . import adapter_io, adapter_plan, after_split, late_adapters  # noqa: F401

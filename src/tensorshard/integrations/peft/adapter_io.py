@@ -27,9 +27,10 @@ from typing import Any, Iterable, NoReturn
 import torch
 from torch import nn
 
-from ...checkpoint.gather import gathered_state_dict
+from ...checkpoint.gather import gathered_state_dict, gathering_save_pretrained
 from ...engines.inprocess import TensorParallel
-from ...plans.adapters import is_adapter_tensor
+from ...layers import is_peft_model
+from ...plans.slices import after_split
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")  # what a save replaces
 PEFT_PREFIX = "base_model.model."  # where a PeftModel keeps the model it adapts (the prefix of PEFT's names)
@@ -37,6 +38,20 @@ HUB_OPTIONS = ("revision", "token", "cache_dir", "subfolder", "local_files_only"
 
 
 # -- saving --------------------------------------------------------------------------------------------------
+
+
+def is_adapter_tensor(name: str) -> bool:
+    """A tensor PEFT saves for an adapter (by its state-dict name): LoRA factors and DoRA magnitudes, IA3
+    vectors, modules_to_save copies."""
+    return "lora_" in name or ".ia3_l." in name or ".modules_to_save." in name
+
+
+@after_split
+def _install_gathering_save_pretrained(module: nn.Module) -> None:
+    """A PeftModel split by `parallelize` saves PEFT's adapter format from the gathered adapter, not DTensor pieces
+    (checkpoint/gather.py does the same for a transformers model, with every tensor)."""
+    if is_peft_model(module):
+        module.save_pretrained = gathering_save_pretrained(module, only=is_adapter_tensor)
 
 
 def check_save_folder(target: Path) -> None:

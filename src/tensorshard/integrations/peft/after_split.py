@@ -65,7 +65,7 @@ from ...engines.torchrun.local_views import building_views
 from ...global_hooks import GlobalHook, Patch
 from ...layers import is_peft_model
 from ...logs import get_logger
-from ...plans.adapters import has_adapters
+from .adapter_plan import has_adapters
 from .adapter_io import (
     ADAPTER_FILES,
     PEFT_PREFIX,

@@ -7,7 +7,7 @@ PEFT then wraps each device's layers on its own (in one process every shard's, u
 each new adapter tensor is sized from its split base layer and holds that device's own random values, and
 PEFT's forward would neither share the whole tensors nor sum the partial results. Adopting gives what PEFT
 added (LoRA, DoRA and IA3 layers, a new adapter in an adopted layer, modules_to_save copies) what the plan
-would have given it had it existed before splitting (plans/adapters.py): the same styles and the same split of
+would have given it had it existed before splitting (adapter_plan.py): the same styles and the same split of
 every tensor, with values that form one adapter. A tensor that stays whole takes the first device's values
 everywhere (under torchrun: rank 0's, a broadcast); a split tensor keeps each device's slice (a row several
 devices hold, of a replicated KV head, takes its first holder's); a DoRA magnitude is recomputed from the
@@ -61,14 +61,15 @@ from ...engines.inprocess.views import follow_root, root_of
 from ...engines.inprocess.zero import shard_added
 from ...engines.late_modules import register_adopter
 from ...engines.torchrun.local_views import restore_after_building, swap_adapter_layers, swap_local_views
+from ...layers import is_adapter_layer, is_modules_to_save
 from ...logs import get_logger
-from ...plans.adapters import adapter_entries, base_kind, is_adapter_layer, is_modules_to_save
 from ...plans.module_shard import ModuleShard
 from ...plans.plan import Plan
 from ...plans.sharding import direct_tensors
 from ...registrations import count_modules_and_tensors, nothing_added, registrations
 from ...styles.lora import is_dora
 from ...styles.style import ShardContext
+from .adapter_plan import adapter_entries, base_kind
 
 logger = get_logger(__name__)
 

@@ -6,7 +6,7 @@
     model.save_pretrained("adapter/")                         # adapter_config.json + adapter_model.safetensors
 
 The plan is the inner transformers model's, prefixed with ``base_model.model.``, with every LoRA layer's
-factors following its base layer's split (plans/adapters.py, styles/lora.py). The result is an instance of
+factors following its base layer's split (../peft/adapter_plan.py, styles/lora.py). The result is an instance of
 the PeftModel's class too, so ``transformers.Trainer`` saves it through ``save_pretrained``: the adapter's
 tensors are gathered (one at a time, only the adapter's: never the frozen base weights) under the unsplit
 names and shapes, and written by PEFT's own ``save_pretrained``, so plain PEFT loads them into an unsplit
@@ -31,7 +31,7 @@ from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import save_pretrained_options
 from ...engines.inprocess.param_count import count_parameters, unsplit_parameters
 from ...logs import get_logger
-from ...plans.adapters import refuse_prompt_learning
+from ..peft.adapter_plan import refuse_prompt_learning
 from ..peft.adapter_io import (
     ADAPTER_FILES,
     RestructuringRefused,
@@ -49,7 +49,7 @@ logger = get_logger(__name__)
 
 def tensor_parallel_peft(module: nn.Module, device_ids=None, **kwargs) -> "PeftTensorParallel":
     """Split a PeftModel; the result is also an instance of its class (see the module docstring)."""
-    refuse_prompt_learning(module)  # before anything is built (plans/adapters.py)
+    refuse_prompt_learning(module)  # before anything is built (../peft/adapter_plan.py)
     return peft_split_class(type(module))(module, device_ids, **kwargs)
 
 

@@ -91,7 +91,8 @@ def _plain_linear(module) -> bool:
 
 
 def _unwrapped(module):
-    """The layer inside PEFT's modules_to_save wrapper (split like the layer; plans/adapters.py rewrites the entry)."""
+    """The layer inside PEFT's modules_to_save wrapper (split like the layer; integrations/peft/adapter_plan.py
+    rewrites the entry)."""
     inner = getattr(module, "original_module", None)
     return inner if isinstance(inner, nn.Module) else module
 

@@ -21,42 +21,29 @@ whole beside a row layer); an IA3 layer becomes ``Ia3Parallel`` on the layer, th
 Adapters on layers the plan leaves whole stay whole. An adapter that cannot follow its layer's split (LoRA
 variants other than DoRA, LoRA on an embedding or on a gathered output head, other PEFT tuners such as
 LoHa or VeRA) is refused with an error naming the layer and the fix, before the model changes. PEFT is never
-imported: its wrappers are recognised by their attributes.
+imported: its wrappers are recognised by their attributes (layers.py).
+
+`resolve_plan` runs `adapt_plan` on every plan of a model holding PEFT wrappers, and `refuse_prompt_learning`
+first: both are registered with plans/rewriters.py at the end of this file.
 """
 
 from __future__ import annotations
 
-
 from torch import nn
 
-from ..logs import get_logger
-from ..styles import ColwiseParallel, Replicate, RowwiseParallel, Style
-from ..styles.ia3 import Ia3Parallel, Ia3Scale, ia3_layer_problem
-from ..styles.lora import LoraFactor, LoraMagnitude, LoraParallel, lora_layer_problem
-from .plan import Plan, match_pattern
+from ...layers import is_adapter_layer, is_modules_to_save
+from ...logs import get_logger
+from ...plans.plan import Plan, match_pattern
+from ...plans.rewriters import PlanRewriter, register_rewriter
+from ...styles import ColwiseParallel, Replicate, RowwiseParallel, Style
+from ...styles.ia3 import Ia3Parallel, Ia3Scale, ia3_layer_problem
+from ...styles.lora import LoraFactor, LoraMagnitude, LoraParallel, lora_layer_problem
 
 logger = get_logger(__name__)
 
 
-def is_adapter_layer(module: nn.Module) -> bool:
-    """A PEFT tuner layer (LoRA, IA3, ...): it wraps the original layer as ``.base_layer``."""
-    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
-
-
-def is_modules_to_save(module: nn.Module) -> bool:
-    """PEFT's ModulesToSaveWrapper (a trainable copy of a whole module per adapter)."""
-    return isinstance(getattr(module, "original_module", None), nn.Module) and isinstance(
-        getattr(module, "modules_to_save", None), nn.ModuleDict
-    )
-
-
-def is_adapter_tensor(name: str) -> bool:
-    """A tensor PEFT saves for an adapter (by its state-dict name): LoRA factors and DoRA magnitudes, IA3
-    vectors, modules_to_save copies."""
-    return "lora_" in name or ".ia3_l." in name or ".modules_to_save." in name
-
-
 def has_adapters(module: nn.Module) -> bool:
+    """Whether `module` holds a PEFT layer wrapper (a tuner layer, or modules_to_save)."""
     return any(is_adapter_layer(m) or is_modules_to_save(m) for m in module.modules())
 
 
@@ -173,3 +160,6 @@ def base_kind(style: Style) -> str | None:
     if type(style) is RowwiseParallel:
         return "row"
     return None
+
+
+register_rewriter(PlanRewriter("PEFT adapters", applies=has_adapters, rewrite=adapt_plan, refuse=refuse_prompt_learning))
