@@ -51,10 +51,10 @@ class RowwiseParallel(Style):
         comm, name = ctx.comm, ctx.name
 
         def forward(x: torch.Tensor, *, add_before_reduce=None, before_matmul=None) -> torch.Tensor:
-            # Hooks for an adapter wrapped around this layer (styles/lora.py, styles/ia3.py), both given this
-            # device's input slice: before_matmul(x_r) rescales it (IA3); add_before_reduce is another partial
-            # sum of the same output (LoRA's, DoRA's), or a function of x_r returning one, summed over the
-            # devices in the same all-reduce.
+            # Hooks for an adapter wrapped around this layer (integrations/peft/lora_styles.py, ia3_styles.py),
+            # both given this device's input slice: before_matmul(x_r) rescales it (IA3); add_before_reduce is
+            # another partial sum of the same output (LoRA's, DoRA's), or a function of x_r returning one, summed
+            # over the devices in the same all-reduce.
             fdim = feature_dim(kind.feature_dim, x)
             if x.shape[fdim] != local:
                 if x.shape[fdim] != part.size:

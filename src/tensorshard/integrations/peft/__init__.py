@@ -7,9 +7,10 @@ files, gathering the adapter, the refusals). transformers_adapters.py: transform
 (``add_adapter``, ``load_adapter``) on a split transformers model. late_adapters.py: adapters PEFT added to a
 split model, adopted by either engine (registered with engines/late_modules.py).
 
-adapter_plan.py: plans rewritten around PEFT's layers (registered with plans/rewriters.py);
-styles/lora.py and styles/ia3.py split them. None of these imports PEFT: its wrappers are recognised by their
-attributes (layers.py).
+adapter_plan.py: plans rewritten around PEFT's layers (registered with plans/rewriters.py); lora_styles.py and
+ia3_styles.py: the styles that split them (registered with the styles' names, so a plan JSON naming them loads),
+over adapter_layer_style.py. None of these imports PEFT: its wrappers are recognised by their attributes
+(layers.py).
 
 Importing this package registers what the layers below call (the plan rewriter, the engines' adopters, the
 gathering ``save_pretrained`` of a PeftModel split by `parallelize`) and imports no PEFT:

@@ -16,7 +16,7 @@ model names the wrapper. `adapt_plan` rewrites each such entry, before anything 
 
 DoRA adds ``"...lora_magnitude_vector.*": LoraMagnitude(...)`` (split with the output beside a column layer,
 whole beside a row layer); an IA3 layer becomes ``Ia3Parallel`` on the layer, the base's style on
-``.base_layer`` and ``Ia3Scale`` on its ``ia3_l`` vectors (styles/ia3.py).
+``.base_layer`` and ``Ia3Scale`` on its ``ia3_l`` vectors (ia3_styles.py).
 
 Adapters on layers the plan leaves whole stay whole. An adapter that cannot follow its layer's split (LoRA
 variants other than DoRA, LoRA on an embedding or on a gathered output head, other PEFT tuners such as
@@ -36,8 +36,8 @@ from ...logs import get_logger
 from ...plans.plan import Plan, match_pattern
 from ...plans.rewriters import PlanRewriter, register_rewriter
 from ...styles import ColwiseParallel, Replicate, RowwiseParallel, Style
-from ...styles.ia3 import Ia3Parallel, Ia3Scale, ia3_layer_problem
-from ...styles.lora import LoraFactor, LoraMagnitude, LoraParallel, lora_layer_problem
+from .ia3_styles import Ia3Parallel, Ia3Scale, ia3_layer_problem
+from .lora_styles import LoraFactor, LoraMagnitude, LoraParallel, lora_layer_problem
 
 logger = get_logger(__name__)
 
@@ -135,7 +135,7 @@ def is_ia3_layer(module: nn.Module) -> bool:
 
 
 def ia3_scale_split(base: str, feedforward: bool) -> str:
-    """How an IA3 vector splits beside a `base` layer: with the features it scales (styles/ia3.py)."""
+    """How an IA3 vector splits beside a `base` layer: with the features it scales (ia3_styles.py)."""
     if base == "column":
         return "whole" if feedforward else "output"
     return "input" if feedforward else "whole"
@@ -162,4 +162,5 @@ def base_kind(style: Style) -> str | None:
     return None
 
 
-register_rewriter(PlanRewriter("PEFT adapters", applies=has_adapters, rewrite=adapt_plan, refuse=refuse_prompt_learning))
+register_rewriter(PlanRewriter("PEFT adapters", applies=has_adapters, rewrite=adapt_plan,
+                               refuse=refuse_prompt_learning))

@@ -19,10 +19,11 @@ it looks at nothing but PEFT objects taking a split model) steps in at two momen
    before anything changes.
 2. A PeftModel takes that tuner as its ``base_model``, once every layer is wrapped: the split model adopts
    the adapters (late_adapters.py: the styles, splits and values they would have had if added before
-   splitting; what cannot follow is refused and taken out again), and the PeftModel's class becomes `AroundSplit` over PEFT's own, so that its methods that read or
-   write the adapter by name work on the split model. A prompt-learning method (prompt tuning, prefix tuning,
-   P-tuning) takes the split model itself as ``base_model``: refused, as its encoder reads the whole
-   vocabulary's embedding, which the split model does not hold in one piece.
+   splitting; what cannot follow is refused and taken out again), and the PeftModel's class becomes
+   `AroundSplit` over PEFT's own, so that its methods that read or write the adapter by name work on the split
+   model. A prompt-learning method (prompt tuning, prefix tuning, P-tuning) takes the split model itself as
+   ``base_model``: refused, as its encoder reads the whole vocabulary's embedding, which the split model does
+   not hold in one piece.
 
 `AroundSplit` runs PEFT's own ``save_pretrained`` and ``load_adapter`` (so PEFT names, selects and converts
 the tensors as it would for an unsplit model), with two differences: the adapter's tensors are gathered
@@ -81,7 +82,8 @@ from .late_adapters import adopt_in_process, adopt_under_torchrun
 
 logger = get_logger(__name__)
 
-SUPPORTED_TUNERS = ("LoraModel", "IA3Model")  # the PEFT methods whose layers follow a split (styles/lora.py, ia3.py)
+# the PEFT methods whose layers follow a split (lora_styles.py, ia3_styles.py)
+SUPPORTED_TUNERS = ("LoraModel", "IA3Model")
 
 def _on_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
     if submodule is None or name not in ("model", "base_model"):

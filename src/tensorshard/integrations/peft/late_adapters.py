@@ -67,9 +67,9 @@ from ...plans.module_shard import ModuleShard
 from ...plans.plan import Plan
 from ...plans.sharding import direct_tensors
 from ...registrations import count_modules_and_tensors, nothing_added, registrations
-from ...styles.lora import is_dora
 from ...styles.style import ShardContext
 from .adapter_plan import adapter_entries, base_kind
+from .lora_styles import is_dora
 
 logger = get_logger(__name__)
 

@@ -6,7 +6,7 @@
     model.save_pretrained("adapter/")                         # adapter_config.json + adapter_model.safetensors
 
 The plan is the inner transformers model's, prefixed with ``base_model.model.``, with every LoRA layer's
-factors following its base layer's split (../peft/adapter_plan.py, styles/lora.py). The result is an instance of
+factors following its base layer's split (../peft/adapter_plan.py, ../peft/lora_styles.py). The result is an instance of
 the PeftModel's class too, so ``transformers.Trainer`` saves it through ``save_pretrained``: the adapter's
 tensors are gathered (one at a time, only the adapter's: never the frozen base weights) under the unsplit
 names and shapes, and written by PEFT's own ``save_pretrained``, so plain PEFT loads them into an unsplit
@@ -106,7 +106,7 @@ class PeftTensorParallel(RestructuringRefused, WrapperTensorParallel):
         return getattr(self.get_base_model(), name)
 
     # Switching and merging adapters: every device does it on its own slices, through PEFT's own methods on its
-    # shard (styles/lora.py: B_d A and B A_d are exactly this device's slice of the merged weight). PEFT merges or
+    # shard (../peft/lora_styles.py: B_d A and B A_d are exactly this device's slice of the merged weight). PEFT merges or
     # unmerges inside several of them (disabling or switching a merged adapter unmerges it first).
     def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
         """Adds the adapters (default: the active ones) into the split weights in place, as PEFT's

@@ -29,11 +29,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ..partition import block_partition, kv_local_ranges
-from .adapter_layer import AdapterLayerStyle
-from .style import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
-from .column import tie_ranges
-from .lora import with_views
+from ...partition import block_partition, kv_local_ranges
+from ...styles.column import tie_ranges
+from ...styles.style import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
+from .adapter_layer_style import AdapterLayerStyle
+from .lora_styles import with_views
 
 
 def ia3_layer_problem(module: nn.Module) -> str | None:
@@ -49,7 +49,7 @@ def ia3_layer_problem(module: nn.Module) -> str | None:
 @dataclass(frozen=True, kw_only=True)
 class Ia3Parallel(AdapterLayerStyle):
     """The forward of a PEFT IA3 layer whose base layer is split (see the module docstring); ``base``: how its
-    ``.base_layer`` is split, ``"column"`` or ``"row"`` (adapter_layer.py)."""
+    ``.base_layer`` is split, ``"column"`` or ``"row"`` (adapter_layer_style.py)."""
 
     fix = "Leave this layer out of the adapter (IA3Config target_modules), or keep it whole in the plan"
 

@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..partition import block_partition, kv_local_ranges
-from .adapter_layer import AdapterLayerStyle
-from .style import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
-from .column import tie_ranges
+from ...partition import block_partition, kv_local_ranges
+from ...styles.column import tie_ranges
+from ...styles.style import ShardContext, Splits, Style, check_choices, original_forward, register, wrap_forward
+from .adapter_layer_style import AdapterLayerStyle
 
 
 def lora_layer_problem(module: nn.Module) -> str | None:
@@ -80,7 +80,7 @@ def is_dora(module: nn.Module, adapter: str) -> bool:
 @dataclass(frozen=True, kw_only=True)
 class LoraParallel(AdapterLayerStyle):
     """The forward of a PEFT LoRA layer whose base layer is split (see the module docstring); ``base``: how its
-    ``.base_layer`` is split, ``"column"`` or ``"row"`` (adapter_layer.py)."""
+    ``.base_layer`` is split, ``"column"`` or ``"row"`` (adapter_layer_style.py)."""
 
     fix = "Leave this layer out of the adapter (LoraConfig target_modules / exclude_modules), or use plain LoRA"
 

@@ -4,7 +4,7 @@ A PEFT adapter layer keeps the layer it adapts as ``.base_layer`` and adds the a
 style knows how that base layer is split (``base``: column- or row-parallel), splits no tensor of its own (the
 adapter's tensors have their own styles, created beside it: `beside`), and refuses a layer its method cannot
 follow (`problem`: its method's `layer_problem`) with the method's fix. Each method's style has its own
-`attach`: LoraParallel (lora.py), Ia3Parallel (ia3.py).
+`attach`: LoraParallel (lora_styles.py), Ia3Parallel (ia3_styles.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable, ClassVar, Literal
 
 from torch import nn
 
-from .style import ShardContext, Splits, Style, check_choices
+from ...styles.style import ShardContext, Splits, Style, check_choices
 
 
 @dataclass(frozen=True, kw_only=True)
