@@ -4,7 +4,8 @@ after_split.py: PEFT's own API around a model split first (``get_peft_model(spli
 ``PeftModel.from_pretrained(split, ...)``), through a module-registration hook held by every split model
 (global_hooks.py). adapter_io.py: what every way of holding an adapter on a split model shares (PEFT's saved
 files, gathering the adapter, the refusals). transformers_adapters.py: transformers' own adapter methods
-(``add_adapter``, ``load_adapter``) on a split transformers model. late_adapters.py: adapters PEFT added to a
+(``add_adapter``, ``load_adapter``) on a split transformers model. before_split.py: a PeftModel split whole
+(``tp.tensor_parallel(peft_model, devices)``), still a PeftModel. late_adapters.py: adapters PEFT added to a
 split model, adopted by either engine (registered with engines/late_modules.py).
 
 adapter_plan.py: plans rewritten around PEFT's layers (registered with plans/rewriters.py); lora_styles.py and

@@ -3,7 +3,7 @@ on a split model share.
 
     model = get_peft_model(split, LoraConfig(...))    # split, then adapter: PEFT's API (peft/after_split.py)
     split.load_adapter("adapter/")                    # split, then adapter: transformers' (transformers_adapters.py)
-    model = tp.tensor_parallel(peft_model, devices)   # adapter, then split (transformers/peft.py)
+    model = tp.tensor_parallel(peft_model, devices)   # adapter, then split (before_split.py)
 
 Saving writes PEFT's format (`ADAPTER_FILES`) with the unsplit names and shapes: the adapter's tensors are
 gathered (`gathered_adapter`: only the adapter's, one at a time, never the frozen base weights) and written by

@@ -1,4 +1,5 @@
-"""A split PEFT model: still a PeftModel, whose save_pretrained writes PEFT's own adapter format.
+"""A PeftModel split whole (the adapter added before splitting): still a PeftModel, whose save_pretrained writes
+PEFT's own adapter format.
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(...), LoraConfig(...))
     model = tp.tensor_parallel(model, ["cuda:0", "cuda:1"])   # an instance of TensorParallelPeftModelForCausalLM
@@ -6,14 +7,16 @@
     model.save_pretrained("adapter/")                         # adapter_config.json + adapter_model.safetensors
 
 The plan is the inner transformers model's, prefixed with ``base_model.model.``, with every LoRA layer's
-factors following its base layer's split (../peft/adapter_plan.py, ../peft/lora_styles.py). The result is an instance of
-the PeftModel's class too, so ``transformers.Trainer`` saves it through ``save_pretrained``: the adapter's
+factors following its base layer's split (adapter_plan.py, lora_styles.py). The result is an instance of the
+PeftModel's class too, so ``transformers.Trainer`` saves it through ``save_pretrained``: the adapter's
 tensors are gathered (one at a time, only the adapter's: never the frozen base weights) under the unsplit
 names and shapes, and written by PEFT's own ``save_pretrained``, so plain PEFT loads them into an unsplit
 model (``PeftModel.from_pretrained(model, "adapter/")``). ``generate`` and ``get_base_model()`` are the
-inner transformers model's (split, sharing the shards: wrapped.py). What this shares with the other ways of
+inner transformers model's (split, sharing the shards: integrations/transformers/wrapped.py, whose
+`WrapperTensorParallel` the transformers integration hands to `tensor_parallel_peft`: this package does not import
+it, as transformers' split models take their adapter methods from here). What this shares with the other ways of
 holding an adapter on a split model (the saved files, gathering, the refusals, merging on whole factors) is in
-../peft/adapter_io.py.
+adapter_io.py.
 """
 
 from __future__ import annotations
@@ -31,8 +34,7 @@ from ...checkpoint.atomic import write_into_folder
 from ...checkpoint.gather import save_pretrained_options
 from ...engines.inprocess.param_count import count_parameters, unsplit_parameters
 from ...logs import get_logger
-from ..peft.adapter_plan import refuse_prompt_learning
-from ..peft.adapter_io import (
+from .adapter_io import (
     ADAPTER_FILES,
     RestructuringRefused,
     check_mergeable,
@@ -43,30 +45,34 @@ from ..peft.adapter_io import (
     whole_adapter_tensors,
     with_adapter_names,
 )
-from .wrapped import WrapperTensorParallel
+from .adapter_plan import refuse_prompt_learning
 
 logger = get_logger(__name__)
 
-def tensor_parallel_peft(module: nn.Module, device_ids=None, **kwargs) -> "PeftTensorParallel":
-    """Split a PeftModel; the result is also an instance of its class (see the module docstring)."""
-    refuse_prompt_learning(module)  # before anything is built (../peft/adapter_plan.py)
-    return peft_split_class(type(module))(module, device_ids, **kwargs)
+
+def tensor_parallel_peft(module: nn.Module, device_ids=None, *, split_class: type, **kwargs) -> "PeftTensorParallel":
+    """Split a PeftModel; the result is also an instance of its class (see the module docstring). `split_class`:
+    the engine's class for a module holding a transformers model (integrations/transformers' WrapperTensorParallel)."""
+    refuse_prompt_learning(module)  # before anything is built (adapter_plan.py)
+    return peft_split_class(type(module), split_class)(module, device_ids, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
-def peft_split_class(peft_class: type) -> type:
-    """``TensorParallel<PeftClass>``: the engine first in the MRO, then PEFT's own class."""
+def peft_split_class(peft_class: type, split_class: type) -> type:
+    """``TensorParallel<PeftClass>``: PeftTensorParallel, then the engine's `split_class`, then PEFT's own class."""
 
     def forward(self, *args, **kwargs):
-        return PeftTensorParallel.forward(self, *args, **kwargs)
+        return split_class.forward(self, *args, **kwargs)
 
     forward.__signature__ = inspect.signature(peft_class.forward)  # Trainer keeps the columns forward names
-    return type(f"TensorParallel{peft_class.__name__}", (PeftTensorParallel, peft_class), {"forward": forward, "__module__": __name__})
+    bases = (PeftTensorParallel, split_class, peft_class)
+    return type(f"TensorParallel{peft_class.__name__}", bases, {"forward": forward, "__module__": __name__})
 
 
-class PeftTensorParallel(RestructuringRefused, WrapperTensorParallel):
-    """The engine side of a split PeftModel; instances come from `peft_split_class(...)`. The methods that rebuild
-    the module tree (RestructuringRefused, before PEFT's class in the MRO) are refused, `add_adapter` too."""
+class PeftTensorParallel(RestructuringRefused):
+    """The engine side of a split PeftModel, first in its class's MRO (`peft_split_class`), before the engine's
+    class and PEFT's. The methods that rebuild the module tree (RestructuringRefused) are refused, `add_adapter`
+    too."""
 
     def __init__(self, module: nn.Module, device_ids=None, **kwargs) -> None:
         super().__init__(module, device_ids, **kwargs)
@@ -106,7 +112,7 @@ class PeftTensorParallel(RestructuringRefused, WrapperTensorParallel):
         return getattr(self.get_base_model(), name)
 
     # Switching and merging adapters: every device does it on its own slices, through PEFT's own methods on its
-    # shard (../peft/lora_styles.py: B_d A and B A_d are exactly this device's slice of the merged weight). PEFT merges or
+    # shard (lora_styles.py: B_d A and B A_d are exactly this device's slice of the merged weight). PEFT merges or
     # unmerges inside several of them (disabling or switching a merged adapter unmerges it first).
     def merge_adapter(self, adapter_names: list[str] | None = None, safe_merge: bool = False) -> None:
         """Adds the adapters (default: the active ones) into the split weights in place, as PEFT's
