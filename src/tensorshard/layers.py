@@ -113,8 +113,3 @@ def is_peft_model(module: object) -> bool:
     """True for a peft PeftModel, without importing peft when nobody has."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(module, peft.PeftModel)
-
-
-def contains_transformers_model(module: object) -> bool:
-    """True for a transformers PreTrainedModel or a module holding one (a PeftModel, your own wrapper)."""
-    return isinstance(module, nn.Module) and any(is_transformers_model(m) for m in module.modules())
