@@ -17,7 +17,7 @@ from .engines.inprocess import TensorParallel
 from .engines.inprocess.zero import default_sharded
 from .engines.resplit import refuse_split_twice
 from .engines.torchrun import parallelize, tensor_parallel_distributed
-from .layers import contains_transformers_model
+from .model_kind import model_kind
 from .plans.plan import Plan
 
 __all__ = ["from_pretrained", "parallelize", "tensor_parallel"]
@@ -82,12 +82,13 @@ def tensor_parallel(
         output_device=output_device, plan=plan, timeout=timeout, debug=debug,
         sharded=bool(sharded), sharded_param_names=sharded_param_names, check=check,
     )
-    if contains_transformers_model(module):  # a transformers model, a PeftModel, or a module holding one
-        # deferred: the integration imports transformers, an optional heavy dependency (loaded already here)
-        from .integrations.transformers import tensor_parallel_transformers
+    kind = model_kind(module)  # asked once here; the steps below read the answer (model_kind.py)
+    if not kind.holds_transformers_model:
+        return TensorParallel(module, device_ids, **options)
+    # deferred: the integration imports transformers, an optional heavy dependency (loaded already here)
+    from .integrations.transformers import tensor_parallel_transformers
 
-        return tensor_parallel_transformers(module, device_ids, **options)
-    return TensorParallel(module, device_ids, **options)
+    return tensor_parallel_transformers(module, kind, device_ids, **options)
 
 
 def from_pretrained(

@@ -129,7 +129,3 @@ def is_modules_to_save(module: nn.Module) -> bool:
         getattr(module, "modules_to_save", None), nn.ModuleDict
     )
 
-
-def contains_transformers_model(module: object) -> bool:
-    """True for a transformers PreTrainedModel or a module holding one (a PeftModel, your own wrapper)."""
-    return isinstance(module, nn.Module) and any(is_transformers_model(m) for m in module.modules())

@@ -10,11 +10,10 @@ all checks off.
 
 from __future__ import annotations
 
-
 from torch import nn
 
-from ..layers import is_transformers_model
 from ..logs import get_logger
+from ..model_kind import PEFT, WRAPPER, model_kind
 from ..plans.plan import Plan
 from ..plans.presets import PRESETS, preset_for
 from ..plans.sharding import shard_plan
@@ -25,9 +24,9 @@ logger = get_logger(__name__)
 
 
 def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, example_inputs=None) -> Plan:
-    inner = contained_model(module)
-    if inner is not None:  # a wrapper (a PeftModel, your own module): the inner model's plan, prefixed
-        path, model = inner
+    kind = model_kind(module)  # asked here too: torchrun, the CLI and hand loading reach this without the front door
+    if kind.name in (PEFT, WRAPPER):  # a PeftModel, your own module: the inner model's plan, prefixed
+        path, model = kind.inner_path, kind.inner
         plan = auto_plan(model, world_size, check=check, example_inputs=example_inputs)
         logger.info("plan for %s: the plan of the %s at %r", type(module).__name__, type(model).__name__, path)
         return Plan((f"{path}.{p}", s) for p, s in plan.items())
@@ -45,13 +44,6 @@ def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, 
             type(module).__name__, problem,
         )
     return infer_plan(module, world_size, example_inputs=example_inputs, check=world_size > 1 if check is None else check)
-
-
-def contained_model(module: nn.Module) -> tuple[str, nn.Module] | None:
-    """(path, model) of the outermost transformers model inside `module`, when `module` is not one itself."""
-    if is_transformers_model(module):
-        return None
-    return next(((n, m) for n, m in module.named_modules() if is_transformers_model(m)), None)
 
 
 def _translated_plan_problem(module: nn.Module, plan: Plan, world_size: int, example_inputs) -> str | None:

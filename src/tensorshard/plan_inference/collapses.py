@@ -30,7 +30,7 @@ from .features import FeatureSet, Ids, compact
 
 
 class TraceState(Protocol):
-    """What a collapse reads and changes of the trace it belongs to (trace.py's Tracer; described here rather
+    """What a collapse reads and changes of the trace it belongs to (tracer.py's Tracer; described here rather
     than imported, as the Tracer imports this file)."""
 
     fs: FeatureSet  # the feature classes

@@ -30,8 +30,8 @@ from ..plans.plan import Plan, escape
 from ..plans.sharding import shard_plan
 from ..styles import ChannelParallel, ColwiseParallel, EmbeddingParallel, Heads, RowwiseParallel, Style, SumGradients
 from ..styles.channel import channel_count
+from .evidence import Poison, Trace
 from .structure import Layout, LayoutError, head_attrs, infer_layout
-from .trace import Poison, Trace
 
 
 @dataclass

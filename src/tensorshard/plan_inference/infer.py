@@ -32,6 +32,7 @@ from ..logs import get_logger
 from ..plans.plan import Plan, match_pattern
 from ..plans.sharding import shard_plan
 from ..styles import Style
+from .evidence import Trace
 from .groups import (
     Group, decide, decide_embeddings, escape, find_groups, forget_model, resolve_conflicts, resolve_ties,
 )
@@ -39,7 +40,7 @@ from .inputs import as_inputs, first_that_runs, input_candidates
 from .parts import infer_parts, prefixed
 from .own_forward import gathered_own_forward
 from .selfcheck import check_entries
-from .trace import Trace, trace_model
+from .trace import trace_model
 
 logger = get_logger(__name__)
 

@@ -27,9 +27,9 @@ from .. import quant
 from ..layers import CONV, LINEAR, layer_kind
 from ..logs import get_logger
 from ..styles import ColwiseParallel
+from .evidence import Trace
 from .groups import Group, validate_entries
 from .selfcheck import check_entries
-from .trace import Trace
 
 logger = get_logger(__name__)
 

@@ -48,10 +48,11 @@ from ..plans.sharding import ShardedModel, shard_plan
 from ..plans.validate import column_readers
 from ..styles import ChannelParallel, ColwiseParallel, Replicate, RowwiseParallel, ShardParams
 from ..styles.attention_heads import AttentionHeads
+from .evidence import Trace
 from .features import FeatureSet, Ids, compact
 from .groups import row_labels
 from .inputs import as_inputs, input_candidates
-from .trace import Trace, trace_model
+from .trace import trace_model
 
 logger = get_logger(__name__)
 

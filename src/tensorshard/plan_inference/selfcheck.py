@@ -33,9 +33,11 @@ from ..engines.inprocess import TensorParallel
 from ..logs import get_logger
 from ..plans.plan import Plan
 from ..styles import ColwiseParallel, Heads, Replicate, Style
+from .evidence import Trace
 from .groups import find_groups, shared_path
 from .inputs import as_inputs, first_that_runs
-from .trace import Trace, fresh_state, output_tensors, trace_model
+from .layer_roles import fresh_state, output_tensors
+from .trace import trace_model
 
 TOLERANCE = 1e-4  # relative (norm) error, fp32; a wrong split is off by O(1)
 

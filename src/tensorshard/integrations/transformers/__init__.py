@@ -7,7 +7,7 @@ is one: ../peft/before_split.py).
 
 from torch import nn
 
-from ...layers import is_peft_model
+from ...model_kind import PEFT, TRANSFORMERS, WRAPPER, ModelKind
 from ..peft.before_split import PeftTensorParallel, tensor_parallel_peft
 from .cache import ShardedCache, rank_caches
 from .model import TransformersTensorParallel, is_transformers_model, split_class, tensor_parallel_pretrained
@@ -27,14 +27,17 @@ __all__ = [
 ]
 
 
-def tensor_parallel_transformers(module: nn.Module, device_ids=None, **options) -> nn.Module:
-    """Split a transformers model (an instance of its class), a PeftModel (still a PeftModel:
-    ../peft/before_split.py) or a module holding a transformers model (wrapped.py)."""
-    if is_peft_model(module):
-        split = tensor_parallel_peft(module, device_ids, split_class=WrapperTensorParallel, **options)
-    elif is_transformers_model(module):
+def tensor_parallel_transformers(module: nn.Module, kind: ModelKind, device_ids=None, **options) -> nn.Module:
+    """Split a model that `model_kind` found to hold a transformers model, as its `kind` says: a transformers model
+    (an instance of its class: model.py), a PeftModel (still a PeftModel: ../peft/before_split.py) or a module
+    holding a transformers model (wrapped.py). The wrappers take the transformers model inside from `kind`."""
+    if kind.name == TRANSFORMERS:
         split = tensor_parallel_pretrained(module, device_ids, **options)
+    elif kind.name == PEFT:
+        split = tensor_parallel_peft(module, device_ids, split_class=WrapperTensorParallel, kind=kind, **options)
+    elif kind.name == WRAPPER:
+        split = WrapperTensorParallel(module, device_ids, kind=kind, **options)
     else:
-        split = WrapperTensorParallel(module, device_ids, **options)
-    assemble_logits_once(split)
+        raise ValueError(f"a {kind.name!r} model holds no transformers model; split it with tensorshard.TensorParallel")
+    assemble_logits_once(split, kind)
     return split

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ...comm.threads import ThreadComm
-from ...layers import is_peft_model
+from ...model_kind import PEFT, ModelKind
 from ...logs import get_logger
 from ...styles.style import original_forward, wrap_forward
 from ..causal_lm_loss import call_labels, plain_causal_lm_loss, sliced_head, sliced_loss_function
@@ -39,8 +39,9 @@ from ..causal_lm_loss import call_labels, plain_causal_lm_loss, sliced_head, sli
 logger = get_logger(__name__)
 
 
-def assemble_logits_once(split: nn.Module) -> None:
-    """Wrap the causal LM's forward in every shard of the in-process model `split` (see module doc)."""
+def assemble_logits_once(split: nn.Module, kind: ModelKind) -> None:
+    """Wrap the causal LM's forward in every shard of the in-process model `split`, whose unsplit model was of `kind`
+    (see module doc)."""
     shards = list(getattr(split, "module_shards", ()))
     group = getattr(split, "_group", None)
     if len(shards) < 2 or group is None or not group.own_graphs or any(d.type != "cpu" for d in group.devices):
@@ -53,7 +54,7 @@ def assemble_logits_once(split: nn.Module) -> None:
     if found is None:
         return
     lm, head, part = found
-    if not _returns_to_the_engine(shards[0], lm):
+    if not _returns_to_the_engine(shards[0], lm, kind):
         logger.debug("%s keeps its gathered logits: code around it would share one logits tensor", type(lm).__name__)
         return
     lm_name = next(n for n, m in shards[0].named_modules() if m is lm)
@@ -62,12 +63,12 @@ def assemble_logits_once(split: nn.Module) -> None:
     logger.debug("%s: logits stay split by vocabulary (%s) until the end of the call", type(lm).__name__, head)
 
 
-def _returns_to_the_engine(shard: nn.Module, lm: nn.Module) -> bool:
+def _returns_to_the_engine(shard: nn.Module, lm: nn.Module, kind: ModelKind) -> bool:
     """`lm`'s output goes straight back to the engine: it is the shard itself, or the model a PeftModel passes
     through. Every device's model returns a view of ONE logits tensor; code of a module around it (a multimodal
     model around its language model, a user's wrapper) runs once per device, and an in-place change there would
     be applied once per device to that one tensor."""
-    return lm is shard or (is_peft_model(shard) and lm is shard.get_base_model())
+    return lm is shard or (kind.name == PEFT and lm is shard.get_base_model())
 
 
 def _forward(lm: nn.Module, head: str, part, comm: ThreadComm):

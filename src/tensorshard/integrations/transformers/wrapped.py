@@ -26,19 +26,22 @@ from typing import Any
 from torch import nn
 
 from ...engines.inprocess import TensorParallel
-from ...plan_inference.auto import contained_model
+from ...model_kind import PEFT, WRAPPER, ModelKind, model_kind
 from .model import TransformersTensorParallel, transformers_view
 
 
 class WrapperTensorParallel(TensorParallel):
     """A split module with a transformers model inside (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, device_ids=None, **kwargs) -> None:
-        found = contained_model(module)
-        if found is None:
-            raise TypeError(f"{type(module).__name__} contains no transformers PreTrainedModel")
+    def __init__(self, module: nn.Module, device_ids=None, *, kind: ModelKind | None = None, **kwargs) -> None:
+        kind = kind if kind is not None else model_kind(module)  # given by the front door, which asked already
+        if kind.name not in (WRAPPER, PEFT):
+            raise TypeError(
+                f"{type(module).__name__} is a {kind.name!r} model, not a module holding a transformers PreTrainedModel: "
+                "split it with tensorshard.tensor_parallel(), which picks the right class"
+            )
         super().__init__(module, device_ids, **kwargs)
-        object.__setattr__(self, "_inner", found)  # (path, the consumed unsplit model): not a submodule
+        object.__setattr__(self, "_inner", (kind.inner_path, kind.inner))  # the consumed unsplit model: not a submodule
         object.__setattr__(self, "_inner_view", None)
 
     @property

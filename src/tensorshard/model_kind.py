@@ -1,0 +1,59 @@
+"""What kind of model the front door was handed, decided once.
+
+`model_kind(module)` sorts a model into one of four kinds, and the answer carries what the steps after it need:
+
+    kind = model_kind(module)
+    kind.name        # "module" | "transformers" | "peft" | "wrapper"
+    kind.inner_path  # where the transformers model sits inside it ("" for a transformers model itself)
+    kind.inner       # that transformers model
+
+- **module**: any other `nn.Module` (a LightningModule too, unless it holds a transformers model): the engine's
+  `TensorParallel`, with a preset or inferred plan for the module itself;
+- **transformers**: a transformers `PreTrainedModel`: split as an instance of its own class
+  (integrations/transformers/model.py);
+- **peft**: a PEFT `PeftModel` around a transformers model: still a PeftModel (integrations/peft/before_split.py);
+- **wrapper**: any other module holding a transformers model (a user's classifier around a language model, a
+  LightningModule holding one): the inner model's plan under its path, its ``generate`` and ``save_pretrained``
+  (integrations/transformers/wrapped.py).
+
+A PeftModel around a plain module (no transformers model inside) is a **module**: PEFT adds nothing to how it is
+split but its adapter layers (integrations/peft/adapter_plan.py). When a module holds several transformers
+models, the outermost first in module order is the one; nothing is searched again later. Neither transformers nor peft is imported
+here: a model of theirs means they are loaded already.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .layers import is_peft_model, is_transformers_model
+
+MODULE, TRANSFORMERS, PEFT, WRAPPER = "module", "transformers", "peft", "wrapper"
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """One model's kind (see the module docstring)."""
+
+    name: str  # MODULE, TRANSFORMERS, PEFT or WRAPPER
+    inner_path: str | None = None  # the transformers model's module path: "" for the model itself; None for MODULE
+    inner: nn.Module | None = None  # the transformers model at that path (the unsplit one, consumed by splitting)
+
+    @property
+    def holds_transformers_model(self) -> bool:
+        """True for every kind but MODULE: the transformers integration splits it."""
+        return self.inner is not None
+
+
+def model_kind(module: object) -> ModelKind:
+    """The kind of `module` (anything: what is not an nn.Module is a MODULE, which the engine then refuses)."""
+    if not isinstance(module, nn.Module):
+        return ModelKind(MODULE)
+    if is_transformers_model(module):
+        return ModelKind(TRANSFORMERS, "", module)
+    found = next(((path, m) for path, m in module.named_modules() if is_transformers_model(m)), None)
+    if found is None:
+        return ModelKind(MODULE)
+    return ModelKind(PEFT if is_peft_model(module) else WRAPPER, *found)
