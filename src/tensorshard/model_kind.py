@@ -18,8 +18,8 @@
 
 A PeftModel around a plain module (no transformers model inside) is a **module**: PEFT adds nothing to how it is
 split but its adapter layers (integrations/peft/adapter_plan.py). When a module holds several transformers
-models, the outermost first in module order is the one; nothing is searched again later. Neither transformers nor peft is imported
-here: a model of theirs means they are loaded already.
+models, the outermost first in module order is the one; nothing is searched again later. Neither transformers
+nor peft is imported here: a model of theirs means they are loaded already.
 """
 
 from __future__ import annotations
