@@ -52,9 +52,7 @@ class Ia3Parallel(AdapterLayerStyle):
     ``.base_layer`` is split, ``"column"`` or ``"row"`` (adapter_layer_style.py)."""
 
     fix = "Leave this layer out of the adapter (IA3Config target_modules), or keep it whole in the plan"
-
-    def problem(self, module: nn.Module) -> str | None:
-        return ia3_layer_problem(module)
+    layer_problem = staticmethod(ia3_layer_problem)
 
     def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
         run = original_forward(module)  # PEFT's own forward is right, except for a row-parallel base's inputs

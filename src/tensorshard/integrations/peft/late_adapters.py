@@ -342,7 +342,8 @@ def set_dora_magnitude(layer: nn.Module, adapter: str, squares: torch.Tensor) ->
 def adopt_in_process(model) -> None:
     """Adopt what was added to `model`'s shards since splitting (see the module docstring); cheap when nothing was."""
     root = root_of(model)
-    if root is not model:  # a view never adopts on its own: its split model does, then the view follows (views.py)
+    # a view never adopts on its own: its split model does, then the view follows (engines/inprocess/views.py)
+    if root is not model:
         adopt_in_process(root)
         follow_root(model)
         return
@@ -444,7 +445,7 @@ def _attach_in_process(model, late: LateAdapters) -> None:
 
 
 def _zero_candidates(model, late: LateAdapters) -> list[str]:
-    """The new tensors ZeRO-3 partitions, as it would at split time when training (zero.py): trainable whole
+    """The new tensors ZeRO-3 partitions, as it would at split time when training (engines/inprocess/zero.py): trainable whole
     parameters with at least as many rows as devices."""
     world = len(model.module_shards)
     shard = model.module_shards[0]

@@ -83,9 +83,7 @@ class LoraParallel(AdapterLayerStyle):
     ``.base_layer`` is split, ``"column"`` or ``"row"`` (adapter_layer_style.py)."""
 
     fix = "Leave this layer out of the adapter (LoraConfig target_modules / exclude_modules), or use plain LoRA"
-
-    def problem(self, module: nn.Module) -> str | None:
-        return lora_layer_problem(module)
+    layer_problem = staticmethod(lora_layer_problem)
 
     def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
         if self.base == "column":
