@@ -5,8 +5,8 @@
 
 The engines look for such additions before each forward call (the in-process engine also before
 ``state_dict()`` and ``load_state_dict()``), but what an addition is, how it follows the split and what is
-refused is the adding library's business: integrations/peft/late_adapters.py registers one adopter per
-engine (`register_adopter`) when it is imported, which ``import tensorshard`` does, so no engine imports the
+refused is the adding library's business: integrations/peft/late_in_process.py and late_torchrun.py register
+one adopter per engine (`register_adopter`) when it is imported, which ``import tensorshard`` does, so no engine imports the
 layer above it. An adopter is cheap when nothing was added (registrations.py) and raises, leaving the model
 as it was, for what cannot follow the split.
 """

@@ -81,11 +81,11 @@ def test_resolve_plan_runs_a_registered_rewriter_after_its_refusal(monkeypatch):
 
 
 def test_peft_registers_its_rewriter_and_both_engines_adopters():
-    from tensorshard.integrations.peft import adapter_plan, late_adapters
+    from tensorshard.integrations.peft import adapter_plan, late_in_process, late_torchrun
 
     assert rewriters._rewriters["PEFT adapters"].rewrite is adapter_plan.adapt_plan
-    assert late_modules._adopters == {"inprocess": late_adapters.adopt_in_process,
-                                      "torchrun": late_adapters.adopt_under_torchrun}
+    assert late_modules._adopters == {"inprocess": late_in_process.adopt_in_process,
+                                      "torchrun": late_torchrun.adopt_under_torchrun}
 
 
 def test_the_in_process_engine_asks_the_registered_adopter_before_each_call_and_state_dict(monkeypatch, gen):

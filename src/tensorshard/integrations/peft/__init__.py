@@ -6,7 +6,8 @@ after_split.py: PEFT's own API around a model split first (``get_peft_model(spli
 files, gathering the adapter, the refusals). transformers_adapters.py: transformers' own adapter methods
 (``add_adapter``, ``load_adapter``) on a split transformers model. before_split.py: a PeftModel split whole
 (``tp.tensor_parallel(peft_model, devices)``), still a PeftModel. late_adapters.py: adapters PEFT added to a
-split model, adopted by either engine (registered with engines/late_modules.py).
+split model, planned for either engine; late_in_process.py and late_torchrun.py adopt them (registered with
+engines/late_modules.py).
 
 adapter_plan.py: plans rewritten around PEFT's layers (registered with plans/rewriters.py); lora_styles.py and
 ia3_styles.py: the styles that split them (registered with the styles' names, so a plan JSON naming them loads),
@@ -19,4 +20,4 @@ transformers_adapters.py, which does, is loaded with the transformers integratio
 """
 
 # each registers what the layers below it call; after_split.py defines PEFT's hooks (installed at first use)
-from . import adapter_io, adapter_plan, after_split, late_adapters  # noqa: F401
+from . import adapter_io, adapter_plan, after_split, late_in_process, late_torchrun  # noqa: F401

@@ -78,7 +78,8 @@ from .adapter_io import (
     whole_adapter_tensors,
     with_adapter_names,
 )
-from .late_adapters import adopt_in_process, adopt_under_torchrun
+from .late_in_process import adopt_in_process
+from .late_torchrun import adopt_under_torchrun
 
 logger = get_logger(__name__)
 

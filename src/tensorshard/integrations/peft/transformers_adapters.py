@@ -40,7 +40,7 @@ from .adapter_io import (
     refuse_restructuring,
     standing_in_for,
 )
-from .late_adapters import adopt_in_process
+from .late_in_process import adopt_in_process
 
 logger = get_logger(__name__)
 
