@@ -1,6 +1,6 @@
 """transformers models split by tensorshard: still transformers models (generate, KV cache, save_pretrained).
 
-model.py: a split PreTrainedModel; views.py: its parts (``split.model``, ``get_encoder()``) run on every
+model.py: a split PreTrainedModel; part_views.py: its parts (``split.model``, ``get_encoder()``) run on every
 device; cache.py: per-device KV caches; wrapped.py: a module holding a transformers model (a split PeftModel
 is one: ../peft/before_split.py).
 """
