@@ -220,6 +220,22 @@ def test_the_compat_modules_import_each_other_one_way():
     assert len(edges) >= 5 and find_cycle(edges) is None, find_cycle(edges)
 
 
+# File names that repeat, each meaning the same thing in every package that has one.
+SAME_MEANING = {
+    "__init__.py": "a package",
+    "engine.py": "an engine's split-model class (engines/inprocess, engines/torchrun)",
+    "copies.py": "copy.deepcopy of a split model, per engine",
+}
+
+
+def test_a_file_name_repeats_only_where_it_means_the_same_thing():
+    by_name: dict[str, list[str]] = {}
+    for f in (SRC / "tensorshard").rglob("*.py"):
+        by_name.setdefault(f.name, []).append(str(f.relative_to(SRC)))
+    repeated = {name: paths for name, paths in by_name.items() if len(paths) > 1 and name not in SAME_MEANING}
+    assert not repeated, f"file names that repeat: {repeated}; name each file for what it holds"
+
+
 def test_every_module_is_on_a_layer():
     modules = {_module_name(f)[0] for f in (SRC / "tensorshard").rglob("*.py")}
     assert [m for m in sorted(modules) if layer_of(m) is None] == []
