@@ -7,7 +7,7 @@ the true gradient is their sum over the devices.
 
 Rather than one all-reduce per parameter as it is used, every shard passes all such parameters, at the
 start of each forward call, through one identity node, and autograd calls its backward once every use
-has contributed. When every shard owns its graph (the default, comm/per_shard.py), that node is the
+has contributed. When every shard owns its graph (the default, comm/thread_collectives.py), that node is the
 shard's own `_SumGradsOfShard`: its backward meets the other shards' at the rendezvous of the backward
 pass, where the last to arrive sums each parameter's gradients in rank order (counted as one
 ``all_reduce`` at "partial gradients") and every shard takes the bit-identical sum. When one graph spans

@@ -1,0 +1,181 @@
+"""The collectives as autograd nodes, written once for every engine and placement.
+
+Each node follows the SPMD convention of comm/interface.py and runs its communication through the raw collectives
+(`Collectives`) it is given: a torchrun process's (comm/process_group.py), an in-process shard's that meets the
+other shards at the rendezvous (comm/thread_collectives.py, `OneShard`), or those of in-process shards sharing one
+accelerator, where one node holds every shard's tensor (`AllShards`). A node has one input and one output per rank
+of `c.ranks`, in that order:
+
+    node              forward                         backward
+    AllReduce         reduce                          identity (dL/dy is replicated)
+    CopyToParallel    identity                        reduce
+    AllGather         gather                          take own slice
+    Assemble          gather into one shared whole    take own slice
+    Split             take own slice                  gather
+    Tie               identity                        reduce over the holders of a parameter
+    ReduceScatter     reduce-scatter (sequence)       all-gather (sequence)
+    GatherSequence    all-gather (sequence)           reduce-scatter once column layers claimed it, else own slice
+
+The functions below (`all_reduce`, ...) are how an engine runs one: through `Function.apply` where a gradient will
+flow back, else the raw collective alone (decoding under no_grad pays for no autograd node). Without a gradient,
+copy_to_parallel, split and tie communicate nothing, so their engines skip them before reaching here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.autograd import Function
+
+from ..partition import Partition
+from .interface import Collectives
+
+_NONE2, _NONE4 = (None, None), (None, None, None, None)
+
+
+def _needs_grad(xs: Sequence[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+
+
+def _own_slices(c: Collectives, grads, partition: Partition, dim: int) -> tuple:
+    return tuple(partition.take(g, dim, r).contiguous() for r, g in zip(c.ranks, grads))
+
+
+class AllReduce(Function):
+    @staticmethod
+    def forward(ctx, c, where, *xs):
+        return tuple(c.reduce(xs, op="all_reduce", where=where, phase="forward"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (*_NONE2, *grads)  # dL/dy is replicated: each partial input gets it unchanged
+
+
+class CopyToParallel(Function):
+    @staticmethod
+    def forward(ctx, c, where, *xs):
+        ctx.c, ctx.where = c, where
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (*_NONE2, *ctx.c.reduce(grads, op="copy_to_parallel", where=ctx.where, phase="backward"))
+
+
+class AllGather(Function):
+    @staticmethod
+    def forward(ctx, c, where, partition, dim, *xs):
+        ctx.c, ctx.partition, ctx.dim = c, partition, dim
+        return tuple(c.gather(xs, dim, partition, op="all_gather", where=where, phase="forward"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (*_NONE4, *_own_slices(ctx.c, grads, ctx.partition, ctx.dim))
+
+
+class Assemble(AllGather):
+    """AllGather's result, assembled from the shards' slices into one shared whole (`OneShard.gather_into_one`: an
+    in-process shard that owns its graph); the same backward (this shard's slice of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, c, where, partition, dim, *xs):
+        ctx.c, ctx.partition, ctx.dim = c, partition, dim
+        return tuple(c.gather_into_one(xs, dim, partition, where=where))
+
+
+class Split(Function):
+    @staticmethod
+    def forward(ctx, c, where, partition, dim, *xs):
+        ctx.c, ctx.where, ctx.partition, ctx.dim = c, where, partition, dim
+        return tuple(partition.take(x, dim, r).clone(memory_format=torch.contiguous_format) for r, x in zip(c.ranks, xs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [g.contiguous() for g in grads]
+        return (*_NONE4, *ctx.c.gather(grads, ctx.dim, ctx.partition, op="split", where=ctx.where, phase="backward"))
+
+
+class Tie(Function):
+    @staticmethod
+    def forward(ctx, c, where, groups, *xs):
+        ctx.c, ctx.where, ctx.groups = c, where, groups
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, *ctx.c.reduce_holders(grads, ctx.groups, where=ctx.where))
+
+
+class ReduceScatter(Function):
+    @staticmethod
+    def forward(ctx, c, where, dim, *xs):
+        ctx.c, ctx.where, ctx.dim = c, where, dim
+        return tuple(c.reduce_scatter_even(xs, dim, where=where, phase="forward"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, *ctx.c.gather_even(grads, ctx.dim, where=ctx.where, phase="backward"))
+
+
+@dataclass
+class Gathered:
+    """Backward mode of one gather_sequence output: `partial` once column-parallel layers claimed it."""
+
+    partial: bool = False
+
+
+class GatherSequence(Function):
+    @staticmethod
+    def forward(ctx, c, where, dim, state, *xs):
+        ctx.c, ctx.where, ctx.dim, ctx.state = c, where, dim, state
+        return tuple(c.gather_even(xs, dim, where=where, phase="forward"))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        c, dim = ctx.c, ctx.dim
+        if ctx.state.partial:
+            # Read by column-parallel layers: each rank holds part of dL/dy; sum it and keep our slice.
+            return (*_NONE4, *c.reduce_scatter_even(grads, dim, where=ctx.where, phase="backward"))
+        n = grads[0].shape[dim] // c.world_size  # read as a replicated value: dL/dy is whole already
+        return (*_NONE4, *(g.narrow(dim, r * n, n).contiguous() for r, g in zip(c.ranks, grads)))
+
+
+# --- running one: a node where a gradient will flow back, else the raw collective ------------------------------
+
+
+def all_reduce(c: Collectives, where: str, *xs: torch.Tensor) -> Sequence[torch.Tensor]:
+    if _needs_grad(xs):
+        return AllReduce.apply(c, where, *xs)
+    return c.reduce(xs, op="all_reduce", where=where, phase="forward")
+
+
+def all_gather(c: Collectives, where: str, partition: Partition, dim: int, *xs: torch.Tensor) -> Sequence[torch.Tensor]:
+    if _needs_grad(xs):
+        return AllGather.apply(c, where, partition, dim, *xs)
+    return c.gather(xs, dim, partition, op="all_gather", where=where, phase="forward")
+
+
+def assemble(c: Collectives, where: str, partition: Partition, dim: int, *xs: torch.Tensor) -> Sequence[torch.Tensor]:
+    if _needs_grad(xs):
+        return Assemble.apply(c, where, partition, dim, *xs)
+    return c.gather_into_one(xs, dim, partition, where=where)
+
+
+def reduce_scatter(c: Collectives, where: str, dim: int, *xs: torch.Tensor) -> Sequence[torch.Tensor]:
+    if _needs_grad(xs):
+        return ReduceScatter.apply(c, where, dim, *xs)
+    return c.reduce_scatter_even(xs, dim, where=where, phase="forward")
+
+
+def copy_to_parallel(c: Collectives, where: str, *xs: torch.Tensor) -> Sequence[torch.Tensor]:
+    return CopyToParallel.apply(c, where, *xs)
+
+
+def split(c: Collectives, where: str, partition: Partition, dim: int, *xs: torch.Tensor) -> Sequence[torch.Tensor]:
+    return Split.apply(c, where, partition, dim, *xs)
+
+
+def tie(c: Collectives, where: str, groups: list[list[int]], *xs: torch.Tensor) -> Sequence[torch.Tensor]:
+    return Tie.apply(c, where, groups, *xs)
