@@ -20,7 +20,7 @@ its parameters, not the node's views. A module holding such parameters therefore
 node of its own when it runs in a backward pass (one more all-reduce per recomputed module, at
 "partial gradients <name> (recomputed)"); a non-reentrant checkpoint, whose recomputation only refills
 saved tensors, never runs that node's backward. The torchrun engine does the same job with its
-`PartialGradBucket` (comm/dist.py).
+`PartialGradBucket` (comm/grad_bucket.py).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...comm.dist import gather_partition
+from ...comm.process_group import gather_partition
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
 from ...logs import get_logger
