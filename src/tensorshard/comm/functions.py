@@ -15,6 +15,7 @@ of `c.ranks`, in that order:
     Tie               identity                        reduce over the holders of a parameter
     ReduceScatter     reduce-scatter (sequence)       all-gather (sequence)
     GatherSequence    all-gather (sequence)           reduce-scatter once column layers claimed it, else own slice
+    SumGrads          identity (many parameters)      reduce each one's gradient (in-process partial_grads)
 
 The functions below (`all_reduce`, ...) are how an engine runs one: through `Function.apply` where a gradient will
 flow back, else the raw collective alone (decoding under no_grad pays for no autograd node). Without a gradient,
@@ -140,6 +141,25 @@ class GatherSequence(Function):
             return (*_NONE4, *c.reduce_scatter_even(grads, dim, where=ctx.where, phase="backward"))
         n = grads[0].shape[dim] // c.world_size  # read as a replicated value: dL/dy is whole already
         return (*_NONE4, *(g.narrow(dim, r * n, n).contiguous() for r, g in zip(c.ranks, grads)))
+
+
+class SumGrads(Function):
+    """Identity on parameters whole on every shard whose gradients are partial sums (`partial_grads`): `count` of
+    them per rank of `c.ranks`, rank-major. Backward: each parameter's gradients summed over the shards (None where
+    no shard has one), for all of them at once."""
+
+    @staticmethod
+    def forward(ctx, c, where, count, *params):
+        ctx.c, ctx.where, ctx.count = c, where, count
+        ctx.set_materialize_grads(False)
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        count = ctx.count
+        per_rank = [list(grads[i * count:(i + 1) * count]) for i in range(len(ctx.c.ranks))]
+        summed = ctx.c.reduce_lists(per_rank, where=ctx.where)
+        return (None, None, None, *[g for mine in summed for g in mine])
 
 
 # --- running one: a node where a gradient will flow back, else the raw collective ------------------------------

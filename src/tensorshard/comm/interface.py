@@ -70,6 +70,12 @@ class Collectives(ABC):
         """The gradient of a parameter held by several shards: each group of `groups` (ranks) summed over its
         members; a rank in no group keeps its own (the backward pass of `tie`)."""
 
+    def reduce_lists(self, per_rank: Sequence[list[torch.Tensor | None]], *, where: str) -> list[list[torch.Tensor | None]]:
+        """Each rank's list of tensors (None where it has none), every position summed over the shards: the
+        partial gradients of `partial_grads`, all in one collective (the in-process engine's; the torchrun
+        engine buckets them instead, comm/grad_bucket.py)."""
+        raise NotImplementedError(f"{where}: these collectives sum partial gradients in their own bucket")
+
     def reduce_scatter_even(self, xs: Sequence[torch.Tensor], dim: int, *, where: str, phase: str) -> list[torch.Tensor]:
         """(.., T, ..) partial sums on each shard -> this shard's (.., T/N, ..) slice of the total."""
         raise _torchrun_only("sequence parallelism (reduce-scatter to sequence shards)", where)

@@ -60,6 +60,27 @@ def _holders_summed(grads: Sequence[torch.Tensor], groups: list[list[int]], devi
     return grads
 
 
+def _lists_summed(payloads: Sequence[list[torch.Tensor | None]], devices, where: str) -> list[list[torch.Tensor | None]]:
+    """Each position's tensors summed in rank order; every device its own copy (None where no rank has one)."""
+    world = len(payloads)
+    out: list[list[torch.Tensor | None]] = [[None] * len(payloads[0]) for _ in range(world)]
+    total = 0
+    for i in range(len(payloads[0])):
+        summed = None
+        for per_rank in payloads:
+            g = per_rank[i]
+            if g is not None:
+                summed = g.to(devices[0]).clone() if summed is None else summed + g.to(devices[0])
+        if summed is None:
+            continue
+        total += summed.numel() * summed.element_size()
+        for r in range(world):
+            out[r][i] = summed if r == 0 else summed.to(devices[r], copy=True)
+    if total:
+        record("all_reduce", total, "backward", where)
+    return out
+
+
 class OneShard(Collectives):
     """Shard `rank`'s raw collectives: each a meeting with the other shards at `group`'s rendezvous."""
 
@@ -132,6 +153,11 @@ class OneShard(Collectives):
         compute = lambda grads: _holders_summed(grads, groups, devices, where)  # noqa: E731
         return [self.group.exchange(self.rank, "tie", where, xs[0], compute, _signature(xs[0]))]
 
+    def reduce_lists(self, per_rank, *, where):
+        devices, mine = self.group.devices, per_rank[0]
+        compute = lambda payloads: _lists_summed(payloads, devices, where)  # noqa: E731
+        return [self.group.exchange(self.rank, "partial_grads", where, mine, compute, len(mine))]
+
 
 class AllShards(Collectives):
     """Every shard's raw collectives at once, computed where they are called (no rendezvous): the nodes of shards
@@ -151,3 +177,6 @@ class AllShards(Collectives):
 
     def reduce_holders(self, xs, groups, *, where):
         return _holders_summed(xs, groups, self.devices, where)
+
+    def reduce_lists(self, per_rank, *, where):
+        return _lists_summed(per_rank, self.devices, where)

@@ -13,7 +13,7 @@ import tensorshard as tp
 from tensorshard.comm import rendezvous
 from support import plans
 from support.helpers import split_copy
-from support.models import TwoBlocks, Transformer
+from support.models import FeedForward, TwoBlocks, Transformer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,6 +55,24 @@ def test_row_layers_reading_whole_inputs_split_them_as_with_their_own_graphs(n, 
     got = step(split_copy(ref, n, plan=plan), x.clone().requires_grad_())
     _same(expected, got)
     assert got[3][0] == {"all_gather": 2}
+
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_lora_factors_beside_split_layers_sum_their_partial_gradients_as_with_their_own_graphs(n, gen, monkeypatch):
+    # A LoRA factor stays whole beside a split layer and sees part of the computation: `partial_grads` sums its
+    # gradients over the devices, once per backward pass for all of them
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)  # init_lora_weights=False: B is random too, so every factor gets a gradient
+    ref = get_peft_model(FeedForward(16, 32), LoraConfig(r=2, target_modules=["w1", "w2", "w3"], init_lora_weights=False))
+    plan = {"base_model.model.w[13]": tp.ColwiseParallel(), "base_model.model.w2": tp.RowwiseParallel()}
+    x = torch.randn(4, 16, generator=gen)
+    expected = step(split_copy(ref, n, plan=plan), x.clone().requires_grad_())
+    _span(monkeypatch)
+    got = step(split_copy(ref, n, plan=plan), x.clone().requires_grad_())
+    _same(expected, got)
+    assert got[3][0] == {"all_reduce": 2}  # the input's copy_to_parallel, and the partial gradients'
 
 
 def _span(monkeypatch) -> None:
