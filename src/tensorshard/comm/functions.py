@@ -16,6 +16,7 @@ of `c.ranks`, in that order:
     ReduceScatter     reduce-scatter (sequence)       all-gather (sequence)
     GatherSequence    all-gather (sequence)           reduce-scatter once column layers claimed it, else own slice
     SumGrads          identity (many parameters)      reduce each one's gradient (in-process partial_grads)
+    GatherRows        gather many along dim 0         take own rows (in-process ZeRO-3)
 
 The functions below (`all_reduce`, ...) are how an engine runs one: through `Function.apply` where a gradient will
 flow back, else the raw collective alone (decoding under no_grad pays for no autograd node). Without a gradient,
@@ -156,10 +157,33 @@ class SumGrads(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        count = ctx.count
-        per_rank = [list(grads[i * count:(i + 1) * count]) for i in range(len(ctx.c.ranks))]
-        summed = ctx.c.reduce_lists(per_rank, where=ctx.where)
+        summed = ctx.c.reduce_lists(_by_rank(grads, ctx.count), where=ctx.where)
         return (None, None, None, *[g for mine in summed for g in mine])
+
+
+class GatherRows(Function):
+    """All-gather of many tensors at once along dim 0 (ZeRO-3's partitioned parameters): `len(partitions)` of them
+    per rank of `c.ranks`, rank-major. Backward: every shard's gradient of a whole replicated parameter is whole
+    already (SPMD), so each keeps its own rows; no communication."""
+
+    @staticmethod
+    def forward(ctx, c, where, partitions, *flat):
+        ctx.c, ctx.partitions = c, partitions
+        return tuple(c.gather_rows(_by_rank(flat, len(partitions)), partitions, where=where))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        count, ranks = len(ctx.partitions), ctx.c.ranks
+        rows = []
+        for index, g in enumerate(grads):
+            k, i = divmod(index, count)
+            rows.append(None if g is None else ctx.partitions[i].take(g, 0, ranks[k]).contiguous())
+        return (None, None, None, *rows)
+
+
+def _by_rank(flat: Sequence, count: int) -> list[list]:
+    """Rank-major `flat` (`count` per rank) as one list per rank."""
+    return [list(flat[i:i + count]) for i in range(0, len(flat), count)]
 
 
 # --- running one: a node where a gradient will flow back, else the raw collective ------------------------------
@@ -199,3 +223,10 @@ def split(c: Collectives, where: str, partition: Partition, dim: int, *xs: torch
 
 def tie(c: Collectives, where: str, groups: list[list[int]], *xs: torch.Tensor) -> Sequence[torch.Tensor]:
     return Tie.apply(c, where, groups, *xs)
+
+
+def gather_rows(c: Collectives, where: str, partitions: list[Partition], *flat: torch.Tensor) -> list[torch.Tensor]:
+    """Rank-major `flat` gathered (GatherRows), rank-major."""
+    if _needs_grad(flat):
+        return list(GatherRows.apply(c, where, partitions, *flat))
+    return c.gather_rows(_by_rank(flat, len(partitions)), partitions, where=where)

@@ -76,6 +76,12 @@ class Collectives(ABC):
         engine buckets them instead, comm/grad_bucket.py)."""
         raise NotImplementedError(f"{where}: these collectives sum partial gradients in their own bucket")
 
+    def gather_rows(self, per_rank: Sequence[list[torch.Tensor]], partitions: Sequence[Partition], *,
+                    where: str) -> list[torch.Tensor]:
+        """Each rank's list of slices (rows of `partitions`, along dim 0) gathered, in one collective: the whole
+        tensors, rank-major (the in-process engine's ZeRO-3; under torchrun FSDP2 does this job)."""
+        raise NotImplementedError(f"{where}: these collectives gather parameters with FSDP2, not here")
+
     def reduce_scatter_even(self, xs: Sequence[torch.Tensor], dim: int, *, where: str, phase: str) -> list[torch.Tensor]:
         """(.., T, ..) partial sums on each shard -> this shard's (.., T/N, ..) slice of the total."""
         raise _torchrun_only("sequence parallelism (reduce-scatter to sequence shards)", where)

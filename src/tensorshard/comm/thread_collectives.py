@@ -81,6 +81,19 @@ def _lists_summed(payloads: Sequence[list[torch.Tensor | None]], devices, where:
     return out
 
 
+def _rows_gathered(payloads: Sequence[list[torch.Tensor]], partitions: Sequence[Partition], devices, where: str) -> list:
+    """Every rank's slices of each tensor (rows, dim 0) -> each whole tensor on every rank's device, rank-major."""
+    world, count = len(payloads), len(partitions)
+    record("all_gather", sum(p.size * _row_bytes(t) for p, t in zip(partitions, payloads[0])), "forward", where)
+    fulls = [part.assemble([payloads[r][i].detach().to(devices[0]) for r in range(world)], 0)
+             for i, part in enumerate(partitions)]
+    return [fulls[i] if r == 0 else fulls[i].to(devices[r], copy=True) for r in range(world) for i in range(count)]
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return (t.numel() // max(t.shape[0], 1)) * t.element_size()
+
+
 class OneShard(Collectives):
     """Shard `rank`'s raw collectives: each a meeting with the other shards at `group`'s rendezvous."""
 
@@ -158,6 +171,15 @@ class OneShard(Collectives):
         compute = lambda payloads: _lists_summed(payloads, devices, where)  # noqa: E731
         return [self.group.exchange(self.rank, "partial_grads", where, mine, compute, len(mine))]
 
+    def gather_rows(self, per_rank, partitions, *, where):
+        devices, count = self.group.devices, len(partitions)
+
+        def compute(payloads):
+            flat = _rows_gathered(payloads, partitions, devices, where)
+            return [flat[r * count:(r + 1) * count] for r in range(len(payloads))]
+
+        return self.group.exchange(self.rank, "all_gather", where, per_rank[0], compute)
+
 
 class AllShards(Collectives):
     """Every shard's raw collectives at once, computed where they are called (no rendezvous): the nodes of shards
@@ -180,3 +202,6 @@ class AllShards(Collectives):
 
     def reduce_lists(self, per_rank, *, where):
         return _lists_summed(per_rank, self.devices, where)
+
+    def gather_rows(self, per_rank, partitions, *, where):
+        return _rows_gathered(per_rank, partitions, self.devices, where)

@@ -13,7 +13,7 @@ import tensorshard as tp
 from tensorshard.comm import rendezvous
 from support import plans
 from support.helpers import split_copy
-from support.models import FeedForward, TwoBlocks, Transformer
+from support.models import FeedForward, TwoBlocks, TwoPairs, Transformer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,6 +73,20 @@ def test_lora_factors_beside_split_layers_sum_their_partial_gradients_as_with_th
     got = step(split_copy(ref, n, plan=plan), x.clone().requires_grad_())
     _same(expected, got)
     assert got[3][0] == {"all_reduce": 2}  # the input's copy_to_parallel, and the partial gradients'
+
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_zero3_gathers_its_rows_as_with_their_own_graphs(n, gen, monkeypatch):
+    # sharded=True: the norm and the biases the plan leaves whole keep 1/n of their rows per device, gathered in
+    # one all-gather per call; the gather's backward keeps each device's rows
+    ref = TwoPairs()
+    x = torch.randn(4, 8, generator=gen)
+    expected = step(split_copy(ref, n, plan=plans.TWO_BLOCKS, sharded=True), x.clone().requires_grad_())
+    _span(monkeypatch)
+    got = step(split_copy(ref, n, plan=plans.TWO_BLOCKS, sharded=True), x.clone().requires_grad_())
+    _same(expected, got)
+    assert got[2][0] == {"all_gather": 1, "all_reduce": 2}
 
 
 def _span(monkeypatch) -> None:
