@@ -179,16 +179,14 @@ class DistComm(Comm):
     def reduce_scatter(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
-        _refuse_traced("reduce_scatter", where)
-        dim = dim % x.dim()
+        dim = _sequence_dim("reduce_scatter", x, dim, where)
         check_even(x, dim, self.world_size, where)
         return functions.reduce_scatter(self.raw, where, dim, x)[0]
 
     def gather_sequence(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
-        _refuse_traced("gather_sequence", where)
-        dim = dim % x.dim()
+        dim = _sequence_dim("gather_sequence", x, dim, where)
         if not (torch.is_grad_enabled() and x.requires_grad):
             return self.raw.gather_even((x,), dim, where=where, phase="forward")[0]
         state = Gathered()
@@ -215,6 +213,12 @@ class DistComm(Comm):
 
     def as_sharded(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = ""):
         return as_dtensor(x, dim % x.dim(), partition, self.mesh, where=where)
+
+
+def _sequence_dim(kind: str, x: torch.Tensor, dim: int, where: str) -> int:
+    """`dim` of `x` as a non-negative index, for a sequence-parallel collective (which refuses to be traced)."""
+    _refuse_traced(kind, where)
+    return dim % x.dim()
 
 
 def _refuse_traced(kind: str, where: str) -> None:
