@@ -70,6 +70,11 @@ class Collectives(ABC):
         """The gradient of a parameter held by several shards: each group of `groups` (ranks) summed over its
         members; a rank in no group keeps its own (the backward pass of `tie`)."""
 
+    def gather_into_one(self, xs: Sequence[torch.Tensor], dim: int, partition: Partition, *, where: str) -> list[torch.Tensor]:
+        """`gather` into ONE whole that every shard shares (each gets a view of it): a result no shard changes
+        afterwards, such as a model's logits (in-process shards that own their graphs; the caller checks)."""
+        raise NotImplementedError(f"{where}: one shared whole needs shards in one process, each owning its graph")
+
     def reduce_lists(self, per_rank: Sequence[list[torch.Tensor | None]], *, where: str) -> list[list[torch.Tensor | None]]:
         """Each rank's list of tensors (None where it has none), every position summed over the shards: the
         partial gradients of `partial_grads`, all in one collective (the in-process engine's; the torchrun
