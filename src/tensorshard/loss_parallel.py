@@ -25,8 +25,9 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Shard
 
+from .comm import functions
 from .comm.counter import record
-from .comm.dist import all_reduce, all_reduce_copy
+from .comm.process_group import RankCollectives, all_reduce_copy
 
 
 def vocab_parallel_cross_entropy(
@@ -76,9 +77,10 @@ class GroupReductions:
 
     def __init__(self, group) -> None:
         self.group = group
+        self.raw = RankCollectives.of(group)
 
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
-        return all_reduce(x, self.group, where=where)
+        return functions.all_reduce(self.raw, where, x)[0]
 
     def all_reduce_max(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         record("all_reduce", x.numel() * x.element_size(), "forward", where)

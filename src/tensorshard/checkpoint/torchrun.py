@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.dist import gather_partition
+from ..comm.process_group import gather_partition
 from ..comm.dtensor import mesh_device
 from ..plans.slices import split_layout
 from .layout import ModelLayout, TensorEntry, _find, _owner, _state_dict_names, collect_entries

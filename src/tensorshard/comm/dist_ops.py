@@ -16,6 +16,13 @@ implementation (shapes only) and a backward that follows comm/interface.py's con
 
 A group is named by its `group_name` (a string dynamo can guard on); the guard registry of comm/dist_guard.py
 finds the group. DistComm (comm/dist.py) switches to these ops while `torch.compiler.is_compiling()`.
+
+Why these are not the in-process engine's operators (comm/compiled.py) with another handle: these carry autograd
+(a compiled training step under torchrun), and name the group by `group_name`, the same for every DistComm of a
+group. The in-process ones must not carry autograd: they are defined with torch.library's low-level API and no
+autograd kernel, so that the ~20 calls per decoded token skip a Python autograd layer (an op with one costs a few
+microseconds more per call, under no_grad too), and they name one shard's ThreadComm among the threads of one
+process.
 """
 
 from __future__ import annotations
@@ -24,15 +31,8 @@ import torch
 
 from .counter import record
 from .dist_guard import guard_named
-from .transport import all_gather_, all_reduce_
-
-
-def _label(op: str, where: str, backward: bool = False) -> str:
-    return (f"{op} at {where}" if where else op) + (" (backward)" if backward else "")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+from .process_group import all_reduce_copy, label, nbytes as _nbytes
+from .transport import all_gather_
 
 
 # --- all_reduce -----------------------------------------------------------------------------------------
@@ -46,8 +46,7 @@ _NOT_IN_CUDA_GRAPHS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", N
 @torch.library.custom_op("tensorshard::all_reduce", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def all_reduce(x: torch.Tensor, group_name: str, where: str, backward: bool = False) -> torch.Tensor:
     """The sum of every rank's `x` (a new tensor)."""
-    out = x.clone(memory_format=torch.contiguous_format)
-    all_reduce_(out, guard_named(group_name).group, what=_label("all_reduce", where, backward))
+    out = all_reduce_copy(x, guard_named(group_name).group, what=label("all_reduce", where, backward))
     record("all_reduce", _nbytes(out), "backward" if backward else "forward", where)
     return out
 
@@ -72,7 +71,7 @@ def all_gather(piece: torch.Tensor, group_name: str, world: int, rank: int, wher
     """Every rank's `piece` (equal shapes), stacked on dim 0 in rank order: (world * piece.shape[0], ...)."""
     piece = piece.contiguous()
     out = piece.new_empty((world * piece.shape[0], *piece.shape[1:]))
-    all_gather_(out, piece, guard_named(group_name).group, what=_label("all_gather", where))
+    all_gather_(out, piece, guard_named(group_name).group, what=label("all_gather", where))
     record("all_gather", _nbytes(out), "forward", where)
     return out
 

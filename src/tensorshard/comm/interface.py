@@ -27,15 +27,73 @@ raises NotImplementedError naming the feature (today only the torchrun engine ha
     gather_sequence   sequence shards -> whole, read by column layers
                                                        forward: all-gather      backward: reduce-scatter
     as_sharded        a split activation handed to user code as one object that knows its split (DTensor)
+
+Each engine implements these on top of its *raw* collectives (`Collectives`, below: no autograd, counted once);
+the autograd nodes that give each collective its backward are written once, over those, in comm/functions.py.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Sequence
 
 import torch
 
 from ..partition import Partition
+
+
+class Collectives(ABC):
+    """The raw collectives under one autograd node of comm/functions.py: no autograd, each reported once to
+    comm/counter.py.
+
+    A node holds the tensors of `ranks`: one shard's (a process of the torchrun engine, an in-process shard that
+    owns its graph: the other shards meet it inside the call) or every shard's at once (in-process shards sharing
+    one accelerator, whose backward runs as one graph spanning them). Each method takes one tensor per rank of
+    `ranks`, in that order, and returns each rank's result, a tensor of its own. `op` names the collective being
+    run ("copy_to_parallel", "split", ...) for rendezvous checks and errors; `phase` is "forward" or "backward".
+    """
+
+    ranks: Sequence[int]
+    world_size: int
+
+    @abstractmethod
+    def reduce(self, xs: Sequence[torch.Tensor], *, op: str, where: str, phase: str) -> list[torch.Tensor]:
+        """The sum over every shard."""
+
+    @abstractmethod
+    def gather(self, xs: Sequence[torch.Tensor], dim: int, partition: Partition, *, op: str, where: str,
+               phase: str) -> list[torch.Tensor]:
+        """The whole tensor along `dim`, each shard bringing its slice (`partition`)."""
+
+    @abstractmethod
+    def reduce_holders(self, xs: Sequence[torch.Tensor], groups: list[list[int]], *, where: str) -> list[torch.Tensor]:
+        """The gradient of a parameter held by several shards: each group of `groups` (ranks) summed over its
+        members; a rank in no group keeps its own (the backward pass of `tie`)."""
+
+    def gather_into_one(self, xs: Sequence[torch.Tensor], dim: int, partition: Partition, *, where: str) -> list[torch.Tensor]:
+        """`gather` into ONE whole that every shard shares (each gets a view of it): a result no shard changes
+        afterwards, such as a model's logits (in-process shards that own their graphs; the caller checks)."""
+        raise NotImplementedError(f"{where}: one shared whole needs shards in one process, each owning its graph")
+
+    def reduce_lists(self, per_rank: Sequence[list[torch.Tensor | None]], *, where: str) -> list[list[torch.Tensor | None]]:
+        """Each rank's list of tensors (None where it has none), every position summed over the shards: the
+        partial gradients of `partial_grads`, all in one collective (the in-process engine's; the torchrun
+        engine buckets them instead, comm/grad_bucket.py)."""
+        raise NotImplementedError(f"{where}: these collectives sum partial gradients in their own bucket")
+
+    def gather_rows(self, per_rank: Sequence[list[torch.Tensor]], partitions: Sequence[Partition], *,
+                    where: str) -> list[torch.Tensor]:
+        """Each rank's list of slices (rows of `partitions`, along dim 0) gathered, in one collective: the whole
+        tensors, rank-major (the in-process engine's ZeRO-3; under torchrun FSDP2 does this job)."""
+        raise NotImplementedError(f"{where}: these collectives gather parameters with FSDP2, not here")
+
+    def reduce_scatter_even(self, xs: Sequence[torch.Tensor], dim: int, *, where: str, phase: str) -> list[torch.Tensor]:
+        """(.., T, ..) partial sums on each shard -> this shard's (.., T/N, ..) slice of the total."""
+        raise _torchrun_only("sequence parallelism (reduce-scatter to sequence shards)", where)
+
+    def gather_even(self, xs: Sequence[torch.Tensor], dim: int, *, where: str, phase: str) -> list[torch.Tensor]:
+        """(.., T/N, ..) on each shard -> (.., T, ..), in rank order."""
+        raise _torchrun_only("sequence parallelism (all-gather of sequence shards)", where)
 
 
 class Comm(ABC):

@@ -7,11 +7,11 @@ the true gradient is their sum over the devices.
 
 Rather than one all-reduce per parameter as it is used, every shard passes all such parameters, at the
 start of each forward call, through one identity node, and autograd calls its backward once every use
-has contributed. When every shard owns its graph (the default, comm/per_shard.py), that node is the
-shard's own `_SumGradsOfShard`: its backward meets the other shards' at the rendezvous of the backward
-pass, where the last to arrive sums each parameter's gradients in rank order (counted as one
+has contributed: comm/functions.py's `SumGrads`. When every shard owns its graph (the default), that node is the
+shard's own (`OneShard`, comm/thread_collectives.py): its backward meets the other shards' at the rendezvous of
+the backward pass, where the last to arrive sums each parameter's gradients in rank order (counted as one
 ``all_reduce`` at "partial gradients") and every shard takes the bit-identical sum. When one graph spans
-the shards (debug mode on a GPU), the node is ONE multi-device `_SumGrads` across them, with the same sums.
+the shards (debug mode on a GPU), the node is ONE across them (`AllShards`), with the same sums.
 The copies stay identical and match the unsplit model; gradient accumulation and ZeRO-3 compose (the
 node reads the gathered tensors, whose backward then keeps each device's rows).
 
@@ -20,7 +20,7 @@ its parameters, not the node's views. A module holding such parameters therefore
 node of its own when it runs in a backward pass (one more all-reduce per recomputed module, at
 "partial gradients <name> (recomputed)"); a non-reentrant checkpoint, whose recomputation only refills
 saved tensors, never runs that node's backward. The torchrun engine does the same job with its
-`PartialGradBucket` (comm/dist.py).
+`PartialGradBucket` (comm/grad_bucket.py).
 """
 
 from __future__ import annotations
@@ -29,68 +29,11 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.autograd import Function
 
-from .counter import record
+from .functions import SumGrads
+from .thread_collectives import AllShards, OneShard
 
 WHERE = "partial gradients"
-
-
-def _summed_over_ranks(group, payloads: list[list[torch.Tensor | None]], where: str) -> list[list[torch.Tensor | None]]:
-    """Each parameter's gradients summed in rank order; every device its own copy (None where no rank has one)."""
-    devices, world = group.devices, len(payloads)
-    out: list[list[torch.Tensor | None]] = [[None] * len(payloads[0]) for _ in range(world)]
-    total = 0
-    for i in range(len(payloads[0])):
-        summed = None
-        for per_rank in payloads:
-            g = per_rank[i]
-            if g is not None:
-                summed = g.to(devices[0]).clone() if summed is None else summed + g.to(devices[0])
-        if summed is None:
-            continue
-        total += summed.numel() * summed.element_size()
-        for r in range(world):
-            out[r][i] = summed if r == 0 else summed.to(devices[r], copy=True)
-    if total:
-        record("all_reduce", total, "backward", where)
-    return out
-
-
-class _SumGrads(Function):
-    """Identity on (rank-major) every device's parameters; backward: each parameter's gradients summed over devices."""
-
-    @staticmethod
-    def forward(ctx, group, count, *flat):
-        ctx.group, ctx.count = group, count
-        ctx.set_materialize_grads(False)
-        return tuple(p.view_as(p) for p in flat)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        world, count = ctx.group.world_size, ctx.count
-        per_rank = [list(grads[r * count:(r + 1) * count]) for r in range(world)]
-        summed = _summed_over_ranks(ctx.group, per_rank, WHERE)
-        return (None, None, *[g for mine in summed for g in mine])
-
-
-class _SumGradsOfShard(Function):
-    """One shard's parameters, identity; backward: meets the other shards and returns the summed gradients."""
-
-    @staticmethod
-    def forward(ctx, group, rank, where, *params):
-        ctx.group, ctx.rank, ctx.where = group, rank, where
-        ctx.set_materialize_grads(False)
-        return tuple(p.view_as(p) for p in params)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        group, where = ctx.group, ctx.where
-        summed = group.exchange(
-            ctx.rank, "partial_grads", where, list(grads), lambda payloads: _summed_over_ranks(group, payloads, where),
-            len(grads),
-        )
-        return (None, None, None, *summed)
 
 
 class PartialGrads:
@@ -98,6 +41,8 @@ class PartialGrads:
 
     def __init__(self, group) -> None:
         self.group = group
+        self._shards = [OneShard(group, rank) for rank in range(group.world_size)]  # each shard owning its graph
+        self._all_shards = AllShards(group.devices)  # one graph spanning the shards
         self.owners: list[list[tuple[nn.Module, str]]] = [[] for _ in range(group.world_size)]
         self.names: set[str] = set()  # their names in the shards (ZeRO-3 and checkpoints know them by name)
         self._saved: list[list[torch.Tensor] | None] = [None] * group.world_size
@@ -138,7 +83,7 @@ class PartialGrads:
                 return
             current = [module._parameters[n] for n in mine]
             self._recomputing[rank][id(module)] = list(zip(mine, current))
-            for n, v in zip(mine, _SumGradsOfShard.apply(self.group, rank, where, *current)):
+            for n, v in zip(mine, SumGrads.apply(self._shards[rank], where, len(current), *current)):
                 module._parameters[n] = v
 
         return hook
@@ -162,7 +107,7 @@ class PartialGrads:
             current = [m._parameters[n] for m, n in owners]
             self._saved[rank] = list(zip(owners, current))
             if self.group.own_graphs:
-                views = _SumGradsOfShard.apply(self.group, rank, WHERE, *current)
+                views = SumGrads.apply(self._shards[rank], WHERE, len(current), *current)
             else:
                 views = self.group.exchange(rank, "partial_grads", WHERE, current, self._route)
             for (m, n), v in zip(owners, views):
@@ -184,5 +129,5 @@ class PartialGrads:
     def _route(self, payloads: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """Runs once per call, in the last shard to arrive."""
         count = len(payloads[0])
-        outs = _SumGrads.apply(self.group, count, *[p for per_rank in payloads for p in per_rank])
+        outs = SumGrads.apply(self._all_shards, WHERE, count, *[p for per_rank in payloads for p in per_rank])
         return [list(outs[r * count:(r + 1) * count]) for r in range(len(payloads))]

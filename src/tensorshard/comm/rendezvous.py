@@ -8,7 +8,7 @@ computes for all; each returns once every shard has read what the others brought
 tensor in place while another still reads it.
 
 A *call* is one forward call of the model, or one backward pass through it: when every shard owns its
-autograd graph (comm/per_shard.py), the shards' backward passes meet here too, each in a call of its own
+autograd graph (comm/thread_collectives.py), the shards' backward passes meet here too, each in a call of its own
 that the engine starts (engines/inprocess/shard_backward.py), with the collectives in the order autograd
 runs them (the same on every shard: their graphs were built by the same code, each in one thread).
 
@@ -127,7 +127,7 @@ class ThreadGroup:
                  labels: Sequence[str] | None = None) -> None:
         self.devices = list(devices)
         self.world_size = len(self.devices)
-        # Each shard runs its own backward pass (comm/per_shard.py) unless two shards share an accelerator (debug
+        # Each shard runs its own backward pass (comm/thread_collectives.py) unless two shards share an accelerator (debug
         # mode on a GPU): its one autograd thread would run both shards' backward nodes and block in a collective.
         accelerators = [d for d in self.devices if d.type != "cpu"]
         self.own_graphs = len(set(accelerators)) == len(accelerators)

@@ -1,15 +1,16 @@
-"""Collectives between the worker threads of the in-process engine.
+"""Collectives between the worker threads of the in-process engine: the `ThreadComm` of each shard.
 
 Each shard runs its forward in its own thread and meets the others at each collective through a
 `ThreadGroup` (comm/rendezvous.py), which bounds every wait and stops all shards of a call when one fails.
-The autograd side comes in two forms, chosen by the placement:
+The autograd nodes are comm/functions.py's; their raw collectives come in two forms, chosen by the placement
+(comm/thread_collectives.py):
 
-- **each shard owns its graph** (CPU slots, or one shard per GPU: always, but in debug mode on a GPU):
-  collectives are per-shard autograd nodes (comm/per_shard.py) that meet in the backward pass too, and
-  every shard runs its own backward pass, concurrently with the others (engines/inprocess/shard_backward.py);
+- **each shard owns its graph** (CPU slots, or one shard per GPU: always, but in debug mode on a GPU): the
+  shard's own node (`OneShard`), which meets the other shards in the backward pass too; every shard runs its
+  own backward pass, concurrently with the others (engines/inprocess/shard_backward.py);
 - **one graph spanning the devices** (debug mode on a GPU puts every shard there, and that GPU's single
   autograd thread would run all shards' backward nodes and block in the first collective): the last shard
-  to arrive runs the collective as **one autograd node with one input and one output per device** (below).
+  to arrive runs the collective as **one node with one input and one output per device** (`AllShards`).
   The backward pass then needs no rendezvous: autograd calls that node once with every device's gradient,
   and it reduces them on the spot. Activation checkpointing cannot work there (a forward recomputed in
   backward runs one shard only).
@@ -20,108 +21,20 @@ The reductions themselves are in comm/reduce.py.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.autograd import Function
 
 from ..partition import Partition
-from . import compiled, per_shard
+from . import compiled, functions
 from .interface import Comm
 from .counter import record
 from .partial_grads import PartialGrads
 from .reduce import copies, native_collectives, nbytes as _nbytes, signature as _signature, sum_to_all
 from .rendezvous import CollectiveAborted, ThreadGroup
+from .thread_collectives import AllShards, OneShard
 
 __all__ = ["CollectiveAborted", "ThreadComm", "ThreadGroup", "copies", "native_collectives", "sum_to_all"]
-
-
-# --- one graph spanning the devices: one autograd node, one input and one output per device -------------
-
-
-class _AllReduce(Function):
-    @staticmethod
-    def forward(ctx, devices, where, *xs):
-        record("all_reduce", _nbytes(xs[0]), "forward", where)
-        return tuple(sum_to_all(xs, devices))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, *grads)  # dL/dy is replicated: each partial input gets it unchanged
-
-
-class _CopyToParallel(Function):
-    @staticmethod
-    def forward(ctx, devices, where, *xs):
-        ctx.devices, ctx.where = devices, where
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        record("all_reduce", _nbytes(grads[0]), "backward", ctx.where)
-        return (None, None, *sum_to_all(grads, ctx.devices))
-
-
-class _AllGather(Function):
-    @staticmethod
-    def forward(ctx, devices, where, part, dim, *xs):
-        ctx.part, ctx.dim = part, dim
-        full = part.assemble([x.to(devices[0]) for x in xs], dim)
-        record("all_gather", _nbytes(full), "forward", where)
-        return tuple(copies(full, devices))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, None, None, *(ctx.part.take(g, ctx.dim, r).contiguous() for r, g in enumerate(grads)))
-
-
-class _Split(Function):
-    @staticmethod
-    def forward(ctx, devices, where, part, dim, *xs):
-        ctx.devices, ctx.where, ctx.part, ctx.dim = devices, where, part, dim
-        return tuple(part.take(x, dim, r).clone() for r, x in enumerate(xs))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        full = ctx.part.assemble([g.to(ctx.devices[0]) for g in grads], ctx.dim)
-        record("all_gather", _nbytes(full), "backward", ctx.where)
-        return (None, None, None, None, *copies(full, ctx.devices))
-
-
-class _Tie(Function):
-    @staticmethod
-    def forward(ctx, devices, where, groups, *xs):
-        ctx.devices, ctx.where, ctx.groups = devices, where, groups
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        grads = list(grads)
-        for ranks in ctx.groups:
-            summed = sum_to_all([grads[r] for r in ranks], [ctx.devices[r] for r in ranks])
-            for r, g in zip(ranks, summed):
-                grads[r] = g
-        if ctx.groups:
-            record("all_reduce", _nbytes(grads[0]), "backward", ctx.where)
-        return (None, None, None, *grads)
-
-
-def _needs_grad(xs: Sequence[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
-
-
-def _node(function: type[Function], *args: Any) -> torch.Tensor:
-    """`function.apply(*args)` (a collective of comm/per_shard.py; its tensor comes last), or, where that tensor
-    needs no gradient (a call under no_grad: decoding), its forward alone: the same result, without the few
-    microseconds `Function.apply` costs per collective. Safe to mix between shards: none of these nodes meets
-    the other shards in backward."""
-    if torch.is_grad_enabled() and args[-1].requires_grad:
-        return function.apply(*args)
-    return function.forward(_NoContext(), *args)
-
-
-class _NoContext:
-    """Where a collective's forward, called without `Function.apply`, leaves what its backward would need."""
 
 
 def _not_compiled(fn):
@@ -138,10 +51,17 @@ class ThreadComm(Comm):
 
     def __init__(self, group: ThreadGroup, rank: int) -> None:
         self.group, self.rank, self.world_size = group, rank, group.world_size
+        self.shard = OneShard(group, rank)  # this shard's own nodes (each shard owning its graph)
+        self._all_shards = AllShards(group.devices)  # one node for every shard (shards sharing a device)
         self.handle = compiled.handle_of(self)  # its name in compiled graphs (comm/compiled.py)
 
     def _exchange(self, op: str, where: str, x: Any, compute: Callable[[list[Any]], list[Any]], signature: Any) -> Any:
         return self.group.exchange(self.rank, op, where, x, compute, signature)
+
+    def _spanning(self, op: str, where: str, x: torch.Tensor, run: Callable[..., Any], signature: Any) -> torch.Tensor:
+        """Shards sharing one device: the last to arrive runs `run(all_shards, *xs)`, one node for every shard
+        (comm/functions.py), and each shard takes its output."""
+        return self._exchange(op, where, x, lambda xs: list(run(self._all_shards, *xs)), signature)
 
     def _check_size(self, op: str, where: str, x: torch.Tensor, dim: int, expected: int, what: str) -> None:
         if x.shape[dim] != expected:
@@ -161,16 +81,8 @@ class ThreadComm(Comm):
         if self.world_size == 1:
             return x
         if self.group.own_graphs:
-            return _node(per_shard.AllReduce, self, where, x)
-        devices = self.group.devices
-
-        def compute(xs):
-            if _needs_grad(xs):
-                return list(_AllReduce.apply(devices, where, *xs))
-            record("all_reduce", _nbytes(xs[0]), "forward", where)
-            return sum_to_all(xs, devices)
-
-        return self._exchange("all_reduce", where, x, compute, _signature(x))
+            return functions.all_reduce(self.shard, where, x)[0]
+        return self._spanning("all_reduce", where, x, lambda c, *xs: functions.all_reduce(c, where, *xs), _signature(x))
 
     def copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         # Identity in forward: only needed when a gradient will flow back through x (traced as such when compiled).
@@ -184,10 +96,11 @@ class ThreadComm(Comm):
         hit = cache.get(id(x))
         if hit is not None and hit[0] is x:
             return hit[1]  # q, k and v (gate and up) share one node, so backward reduces once
-        devices = self.group.devices
-        y = per_shard.CopyToParallel.apply(self, where, x) if self.group.own_graphs else self._exchange(
-            "copy_to_parallel", where, x, lambda xs: list(_CopyToParallel.apply(devices, where, *xs)), _signature(x)
-        )
+        if self.group.own_graphs:
+            y = functions.copy_to_parallel(self.shard, where, x)[0]
+        else:
+            run = lambda c, *xs: functions.copy_to_parallel(c, where, *xs)  # noqa: E731
+            y = self._spanning("copy_to_parallel", where, x, run, _signature(x))
         cache[id(x)] = (x, y)
         return y
 
@@ -216,17 +129,9 @@ class ThreadComm(Comm):
             return x
         dim = self._slice_dim("all_gather", where, x, dim, partition)
         if self.group.own_graphs:
-            return _node(per_shard.AllGather, self, where, partition, dim, x)
-        devices = self.group.devices
-
-        def compute(xs):
-            if _needs_grad(xs):
-                return list(_AllGather.apply(devices, where, partition, dim, *xs))
-            full = partition.assemble([t.to(devices[0]) for t in xs], dim)
-            record("all_gather", _nbytes(full), "forward", where)
-            return copies(full, devices)
-
-        return self._exchange("all_gather", where, x, compute, _signature(x, dim))
+            return functions.all_gather(self.shard, where, partition, dim, x)[0]
+        run = lambda c, *xs: functions.all_gather(c, where, partition, dim, *xs)  # noqa: E731
+        return self._spanning("all_gather", where, x, run, _signature(x, dim))
 
     @_not_compiled
     def all_reduce_max(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
@@ -257,7 +162,7 @@ class ThreadComm(Comm):
 
     def assemble(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         """The all-gather of a result no shard changes afterwards (a model's output): every shard gets a view
-        of one whole tensor, each having copied its slice into it (comm/per_shard.py). Shards that own their
+        of one whole tensor, each having copied its slice into it (comm/thread_collectives.py). Shards that own their
         graphs only: the caller checks `group.own_graphs`. Compiled, every shard gets a whole copy instead."""
         traced = self._traced_gather(x, dim, partition, where)
         return traced if traced is not None else self._assemble(x, dim, partition, where=where)
@@ -266,7 +171,7 @@ class ThreadComm(Comm):
     def _assemble(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
-        return _node(per_shard.Assemble, self, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)
+        return functions.assemble(self.shard, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)[0]
 
     @_not_compiled
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
@@ -277,20 +182,17 @@ class ThreadComm(Comm):
         if not (torch.is_grad_enabled() and x.requires_grad):
             return partition.take(x, dim, self.rank)  # no communication without a backward pass
         if self.group.own_graphs:
-            return per_shard.Split.apply(self, where, partition, dim, x)
-        devices = self.group.devices
-        return self._exchange(
-            "split", where, x, lambda xs: list(_Split.apply(devices, where, partition, dim, *xs)), _signature(x)
-        )
+            return functions.split(self.shard, where, partition, dim, x)[0]
+        run = lambda c, *xs: functions.split(c, where, partition, dim, *xs)  # noqa: E731
+        return self._spanning("split", where, x, run, _signature(x))
 
     @_not_compiled
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
         if self.group.own_graphs:
-            return per_shard.Tie.apply(self, where, groups, x)
-        devices = self.group.devices
-        return self._exchange("tie", where, x, lambda xs: list(_Tie.apply(devices, where, groups, *xs)), _signature(x))
+            return functions.tie(self.shard, where, groups, x)[0]
+        return self._spanning("tie", where, x, lambda c, *xs: functions.tie(c, where, groups, *xs), _signature(x))
 
     def partial_grads(self, module, names, *, where: str = "") -> None:
         """`module`'s parameters `names` get partial gradients on each device: summed once per backward pass

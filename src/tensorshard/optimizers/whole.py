@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..comm.counter import record
-from ..comm.dist import gather_partition
+from ..comm.process_group import gather_partition
 from ..partition import Partition
 from ..plans.slices import SplitLayout
 

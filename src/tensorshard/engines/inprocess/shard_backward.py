@@ -1,7 +1,7 @@
 """The in-process engine's backward pass when every shard owns its autograd graph: one backward per shard.
 
 Forward: each shard gets its own leaf copy of every input that needs a gradient, runs its forward in its
-thread and builds a graph of its own (collectives are per-shard nodes, comm/per_shard.py). The caller gets
+thread and builds a graph of its own (collectives are per-shard nodes, comm/thread_collectives.py). The caller gets
 the outputs through ONE autograd node, `_Boundary`, whose inputs are the caller's tensors that need a
 gradient. Backward: the caller's `backward()` reaches that node; it hands every shard its share of the
 output gradient and runs the shards' backward passes at the same time, one per shard thread (as the

@@ -9,8 +9,8 @@ parameter itself, so `model.parameters()`, the gradients and the optimizer's sta
 
 At the start of every forward call each shard gathers all of its partitioned parameters in ONE all-gather
 (counted by `tp.count_collectives` as ``all_gather`` at "zero-3") and the modules see full tensors until the
-call returns (when the shards own their graphs, through a per-shard autograd node, `_GatherOwnParams`;
-with one graph across devices, through one node for all, `_GatherParams`). Backward needs no
+call returns (through comm/functions.py's `GatherRows`: each shard's own node when the shards own their graphs,
+one node for all with one graph across devices). Backward needs no
 communication: under the SPMD convention (comm/interface.py) every shard computes the full, identical gradient
 of a replicated parameter, so the gather's backward keeps each shard's own rows. The optimizer updates rows elementwise, exactly as it would update the full copies, so
 training matches the unsplit run bit for bit where the unsharded engine does.
@@ -33,9 +33,9 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.autograd import Function
 
-from ...comm.counter import record
+from ...comm import functions
+from ...comm.thread_collectives import AllShards, OneShard
 from ...logs import get_logger
 from ...partition import Partition, split_evenly
 
@@ -222,6 +222,8 @@ class _ZeroState:
 
     def __init__(self, model, slots, partitions: list[Partition]) -> None:
         self.group = model._group
+        self._shards = [OneShard(self.group, rank) for rank in range(self.group.world_size)]
+        self._all_shards = AllShards(self.group.devices)
         self.slots = slots
         self.partitions = partitions
         self.gathered: list[set[int]] = [set() for _ in slots]  # rank -> indices of the parameters gathered now
@@ -249,10 +251,12 @@ class _ZeroState:
             return  # nothing partitioned yet, or gathered by an enclosing scope
         owners = [self.slots[rank][i] for i in indices]
         slices = [mod._parameters[attr] for (mod, attr), *_ in owners]
-        if self.group.own_graphs:
-            fulls = _GatherOwnParams.apply(self, rank, indices, where, *slices)
+        partitions = [self.partitions[i] for i in indices]
+        if self.group.own_graphs:  # this shard's own node: its forward meets the other shards
+            fulls = functions.gather_rows(self._shards[rank], where, partitions, *slices)
         else:
-            fulls = self._exchange(rank, indices, where, slices)
+            gather = lambda payloads: self._gather_all(payloads, partitions, where)  # noqa: E731
+            fulls = self.group.exchange(rank, "all_gather", where, slices, gather)
         for param_owners, full in zip(owners, fulls):
             for mod, attr in param_owners:
                 mod._parameters[attr] = full  # a non-leaf tensor for this call; backward reaches the slice
@@ -268,68 +272,8 @@ class _ZeroState:
                 mod._parameters[attr] = p
         self.gathered[rank].difference_update(indices)
 
-    def _exchange(self, rank: int, indices: list[int], where: str, slices: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self.group.exchange(rank, "all_gather", where, slices, lambda payloads: self._gather(payloads, indices, where))
-
-    def _gather(self, payloads: list[list[torch.Tensor]], indices: list[int], where: str) -> list[list[torch.Tensor]]:
-        """Runs once per gather, in the last shard to arrive: every shard's slices -> full tensors per device."""
-        devices = self.group.devices
-        partitions = [self.partitions[i] for i in indices]
-        world, count = len(payloads), len(partitions)
-        flat = [t for per_rank in payloads for t in per_rank]
-        record("all_gather", sum(p.size * _row_bytes(t) for p, t in zip(partitions, payloads[0])), "forward", where)
-        if not self.group.own_graphs and torch.is_grad_enabled() and any(t.requires_grad for t in flat):
-            outs = _GatherParams.apply(devices, partitions, *flat)
-        else:
-            outs = _assemble(devices, partitions, flat)
-        return [list(outs[r * count:(r + 1) * count]) for r in range(world)]
-
-
-def _row_bytes(t: torch.Tensor) -> int:
-    return (t.numel() // max(t.shape[0], 1)) * t.element_size()
-
-
-def _assemble(devices, partitions, flat):
-    """Per rank, per parameter (rank-major): the full tensor on that rank's device."""
-    world, count = len(devices), len(partitions)
-    fulls = []
-    for i, part in enumerate(partitions):
-        pieces = [flat[r * count + i].detach().to(devices[0]) for r in range(world)]
-        fulls.append(part.assemble(pieces, 0))
-    return [fulls[i] if r == 0 else fulls[i].to(devices[r], copy=True) for r in range(world) for i in range(count)]
-
-
-class _GatherParams(Function):
-    """All-gather of many parameters at once, one input and one output per (device, parameter).
-
-    Backward: each device's gradient of the full tensor is complete (SPMD), so it keeps its own rows.
-    """
-
-    @staticmethod
-    def forward(ctx, devices, partitions, *flat):
-        ctx.partitions, ctx.world = partitions, len(devices)
-        return tuple(_assemble(devices, partitions, flat))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        count = len(ctx.partitions)
-        out = []
-        for index, g in enumerate(grads):
-            rank, i = divmod(index, count)
-            out.append(None if g is None else ctx.partitions[i].take(g, 0, rank).contiguous())
-        return (None, None, *out)
-
-
-class _GatherOwnParams(Function):
-    """The same all-gather for one shard that owns its graph: its forward meets the other shards (one
-    output per parameter, on this shard's device); its backward keeps this shard's rows, no communication."""
-
-    @staticmethod
-    def forward(ctx, state, rank, indices, where, *slices):
-        ctx.partitions, ctx.rank = [state.partitions[i] for i in indices], rank
-        return tuple(state._exchange(rank, indices, where, list(slices)))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        rows = (None if g is None else part.take(g, 0, ctx.rank).contiguous() for part, g in zip(ctx.partitions, grads))
-        return (None, None, None, None, *rows)
+    def _gather_all(self, payloads: list[list[torch.Tensor]], partitions: list[Partition], where: str) -> list[list]:
+        """Shards sharing one device: runs once per gather, in the last shard to arrive, as one node for all."""
+        count, flat = len(partitions), [t for per_rank in payloads for t in per_rank]
+        outs = functions.gather_rows(self._all_shards, where, partitions, *flat)
+        return [outs[r * count:(r + 1) * count] for r in range(len(payloads))]

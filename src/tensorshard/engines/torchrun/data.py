@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.data import Dataset, DistributedSampler
 
-from ...comm.dist import broadcast_object, gather_objects
+from ...comm.objects import broadcast_object, gather_objects
 from ...comm.dist_guard import collective
 from ...comm.dtensor import mesh_device
 

@@ -45,7 +45,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ... import quant
-from ...comm.dist import DistComm, gather_objects
+from ...comm.dist import DistComm
+from ...comm.objects import gather_objects
 from ...comm.dropout import DistPeers, ShardDropout, may_drop
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device

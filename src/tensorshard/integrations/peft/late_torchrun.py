@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...comm.dist import gather_partition
+from ...comm.process_group import gather_partition
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
 from ...engines.late_modules import register_adopter
