@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ...logs import get_logger
+from .stitched_decode import Stitcher
 
 logger = get_logger(__name__)
 
@@ -53,6 +54,8 @@ class CompiledSteps:
             back in place of the shard's own).
         prepare: (args, kwargs) -> the keyword arguments of the call (a transformers model names its arguments
             and shards its cache there).
+        stitch: on CPU slots, run every shard's step as one stitched graph from the calling thread once a kind of
+            call was seen twice (stitched_decode.py); False keeps one compiled graph per shard.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class CompiledSteps:
         unwrap: Callable[[Any, int], Any] = lambda x, rank: x,
         rewrap: Callable[[Any, dict], Any] = lambda out, kwargs: out,
         prepare: Callable[[tuple, dict], dict] | None = None,
+        stitch: bool = True,
     ) -> None:
         self.model = model
         self.options = dict(options)
@@ -70,12 +74,20 @@ class CompiledSteps:
         self.compiled = [torch.compile(_entry(shard, rank), **self.options) for rank, shard in enumerate(model.module_shards)]
         self.kinds: set[Hashable] = set()  # kinds of call compiled so far
         self.cpu_only = all(torch.device(d).type == "cpu" for d in model.devices)
+        self.stitcher = (
+            Stitcher(model, [_entry(shard, rank) for rank, shard in enumerate(model.module_shards)], self.options, unwrap, rewrap)
+            if stitch and prepare is not None and Stitcher.applies(model, self.options) else None
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         world = len(self.compiled)
         if self.prepare is not None:
             args, kwargs = (), self.prepare(args, kwargs)
         kind = _kind(args, kwargs)
+        if self.stitcher is not None and self.stitcher.handles(kind, kwargs):
+            out = self.stitcher(kind, kwargs)
+            if out is not None:
+                return out
         first = kind not in self.kinds
         started = time.perf_counter()
         serial = True if first or self.cpu_only else None
