@@ -86,14 +86,16 @@ class Stitcher:
     def _capturing(self, kind: Hashable, kwargs: dict) -> Any:
         own: dict[int, dict] = {}
         self._now = (kind, own)
-        compiled_before = sum(len(v) for v in self._captures.get(kind, {}).values())
 
         def run(rank: int, args: tuple, shard_kwargs: dict) -> Any:
             own[rank] = {k: self.unwrap(v, rank) for k, v in shard_kwargs.items()}
             out = self.tracing[rank](**own[rank])
             for capture in self._captures.get(kind, {}).get(rank, [])[:1]:
                 if capture.output_type is None:
-                    capture.fields, capture.output_type = output_fields(out, capture.last_outputs, own[rank]), type(out)
+                    try:
+                        capture.fields, capture.output_type = output_fields(out, capture.last_outputs, own[rank]), type(out)
+                    except StitchError as error:
+                        self._refuse(kind, f"shard {rank}: {error}")
             return self.rewrap(out, shard_kwargs)
 
         try:
@@ -102,13 +104,12 @@ class Stitcher:
         finally:
             self._now = None
         calls = self._calls[kind] = self._calls.get(kind, 0) + 1
+        if kind in self.refused:
+            return out
         captures = self._captures.get(kind, {})
         try:
-            if calls == 1:
-                self._one_graph_each(captures)
-            elif sum(len(v) for v in captures.values()) != compiled_before:
-                raise StitchError("dynamo compiled again at the second call: the step depends on Python state that changes per token")
-            else:
+            self._one_graph_each(captures)
+            if calls == _CAPTURE_CALLS:
                 src = next((r for r, d in enumerate(self.model.devices) if d == self.model.output_device), 0)
                 self.steps[kind] = stitch([captures[r][0] for r in range(len(self.tracing))], self.model.devices, src)
                 self._registrations = registrations()
@@ -121,7 +122,7 @@ class Stitcher:
         for rank in range(len(self.tracing)):
             got = len(captures.get(rank, []))
             if got != 1:
-                raise StitchError(f"shard {rank}'s step compiled into {got} graphs (one without graph breaks is needed)")
+                raise StitchError(f"shard {rank}'s step compiled into {got} graphs (one, without graph breaks, is needed)")
             if captures[rank][0].output_type is None:
                 raise StitchError(f"shard {rank}'s output could not be matched with its graph's outputs")
 
@@ -130,12 +131,23 @@ class Stitcher:
             if self._now is None:  # a recompile outside the capturing calls: nothing to stitch
                 return gm.forward
             kind, own = self._now
-            try:
-                capture = Capture(gm, locate_inputs(self.model.module_shards[rank], own[rank], example_inputs))
-            except StitchError as error:
-                self._refuse(kind, f"shard {rank}: {error}")
+            if kind in self.refused:
                 return gm.forward
-            self._captures.setdefault(kind, {}).setdefault(rank, []).append(capture)
+            kept = self._captures.setdefault(kind, {}).setdefault(rank, [])
+            why = None
+            if self._calls.get(kind, 0) > 0:
+                why = "dynamo compiled again at the second call: the step depends on Python state that changes per token"
+            elif kept:
+                why = f"shard {rank}'s step compiled into {len(kept) + 1} graphs (a graph break; one graph is needed)"
+            else:
+                try:
+                    capture = Capture(gm, locate_inputs(self.model.module_shards[rank], own[rank], example_inputs))
+                except StitchError as error:
+                    why = f"shard {rank}: {error}"
+            if why is not None:
+                self._refuse(kind, why)
+                return gm.forward
+            kept.append(capture)
 
             def run(*inputs: Any) -> Any:
                 capture.last_outputs = gm(*inputs)

@@ -139,6 +139,8 @@ def stitch(captures: Sequence[Capture], devices: Sequence[torch.device], src: in
             mine = total if rank == 0 or not _changed_in_place(end) else graph.call_method("clone", (total,))
             env[rank][end] = mine
         collectives_done.append((kind, _nbytes(ends[0]), ends[0].args[-1]))
+    for capture in captures:
+        capture.last_outputs = None  # (the outputs of the last per-shard run: no longer needed)
     out_node = captures[src].graph.graph.find_nodes(op="output")[0]
     graph.output(fx.map_arg(out_node.args[0], lambda n: env[src][n]))
     module = fx.GraphModule(nn.Module(), graph)
