@@ -90,3 +90,20 @@ def test_a_graph_calling_another_shards_collectives_is_refused():
 def test_gpus_are_not_stitched():
     with pytest.raises(StitchError, match="only CPU slots"):
         stitch([], ["cuda:0", "cuda:1"], src=0)
+
+
+def test_each_shard_gets_its_own_copy_of_a_collectives_result():
+    """A shard changing the all-reduce's result in place (Falcon's `mlp_output += attention_output`) changes only its
+    own copy, as with the eager collective: on one shared tensor both shards' `+=` would land in every shard."""
+    comms = [_Comm(r) for r in range(2)]
+    handles = [collectives.handle_of(c) for c in comms]
+
+    def step(x, handle, rank):
+        y = torch.ops.tensorshard.threads_all_reduce.default(x, handle, "mlp")
+        return (y.add_(1.0),)  # (dynamo records Falcon's `+=` as operator.iadd: the same in-place change)
+
+    captures = [_capture(step, h, r) for r, h in enumerate(handles)]
+    x0, x1 = torch.ones(3), torch.full((3,), 2.0)
+    for src in (0, 1):
+        out = stitch(captures, ["cpu", "cpu"], src=src).module(x0, x1)[0]
+        assert torch.equal(out, torch.full((3,), 4.0)), f"shard {src}'s result: {out}"

@@ -144,6 +144,20 @@ def test_stitched_decoding_with_uneven_heads_over_3_devices():
     assert any("stitched the decode steps" in m and "3 shards" in m for m in messages), messages
 
 
+def test_stitched_decoding_gives_the_unsplit_logits():
+    """Falcon (parallel attention and MLP) adds the attention's all-reduced output into the MLP's in place: the
+    stitched graph gives each shard its own copy of a collective's result, so the logits of every token stay within
+    float32 rounding of the unsplit model's (tokens alone would not show a wrong sum on a tiny random model)."""
+    model = tiny_model("falcon")
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+    out, messages = _logged(lambda: _greedy(split, _ids(), cache_implementation="static", output_logits=True, return_dict_in_generate=True))
+    expected = _greedy(model, _ids(), output_logits=True, return_dict_in_generate=True)
+    assert any("stitched the decode steps" in m for m in messages), messages
+    assert torch.equal(out.sequences, expected.sequences)
+    for got, want in zip(out.logits, expected.logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the sums' order differs from the unsplit matmul's
+
+
 def test_a_step_that_cannot_be_stitched_runs_per_shard_and_says_why():
     """A graph break in every shard (a hook dynamo cannot trace) leaves two graphs per shard: not stitched, logged
     with the reason, and the per-shard compiled path gives the unsplit tokens."""

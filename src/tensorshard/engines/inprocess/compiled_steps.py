@@ -22,8 +22,9 @@ What happens per call:
   call schedule chooses (schedule.py);
 - a graph torch.compile fails to make runs that part eagerly (the same numbers, slower), unless `fullgraph`.
 
-What is left per token on CPU slots is the hand-off between the shards' threads at every collective
-(BENCHMARKS.md, section 5).
+On CPU slots (inductor, its default mode) a kind of call seen twice is handed on to one graph that runs every
+shard's step from the calling thread (stitched_decode.py): the hand-offs between the shards' threads at every
+collective, which dominated what was left per token (BENCHMARKS.md, section 5), are gone.
 """
 
 from __future__ import annotations
@@ -102,6 +103,10 @@ class CompiledSteps:
                 type(self.model).__name__, world, time.perf_counter() - started, _describe(self.options), _summary(kind),
             )
         return out
+
+    def keep_one_graph_per_shard(self) -> None:
+        """Never stitch: every call runs each shard's own compiled graph in its thread (to compare, or to debug)."""
+        self.stitcher = None
 
     def _run(self, rank: int, args: tuple, kwargs: dict) -> Any:
         args = tuple(self.unwrap(a, rank) for a in args)

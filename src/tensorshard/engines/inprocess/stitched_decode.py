@@ -52,7 +52,6 @@ class Stitcher:
         self._calls: dict[Hashable, int] = {}
         self._captures: dict[Hashable, dict[int, list[Capture]]] = {}
         self._now: tuple[Hashable, dict[int, dict]] | None = None  # the kind being captured, each rank's arguments
-        self._registrations = registrations()
 
     @staticmethod
     def applies(model: nn.Module, options: dict[str, Any]) -> bool:
@@ -65,8 +64,9 @@ class Stitcher:
         """Whether this call goes through the stitcher (capturing or stitched)."""
         if kind in self.refused or torch.is_grad_enabled() or self.model.training or "labels" in kwargs:
             return False
-        if self.steps and registrations() != self._registrations:
-            self._give_up_all("a module, weight or buffer was registered on the split model since it was stitched")
+        step = self.steps.get(kind)
+        if step is not None and step.registrations != registrations():
+            self._refuse(kind, "a module, weight or buffer was registered on a split model since the step was stitched")
             return False
         return True
 
@@ -112,7 +112,7 @@ class Stitcher:
             if calls == _CAPTURE_CALLS:
                 src = next((r for r, d in enumerate(self.model.devices) if d == self.model.output_device), 0)
                 self.steps[kind] = stitch([captures[r][0] for r in range(len(self.tracing))], self.model.devices, src)
-                self._registrations = registrations()
+                self.steps[kind].registrations = registrations()
                 del self._captures[kind]
         except StitchError as error:
             self._refuse(kind, str(error))
@@ -141,7 +141,7 @@ class Stitcher:
                 why = f"shard {rank}'s step compiled into {len(kept) + 1} graphs (a graph break; one graph is needed)"
             else:
                 try:
-                    capture = Capture(gm, locate_inputs(self.model.module_shards[rank], own[rank], example_inputs))
+                    capture = Capture(gm, locate_inputs(self.model.module_shards[rank], own[rank], example_inputs, _input_names(gm)))
                 except StitchError as error:
                     why = f"shard {rank}: {error}"
             if why is not None:
@@ -162,23 +162,26 @@ class Stitcher:
     def _stitched(self, kind: Hashable, step: StitchedStep, kwargs: dict) -> Any:
         adopt_late_modules(self.model)  # as every call of the split model does; cheap when nothing was added
         per_rank = [{k: self.unwrap(v, rank) for k, v in kwargs.items()} for rank in range(len(self.tracing))]
-        first = step.compiled is None
+        with self.model._call_lock:
+            if step.compiled is None and not self._compile(kind, step, per_rank):
+                return None
+            out = step(per_rank)
+        return to_device(out, self.model.output_device)
+
+    def _compile(self, kind: Hashable, step: StitchedStep, per_rank: list[dict]) -> bool:
+        """Compile the stitched graph (before it runs: a failure leaves every cache as it was), logged."""
         started = time.perf_counter()
         try:
-            with self.model._call_lock:
-                out = step(per_rank, config_patches=self.config_patches)
+            step.compile(per_rank, config_patches=self.config_patches)
         except Exception as error:  # inductor failing on the stitched graph: the per-shard path still works
-            if not first:
-                raise
             self._refuse(kind, f"inductor failed on the stitched graph ({type(error).__name__}: {error})")
-            return None
-        if first:
-            logger.info(
-                "stitched the decode steps of %s's %d shards into one graph and compiled it in %.1f s "
-                "(every later token runs it from the calling thread)",
-                type(self.model).__name__, len(self.tracing), time.perf_counter() - started,
-            )
-        return to_device(out, self.model.output_device)
+            return False
+        logger.info(
+            "stitched the decode steps of %s's %d shards into one graph and compiled it in %.1f s "
+            "(every later token runs it from the calling thread)",
+            type(self.model).__name__, len(self.tracing), time.perf_counter() - started,
+        )
+        return True
 
     def _refuse(self, kind: Hashable, why: str) -> None:
         if kind not in self.refused:
@@ -187,6 +190,7 @@ class Stitcher:
         self.steps.pop(kind, None)
         self._captures.pop(kind, None)
 
-    def _give_up_all(self, why: str) -> None:
-        for kind in list(self.steps):
-            self._refuse(kind, why)
+
+def _input_names(gm: torch.fx.GraphModule) -> list[str]:
+    """The graph's inputs as dynamo named them (after where it found them: `l_kwargs_cache_layers_0_keys`)."""
+    return [node.name for node in gm.graph.find_nodes(op="placeholder")]

@@ -52,10 +52,11 @@ class Capture:
     last_outputs: Any = None  # the graph's outputs at its latest run (to match them with the shard's output)
 
 
-def locate_inputs(shard: nn.Module, kwargs: dict, inputs: Sequence[Any]) -> list[Callable[[dict], torch.Tensor]]:
+def locate_inputs(shard: nn.Module, kwargs: dict, inputs: Sequence[Any], names: Sequence[str] = ()) -> list[Callable[[dict], torch.Tensor]]:
     """For each graph input (the real tensors dynamo passed to the backend), a function kwargs -> that input at a
     later call: a weight or buffer of the shard (read from its module each call, so replaced weights are seen), a
-    tensor argument, or a tensor of a cache argument's layer (`cache.layers[i].keys`)."""
+    tensor argument, a tensor in a dict argument (`attention_mask["full_attention"]`), or a tensor of a cache
+    argument's layer (`cache.layers[i].keys`)."""
     where: dict[int, Callable[[dict], torch.Tensor]] = {}
     for name, module in shard.named_modules():
         for attr, tensors in (("_parameters", module._parameters), ("_buffers", module._buffers)):
@@ -65,6 +66,10 @@ def locate_inputs(shard: nn.Module, kwargs: dict, inputs: Sequence[Any]) -> list
     for name, value in kwargs.items():
         if isinstance(value, torch.Tensor):
             where.setdefault(id(value), operator.itemgetter(name))
+        if isinstance(value, dict):  # a mask per attention type (Gemma2, Qwen2), an encoder's ModelOutput (T5)
+            for key, t in value.items():
+                if isinstance(t, torch.Tensor):
+                    where.setdefault(id(t), _item_reader(name, key))
         for i, layer in enumerate(getattr(value, "layers", None) or ()):
             for attr, t in vars(layer).items():
                 if isinstance(t, torch.Tensor):
@@ -72,7 +77,8 @@ def locate_inputs(shard: nn.Module, kwargs: dict, inputs: Sequence[Any]) -> list
     found = []
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor) or id(x) not in where:
-            raise StitchError(f"graph input {i} ({type(x).__name__}) is neither a weight, a tensor argument nor a cache tensor")
+            name = f" {names[i]}" if i < len(names) else ""
+            raise StitchError(f"graph input {i}{name} ({type(x).__name__}) is neither a weight, a tensor argument nor a cache tensor")
         found.append(where[id(x)])
     return found
 
@@ -80,6 +86,10 @@ def locate_inputs(shard: nn.Module, kwargs: dict, inputs: Sequence[Any]) -> list
 def _reader(module: nn.Module, attr: str, key: str) -> Callable[[dict], torch.Tensor]:
     table = getattr(module, attr)
     return lambda kwargs: table[key]
+
+
+def _item_reader(name: str, key: Any) -> Callable[[dict], torch.Tensor]:
+    return lambda kwargs: kwargs[name][key]
 
 
 def _cache_reader(name: str, layer: int, attr: str) -> Callable[[dict], torch.Tensor]:
@@ -135,9 +145,10 @@ def stitch(captures: Sequence[Capture], devices: Sequence[torch.device], src: in
             total = graph.call_function(_assemble, (list(layout), dim, *pieces))
             kind = "all_gather"
         for rank, end in enumerate(ends):
-            # a shard that changes the result in place gets its own copy, as the eager collective gives it
-            mine = total if rank == 0 or not _changed_in_place(end) else graph.call_method("clone", (total,))
-            env[rank][end] = mine
+            # Every shard gets its own copy, as from the eager collective: model code may change the result in place
+            # (Falcon's `mlp_output += attention_output`, an `iadd` node, or through a view), which on one shared
+            # tensor would reach the other shards. Made here, before any shard's next segment runs.
+            env[rank][end] = total if rank == 0 else graph.call_method("clone", (total,))
         collectives_done.append((kind, _nbytes(ends[0]), ends[0].args[-1]))
     for capture in captures:
         capture.last_outputs = None  # (the outputs of the last per-shard run: no longer needed)
@@ -196,10 +207,6 @@ def _nbytes(node: fx.Node) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def _changed_in_place(node: fx.Node) -> bool:
-    return any(str(getattr(u.target, "__name__", u.target)).endswith("_") for u in node.users)
-
-
 def _assemble(layout: list[int], dim: int, *pieces: torch.Tensor) -> torch.Tensor:
     """The all-gather's result: each rank's piece at its place along `dim` (comm/threads.py's eager_all_gather)."""
     return collectives.partition_of(layout).assemble(list(pieces), dim)
@@ -211,19 +218,23 @@ class StitchedStep:
     def __init__(self, module: fx.GraphModule, sources: list[list[Callable]], src: Capture, rank: int, done: list) -> None:
         self.module, self.sources, self.src, self.rank, self.collectives = module, sources, src, rank, done
         self.compiled: Callable[..., Any] | None = None
+        self.registrations = 0  # registrations.py's count when stitched: the graph is good while it stays
 
     def inputs(self, per_rank_kwargs: Sequence[dict]) -> list[torch.Tensor]:
         return [read(kwargs) for sources, kwargs in zip(self.sources, per_rank_kwargs) for read in sources]
 
-    def __call__(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> Any:
-        flat = self.inputs(per_rank_kwargs)
-        if self.compiled is None:
-            from torch._inductor.compile_fx import compile_fx
+    def compile(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> None:
+        """Compile the graph with inductor for these inputs' shapes (no run: nothing changes)."""
+        from torch._inductor.compile_fx import compile_fx
 
-            self.compiled = compile_fx(self.module, flat, config_patches=config_patches or None)
-        outs = self.compiled(*flat)
+        self.compiled = compile_fx(self.module, self.inputs(per_rank_kwargs), config_patches=config_patches or None)
+
+    def __call__(self, per_rank_kwargs: Sequence[dict]) -> Any:
+        """Every shard's step (each shard's keyword arguments, its own cache among them); shard `rank`'s output."""
+        if self.compiled is None:
+            raise RuntimeError("a stitched step runs after `compile`")
+        outs = self.compiled(*self.inputs(per_rank_kwargs))
         for kind, nbytes, where in self.collectives:  # what the eager collectives report, once per call each
             record(kind, nbytes, "forward", where)
-        src_kwargs = per_rank_kwargs[self.rank]
-        values = {k: outs[v] if isinstance(v, int) else src_kwargs[v] for k, v in self.src.fields.items()}
-        return self.src.output_type(**values)
+        own = per_rank_kwargs[self.rank]
+        return self.src.output_type(**{k: outs[v] if isinstance(v, int) else own[v] for k, v in self.src.fields.items()})
