@@ -154,10 +154,7 @@ def stitch(captures: Sequence[Capture], devices: Sequence[torch.device], src: in
         capture.last_outputs = None  # (the outputs of the last per-shard run: no longer needed)
     out_node = captures[src].graph.graph.find_nodes(op="output")[0]
     graph.output(fx.map_arg(out_node.args[0], lambda n: env[src][n]))
-    module = fx.GraphModule(nn.Module(), graph)
-    for rank, capture in enumerate(captures):  # constants a graph holds as attributes (none for a Llama, kept anyway)
-        for name, value in capture.graph.named_buffers():
-            module.register_buffer(name, value)
+    module = fx.GraphModule(nn.Module(), graph)  # (no attributes: graphs holding any are refused, `_segments`)
     return StitchedStep(module, [c.sources for c in captures], captures[src], src, collectives_done)
 
 
@@ -171,6 +168,8 @@ def _segments(gm: fx.GraphModule) -> list[tuple[list[fx.Node], fx.Node | None]]:
         if node.op == "get_attr":
             raise StitchError(f"graph holds a constant attribute ({node.target}); not stitched")
         if node.op == "call_function" and node.target in (_ALL_REDUCE, _ALL_GATHER):
+            if node.kwargs:
+                raise StitchError(f"a collective called with keyword arguments ({node.format_node()}); not stitched")
             out.append((run, node))
             run = []
         else:
