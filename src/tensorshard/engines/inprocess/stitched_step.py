@@ -224,9 +224,8 @@ class StitchedStep:
 
     def compile(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> None:
         """Compile the graph with inductor for these inputs' shapes (no run: nothing changes)."""
-        from torch._inductor.compile_fx import compile_fx
-
-        self.compiled = compile_fx(self.module, self.inputs(per_rank_kwargs), config_patches=config_patches or None)
+        inductor = torch._dynamo.lookup_backend("inductor")  # torch._inductor's compile_fx, imported when first used
+        self.compiled = inductor(self.module, self.inputs(per_rank_kwargs), config_patches=config_patches or None)
 
     def __call__(self, per_rank_kwargs: Sequence[dict]) -> Any:
         """Every shard's step (each shard's keyword arguments, its own cache among them); shard `rank`'s output."""
