@@ -158,6 +158,23 @@ def test_stitched_decoding_gives_the_unsplit_logits():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the sums' order differs from the unsplit matmul's
 
 
+def test_a_stitched_step_is_dropped_when_the_split_model_gains_a_module(monkeypatch):
+    """The stitched graph skips dynamo's guards: a registration on the split model's modules since the stitch (what
+    a PEFT adapter added late makes, registrations.py; here its count moved by hand) drops it, logged, and the
+    per-shard graphs, whose guards see any change, decode instead."""
+    from tensorshard.engines.inprocess import stitched_decode
+
+    model = tiny_model("llama")
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+    assert torch.equal(_greedy(split, _ids(), cache_implementation="static"), _greedy(model, _ids()))  # stitched
+    counted = stitched_decode.registrations()
+    monkeypatch.setattr(stitched_decode, "registrations", lambda: counted + 1)
+    out, messages = _logged(lambda: _greedy(split, _ids(), cache_implementation="static"))
+    assert torch.equal(out, _greedy(model, _ids()))
+    assert any("registered on a split model since the step was stitched" in m for m in messages), messages
+    assert any("compiled the decode step" in m for m in messages), messages
+
+
 def test_a_step_that_cannot_be_stitched_runs_per_shard_and_says_why():
     """A graph break in every shard (a hook dynamo cannot trace) leaves two graphs per shard: not stitched, logged
     with the reason, and the per-shard compiled path gives the unsplit tokens."""
