@@ -116,6 +116,8 @@ class Stitcher:
                 del self._captures[kind]
         except StitchError as error:
             self._refuse(kind, str(error))
+        except Exception as error:  # a graph this code did not foresee: the per-shard path still decodes it
+            self._refuse(kind, f"stitching failed ({type(error).__name__}: {error})")
         return out
 
     def _one_graph_each(self, captures: dict[int, list[Capture]]) -> None:
