@@ -30,7 +30,6 @@ from torch import nn
 from ...logs import get_logger
 from ...registrations import registrations
 from .boundary import to_device
-from .late_adapters import adopt_late_modules
 from .stitched_step import Capture, StitchError, StitchedStep, locate_inputs, output_fields, stitch
 
 logger = get_logger(__name__)
@@ -162,7 +161,8 @@ class Stitcher:
     # -- later calls: the stitched graph -------------------------------------------------------------------------
 
     def _stitched(self, kind: Hashable, step: StitchedStep, kwargs: dict) -> Any:
-        adopt_late_modules(self.model)  # as every call of the split model does; cheap when nothing was added
+        # (No late adapters to adopt, as the engine's call does first: anything registered since the stitch has
+        # already dropped this step, `handles`, and the per-shard path adopts it.)
         per_rank = [{k: self.unwrap(v, rank) for k, v in kwargs.items()} for rank in range(len(self.tracing))]
         with self.model._call_lock:
             if step.compiled is None and not self._compile(kind, step, per_rank):
