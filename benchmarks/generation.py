@@ -12,7 +12,10 @@ its prefill included):
 - unsplit fast: transformers' own fast path, `cache_implementation="static"` with its compile forced on CPU
   (`CompileConfig._compile_all_devices`; transformers compiles by itself only on GPUs);
 - split default: `tp.tensor_parallel(model, ["cpu"] * n).generate(...)` with the dynamic cache;
-- split fast: the same split model with `cache_implementation="static"`: each shard's compiled step.
+- split fast: the same split model with `cache_implementation="static"`: on CPU slots, after two tokens, every
+  shard's step stitched into one compiled graph run from the calling thread (engines/inprocess/stitched_decode.py);
+- split fast per shard: the fast path as it was before stitching, each shard's own compiled graph in its thread
+  (`keep_one_graph_per_shard`), on a copy of the split model.
 
 Every variant runs in one process, in interleaved rounds (the same conditions for all), after one untimed call
 that compiles (its time is reported as "first call"). Wall time is the median over the rounds; CPU time is the
@@ -46,6 +49,7 @@ def variants(model, devices: list[int]):
     from transformers import CompileConfig
 
     import tensorshard as tp
+    from tensorshard.integrations.transformers.fast_decode import compiled_call
 
     compile_anywhere = CompileConfig()
     compile_anywhere._compile_all_devices = True  # transformers' own switch for compiling off-GPU
@@ -57,6 +61,10 @@ def variants(model, devices: list[int]):
         split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n)
         out[f"split {n} default"] = (split, {})
         out[f"split {n} fast"] = (split, {"cache_implementation": "static"})
+        if n > 1:
+            per_shard = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n)
+            compiled_call(per_shard, None).keep_one_graph_per_shard()
+            out[f"split {n} fast per shard"] = (per_shard, {"cache_implementation": "static"})
     return out
 
 

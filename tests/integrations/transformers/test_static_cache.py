@@ -18,7 +18,7 @@ from transformers import CompileConfig, StaticCache
 
 import tensorshard as tp
 from tensorshard.integrations.transformers.cache import rank_caches
-from support.hf_configs import tiny_model
+from support.hf_configs import tiny_config, tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -64,29 +64,52 @@ def test_a_static_cache_passed_in_holds_each_devices_heads():
     assert heads == [2, 1]
 
 
-@pytest.fixture(scope="module")
-def compiled_llama():
-    """A tiny Llama split over 2 CPU slots that decoded once through compiled shards (inductor), and the log."""
-    model = tiny_model("llama")
-    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+def _logged(run):
+    """`run()`'s result and the messages the in-process engine logged meanwhile (INFO and above)."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("tensorshard.engines.inprocess.compiled_steps")
+    logger = logging.getLogger("tensorshard.engines.inprocess")
+    level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        out = _greedy(split, _ids(), cache_implementation="static")
+        return run(), [r.getMessage() for r in records]
     finally:
         logger.removeHandler(handler)
-    return model, split, out, records
+        logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def compiled_llama():
+    """A tiny Llama split over 2 CPU slots that decoded once on the fast path (inductor), and the log."""
+    model = tiny_model("llama")
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+    out, messages = _logged(lambda: _greedy(split, _ids(), cache_implementation="static"))
+    return model, split, out, messages
 
 
 def test_compiled_decoding_gives_the_unsplit_tokens(compiled_llama):
-    model, split, out, records = compiled_llama
+    """On CPU slots the shards' steps are stitched into one graph (after two tokens run per shard), logged once."""
+    model, split, out, messages = compiled_llama
     assert torch.equal(out, _greedy(model, _ids()))
-    compiled = [r.getMessage() for r in records if "compiled the decode step" in r.getMessage()]
-    assert len(compiled) == 1 and "on each of 2 device(s)" in compiled[0], compiled
+    stitched = [m for m in messages if "stitched the decode steps" in m]
+    assert len(stitched) == 1 and "2 shards" in stitched[0], messages
+    assert not [m for m in messages if "compiled the decode step" in m or "not one stitched graph" in m], messages
+
+
+def test_stitched_decoding_runs_no_shard_thread_per_token(compiled_llama):
+    """Once stitched, a generate calls the shards' threads for its prefill only: every token is one graph run from
+    the calling thread."""
+    model, split, _, _ = compiled_llama
+    calls = []
+    run_modules = split.run_modules
+    split.run_modules = lambda *a, **k: calls.append(1) or run_modules(*a, **k)
+    try:
+        assert torch.equal(_greedy(split, _ids(), cache_implementation="static"), _greedy(model, _ids()))
+    finally:
+        del split.run_modules
+    assert len(calls) == 1, f"{len(calls)} calls through the shards' threads (the prefill's only expected)"
 
 
 def test_compiled_decoding_reuses_its_graphs(compiled_llama):
@@ -108,6 +131,62 @@ def test_compiled_decoding_runs_the_collectives_of_the_eager_step(compiled_llama
     with tp.count_collectives() as compiled:
         _greedy(split, _ids(), cache_implementation="static")
     assert compiled.counts == eager.counts and eager.counts["all_reduce"] > 0
+
+
+def test_stitched_decoding_with_uneven_heads_over_3_devices():
+    """8 heads in 4 KV groups over 3 devices (2, 1, 1 KV heads): the stitched graph gives the unsplit tokens."""
+    config = tiny_config("llama")
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim = 64, 8, 4, 8
+    model = tiny_model("llama", config)
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 3)
+    out, messages = _logged(lambda: _greedy(split, _ids(), cache_implementation="static"))
+    assert torch.equal(out, _greedy(model, _ids()))
+    assert any("stitched the decode steps" in m and "3 shards" in m for m in messages), messages
+
+
+def test_stitched_decoding_gives_the_unsplit_logits():
+    """Falcon (parallel attention and MLP) adds the attention's all-reduced output into the MLP's in place: the
+    stitched graph gives each shard its own copy of a collective's result, so the logits of every token stay within
+    float32 rounding of the unsplit model's (tokens alone would not show a wrong sum on a tiny random model)."""
+    model = tiny_model("falcon")
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+    out, messages = _logged(lambda: _greedy(split, _ids(), cache_implementation="static", output_logits=True, return_dict_in_generate=True))
+    expected = _greedy(model, _ids(), output_logits=True, return_dict_in_generate=True)
+    assert any("stitched the decode steps" in m for m in messages), messages
+    assert torch.equal(out.sequences, expected.sequences)
+    for got, want in zip(out.logits, expected.logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the sums' order differs from the unsplit matmul's
+
+
+def test_a_stitched_step_is_dropped_when_the_split_model_gains_a_module(monkeypatch):
+    """The stitched graph skips dynamo's guards: a registration on the split model's modules since the stitch (what
+    a PEFT adapter added late makes, registrations.py; here its count moved by hand) drops it, logged, and the
+    per-shard graphs, whose guards see any change, decode instead."""
+    from tensorshard.engines.inprocess import stitched_decode
+
+    model = tiny_model("llama")
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+    assert torch.equal(_greedy(split, _ids(), cache_implementation="static"), _greedy(model, _ids()))  # stitched
+    counted = stitched_decode.registrations()
+    monkeypatch.setattr(stitched_decode, "registrations", lambda: counted + 1)
+    out, messages = _logged(lambda: _greedy(split, _ids(), cache_implementation="static"))
+    assert torch.equal(out, _greedy(model, _ids()))
+    assert any("registered on a split model since the step was stitched" in m for m in messages), messages
+    assert any("compiled the decode step" in m for m in messages), messages
+
+
+def test_a_step_that_cannot_be_stitched_runs_per_shard_and_says_why():
+    """A graph break in every shard (a hook dynamo cannot trace) leaves two graphs per shard: not stitched, logged
+    with the reason, and the per-shard compiled path gives the unsplit tokens."""
+    model = tiny_model("llama")
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+    for shard in split.module_shards:
+        shard.model.layers[0].register_forward_hook(lambda module, args, out: torch._dynamo.graph_break())
+    out, messages = _logged(lambda: _greedy(split, _ids(), cache_implementation="static"))
+    assert torch.equal(out, _greedy(model, _ids()))
+    refused = [m for m in messages if "not one stitched graph" in m]
+    assert len(refused) == 1 and "2 graphs" in refused[0], messages
+    assert any("compiled the decode step" in m for m in messages), messages
 
 
 def test_compiled_decoding_with_uneven_heads_over_3_devices():

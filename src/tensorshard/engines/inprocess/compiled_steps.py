@@ -22,8 +22,9 @@ What happens per call:
   call schedule chooses (schedule.py);
 - a graph torch.compile fails to make runs that part eagerly (the same numbers, slower), unless `fullgraph`.
 
-What is left per token on CPU slots is the hand-off between the shards' threads at every collective
-(BENCHMARKS.md, section 5).
+On CPU slots (inductor, its default mode) a kind of call seen twice is handed on to one graph that runs every
+shard's step from the calling thread (stitched_decode.py): the hand-offs between the shards' threads at every
+collective, which dominated what was left per token (BENCHMARKS.md, section 5), are gone.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ...logs import get_logger
+from .stitched_decode import Stitcher
 
 logger = get_logger(__name__)
 
@@ -53,6 +55,8 @@ class CompiledSteps:
             back in place of the shard's own).
         prepare: (args, kwargs) -> the keyword arguments of the call (a transformers model names its arguments
             and shards its cache there).
+        stitch: on CPU slots, run every shard's step as one stitched graph from the calling thread once a kind of
+            call was seen twice (stitched_decode.py); False keeps one compiled graph per shard.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class CompiledSteps:
         unwrap: Callable[[Any, int], Any] = lambda x, rank: x,
         rewrap: Callable[[Any, dict], Any] = lambda out, kwargs: out,
         prepare: Callable[[tuple, dict], dict] | None = None,
+        stitch: bool = True,
     ) -> None:
         self.model = model
         self.options = dict(options)
@@ -70,12 +75,20 @@ class CompiledSteps:
         self.compiled = [torch.compile(_entry(shard, rank), **self.options) for rank, shard in enumerate(model.module_shards)]
         self.kinds: set[Hashable] = set()  # kinds of call compiled so far
         self.cpu_only = all(torch.device(d).type == "cpu" for d in model.devices)
+        self.stitcher = (
+            Stitcher(model, [_entry(shard, rank) for rank, shard in enumerate(model.module_shards)], self.options, unwrap, rewrap)
+            if stitch and prepare is not None and Stitcher.applies(model, self.options) else None
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         world = len(self.compiled)
         if self.prepare is not None:
             args, kwargs = (), self.prepare(args, kwargs)
         kind = _kind(args, kwargs)
+        if self.stitcher is not None and self.stitcher.handles(kind, kwargs):
+            out = self.stitcher(kind, kwargs)
+            if out is not None:
+                return out
         first = kind not in self.kinds
         started = time.perf_counter()
         serial = True if first or self.cpu_only else None
@@ -90,6 +103,10 @@ class CompiledSteps:
                 type(self.model).__name__, world, time.perf_counter() - started, _describe(self.options), _summary(kind),
             )
         return out
+
+    def keep_one_graph_per_shard(self) -> None:
+        """Never stitch: every call runs each shard's own compiled graph in its thread (to compare, or to debug)."""
+        self.stitcher = None
 
     def _run(self, rank: int, args: tuple, kwargs: dict) -> Any:
         args = tuple(self.unwrap(a, rank) for a in args)

@@ -10,7 +10,9 @@ eagerly, every later token through the compiled call. A split model answers the 
 - what to compile: not the split model's call (threads and a rendezvous: nothing a compiler can trace), but each
   shard's forward, once, with the collectives kept inside the graphs (engines/inprocess/compiled_steps.py,
   comm/compiled.py). The compile options are `generation_config.compile_config`'s, except that
-  `mode="reduce-overhead"` (CUDA graphs, transformers' default) is replaced by inductor's default mode.
+  `mode="reduce-overhead"` (CUDA graphs, transformers' default) is replaced by inductor's default mode. On CPU
+  slots the shards' graphs are then stitched into one graph run from the calling thread
+  (engines/inprocess/stitched_decode.py; `compiled_call(model, None).keep_one_graph_per_shard()` opts out).
 
 The compiled steps are kept on the model (one set per compile options) and reused by every later `generate`.
 What recompiles them: a new batch size, a new cache length (`max_cache_len`, which `generate` sets from

@@ -1,0 +1,198 @@
+"""When the fast decoding path runs one stitched graph for all shards, and when it keeps one graph per shard.
+
+CompiledSteps (compiled_steps.py) hands each kind of call (`_kind`: shapes, dtypes, cache lengths) to a `Stitcher`
+first, on CPU slots, with inductor (the default backend and mode):
+
+1. the first two calls of a kind run the shards as today (one thread each, one at a time), each shard's forward
+   under a `torch.compile` whose backend only keeps dynamo's graph (`Capture`: the graph, where each of its inputs
+   comes from, which output is which field) and runs it as it is;
+2. the second call must add no graph: dynamo recompiling there means the step depends on Python state that changes
+   per token (a sliding-window cache layer), which one fixed graph cannot follow;
+3. then the shards' graphs are stitched into one (stitched_step.py), and from the third call on that graph,
+   compiled once with inductor, runs every shard's step from the caller's thread: no thread, no hand-off, no
+   dynamo frame evaluation per shard.
+
+Whatever stops this (a graph break, graphs that differ, an input that cannot be found again, inductor failing on
+the stitched graph) is logged once at INFO with the reason, and that kind runs the per-shard compiled path from
+then on. A stitched graph skips dynamo's guards; what they would have caught is checked here instead: the kind of
+call, no gradient, the model in eval mode, and no module, weight or buffer registered on a split model since the
+stitch (registrations.py; weights changed in place, or replaced, are read afresh on every call).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Hashable
+
+import torch
+from torch import nn
+
+from ...logs import get_logger
+from ...registrations import registrations
+from .boundary import to_device
+from .stitched_step import Capture, StitchError, StitchedStep, locate_inputs, output_fields, stitch
+
+logger = get_logger(__name__)
+
+_CAPTURE_CALLS = 2  # calls of a kind run per shard before stitching: one to capture, one to see nothing recompile
+
+
+class Stitcher:
+    """The stitched decode steps of one split model (a TensorParallel on CPU slots), one per kind of call."""
+
+    def __init__(self, model: nn.Module, entries: list[Callable[..., Any]], options: dict[str, Any],
+                 unwrap: Callable[[Any, int], Any], rewrap: Callable[[Any, dict], Any]) -> None:
+        self.model, self.unwrap, self.rewrap = model, unwrap, rewrap
+        self.config_patches = options.get("options") or {}
+        trace = {k: v for k, v in options.items() if k in ("fullgraph", "dynamic")}
+        self.tracing = [torch.compile(entry, backend=self._backend(rank), **trace) for rank, entry in enumerate(entries)]
+        self.steps: dict[Hashable, StitchedStep] = {}
+        self.refused: set[Hashable] = set()
+        self._calls: dict[Hashable, int] = {}
+        self._captures: dict[Hashable, dict[int, list[Capture]]] = {}
+        self._now: tuple[Hashable, dict[int, dict]] | None = None  # the kind being captured, each rank's arguments
+
+    @staticmethod
+    def applies(model: nn.Module, options: dict[str, Any]) -> bool:
+        """Stitch at all? CPU slots only, several of them, inductor in its default mode."""
+        cpu = all(torch.device(d).type == "cpu" for d in model.devices)
+        backend = options.get("backend", "inductor")
+        return cpu and len(model.devices) > 1 and backend in ("inductor", None) and options.get("mode") is None
+
+    def handles(self, kind: Hashable, kwargs: dict) -> bool:
+        """Whether this call goes through the stitcher (capturing or stitched)."""
+        if kind in self.refused or torch.is_grad_enabled() or self.model.training or "labels" in kwargs:
+            return False
+        step = self.steps.get(kind)
+        if step is not None and step.registrations != registrations():
+            self._refuse(kind, "a module, weight or buffer was registered on a split model since the step was stitched")
+            return False
+        return True
+
+    def __call__(self, kind: Hashable, kwargs: dict) -> Any:
+        """One call of the split model: stitched, or (the first calls of a kind) per shard, capturing."""
+        step = self.steps.get(kind)
+        if step is not None:
+            out = self._stitched(kind, step, kwargs)
+            if out is not None:
+                return self.rewrap(out, kwargs)
+        elif self._calls.get(kind, 0) < _CAPTURE_CALLS:
+            return self._capturing(kind, kwargs)
+        return None  # the per-shard compiled path runs this call
+
+    # -- the first calls of a kind: the per-shard path, capturing ------------------------------------------------
+
+    def _capturing(self, kind: Hashable, kwargs: dict) -> Any:
+        own: dict[int, dict] = {}
+        self._now = (kind, own)
+
+        def run(rank: int, args: tuple, shard_kwargs: dict) -> Any:
+            own[rank] = {k: self.unwrap(v, rank) for k, v in shard_kwargs.items()}
+            out = self.tracing[rank](**own[rank])
+            for capture in self._captures.get(kind, {}).get(rank, [])[:1]:
+                if capture.output_type is None:
+                    try:
+                        capture.fields, capture.output_type = output_fields(out, capture.last_outputs, own[rank]), type(out)
+                    except StitchError as error:
+                        self._refuse(kind, f"shard {rank}: {error}")
+            return self.rewrap(out, shard_kwargs)
+
+        try:
+            with torch._dynamo.config.patch(suppress_errors=True):
+                out = self.model.run_modules((), kwargs, run, serial=True)
+        finally:
+            self._now = None
+        calls = self._calls[kind] = self._calls.get(kind, 0) + 1
+        if kind in self.refused:
+            return out
+        captures = self._captures.get(kind, {})
+        try:
+            self._one_graph_each(captures)
+            if calls == _CAPTURE_CALLS:
+                src = next((r for r, d in enumerate(self.model.devices) if d == self.model.output_device), 0)
+                self.steps[kind] = stitch([captures[r][0] for r in range(len(self.tracing))], self.model.devices, src)
+                self.steps[kind].registrations = registrations()
+                del self._captures[kind]
+        except StitchError as error:
+            self._refuse(kind, str(error))
+        except Exception as error:  # a graph this code did not foresee: the per-shard path still decodes it
+            self._refuse(kind, f"stitching failed ({type(error).__name__}: {error})")
+        return out
+
+    def _one_graph_each(self, captures: dict[int, list[Capture]]) -> None:
+        for rank in range(len(self.tracing)):
+            got = len(captures.get(rank, []))
+            if got != 1:
+                raise StitchError(f"shard {rank}'s step compiled into {got} graphs (one, without graph breaks, is needed)")
+            if captures[rank][0].output_type is None:
+                raise StitchError(f"shard {rank}'s output could not be matched with its graph's outputs")
+
+    def _backend(self, rank: int) -> Callable[..., Any]:
+        def keep_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+            if self._now is None:  # a recompile outside the capturing calls: nothing to stitch
+                return gm.forward
+            kind, own = self._now
+            if kind in self.refused:
+                return gm.forward
+            kept = self._captures.setdefault(kind, {}).setdefault(rank, [])
+            why = None
+            if self._calls.get(kind, 0) > 0:
+                why = "dynamo compiled again at the second call: the step depends on Python state that changes per token"
+            elif kept:
+                why = f"shard {rank}'s step compiled into {len(kept) + 1} graphs (a graph break; one graph is needed)"
+            else:
+                try:
+                    capture = Capture(gm, locate_inputs(self.model.module_shards[rank], own[rank], example_inputs, _input_names(gm)))
+                except StitchError as error:
+                    why = f"shard {rank}: {error}"
+            if why is not None:
+                self._refuse(kind, why)
+                return gm.forward
+            kept.append(capture)
+
+            def run(*inputs: Any) -> Any:
+                capture.last_outputs = gm(*inputs)
+                return capture.last_outputs
+
+            return run
+
+        return keep_graph
+
+    # -- later calls: the stitched graph -------------------------------------------------------------------------
+
+    def _stitched(self, kind: Hashable, step: StitchedStep, kwargs: dict) -> Any:
+        # (No late adapters to adopt, as the engine's call does first: anything registered since the stitch has
+        # already dropped this step, `handles`, and the per-shard path adopts it.)
+        per_rank = [{k: self.unwrap(v, rank) for k, v in kwargs.items()} for rank in range(len(self.tracing))]
+        with self.model._call_lock:
+            if step.compiled is None and not self._compile(kind, step, per_rank):
+                return None
+            out = step(per_rank)
+        return to_device(out, self.model.output_device)
+
+    def _compile(self, kind: Hashable, step: StitchedStep, per_rank: list[dict]) -> bool:
+        """Compile the stitched graph (before it runs: a failure leaves every cache as it was), logged."""
+        started = time.perf_counter()
+        try:
+            step.compile(per_rank, config_patches=self.config_patches)
+        except Exception as error:  # inductor failing on the stitched graph: the per-shard path still works
+            self._refuse(kind, f"inductor failed on the stitched graph ({type(error).__name__}: {error})")
+            return False
+        logger.info(
+            "stitched the decode steps of %s's %d shards into one graph and compiled it in %.1f s "
+            "(every later token runs it from the calling thread)",
+            type(self.model).__name__, len(self.tracing), time.perf_counter() - started,
+        )
+        return True
+
+    def _refuse(self, kind: Hashable, why: str) -> None:
+        if kind not in self.refused:
+            logger.info("decoding %s with one compiled graph per shard, not one stitched graph: %s", type(self.model).__name__, why)
+        self.refused.add(kind)
+        self.steps.pop(kind, None)
+        self._captures.pop(kind, None)
+
+
+def _input_names(gm: torch.fx.GraphModule) -> list[str]:
+    """The graph's inputs as dynamo named them (after where it found them: `l_kwargs_cache_layers_0_keys`)."""
+    return [node.name for node in gm.graph.find_nodes(op="placeholder")]

@@ -1,0 +1,238 @@
+"""Every shard's compiled decode step stitched into one graph, run from the caller's thread: no hand-offs.
+
+compiled_steps.py compiles each shard's forward on its own; per token each shard then runs in its thread, and at
+every collective (18 per token for an 8-block Llama) the shards' threads hand the GIL to one another, which on CPU
+slots costs more than the compiled kernels themselves (BENCHMARKS.md, section 5). Here the shards' graphs, as
+dynamo captured them (the collectives inside as `tensorshard::threads_*` operators, comm/compiled.py), become ONE
+graph that computes every shard's step:
+
+    shard 0:  seg0 -> all_reduce(a0) -> seg1 -> ... -> all_gather(l0)      stitched:  seg0(s0) seg0(s1)
+    shard 1:  seg0 -> all_reduce(a1) -> seg1 -> ... -> all_gather(l1)      ------->   r = a0 + a1
+                                                                                       seg1(s0, r) seg1(s1, r) ...
+
+each collective replaced by what it computes (the rank-ordered sum for an all-reduce, as comm/reduce.py's `sum_on`;
+the pieces put in place for an all-gather, as `Partition.assemble`), then compiled with inductor once and called
+per token with every shard's inputs (weights, the token's tensors, each shard's static cache, mutated in place).
+
+Built from a `Capture` of each shard (its dynamo graph, where each graph input comes from, which graph output each
+field of its output is), made while the per-shard path runs the first call of a kind. `stitch` refuses (StitchError,
+with the reason) whatever it cannot prove it reproduces: graphs of different structure, a collective not in the
+same place on every shard, an input it cannot find again next call, devices that are not all CPU slots.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx, nn
+
+from ...comm import compiled as collectives
+from ...comm.counter import record
+
+_ALL_REDUCE, _ALL_GATHER = collectives.all_reduce, collectives.all_gather
+
+
+class StitchError(RuntimeError):
+    """The shards' graphs cannot be stitched into one (the reason is the message); the per-shard path runs."""
+
+
+@dataclass
+class Capture:
+    """One shard's decode step as dynamo captured it: `graph` (a GraphModule), `sources` (per graph input, how to
+    find it again from the shard and its call's keyword arguments) and `fields` (per field of the shard's output,
+    the graph output index, or the name of the keyword argument it is)."""
+
+    graph: fx.GraphModule
+    sources: list[Callable[[dict], torch.Tensor]]
+    fields: dict[str, int | str] = field(default_factory=dict)
+    output_type: type | None = None
+    last_outputs: Any = None  # the graph's outputs at its latest run (to match them with the shard's output)
+
+
+def locate_inputs(shard: nn.Module, kwargs: dict, inputs: Sequence[Any], names: Sequence[str] = ()) -> list[Callable[[dict], torch.Tensor]]:
+    """For each graph input (the real tensors dynamo passed to the backend), a function kwargs -> that input at a
+    later call: a weight or buffer of the shard (read from its module each call, so replaced weights are seen), a
+    tensor argument, a tensor in a dict argument (`attention_mask["full_attention"]`), or a tensor of a cache
+    argument's layer (`cache.layers[i].keys`)."""
+    where: dict[int, Callable[[dict], torch.Tensor]] = {}
+    for name, module in shard.named_modules():
+        for attr, tensors in (("_parameters", module._parameters), ("_buffers", module._buffers)):
+            for key, t in tensors.items():
+                if t is not None:
+                    where.setdefault(id(t), _reader(module, attr, key))
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            where.setdefault(id(value), operator.itemgetter(name))
+        if isinstance(value, dict):  # a mask per attention type (Gemma2, Qwen2), an encoder's ModelOutput (T5)
+            for key, t in value.items():
+                if isinstance(t, torch.Tensor):
+                    where.setdefault(id(t), _item_reader(name, key))
+        for i, layer in enumerate(getattr(value, "layers", None) or ()):
+            for attr, t in vars(layer).items():
+                if isinstance(t, torch.Tensor):
+                    where.setdefault(id(t), _cache_reader(name, i, attr))
+    found = []
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor) or id(x) not in where:
+            name = f" {names[i]}" if i < len(names) else ""
+            raise StitchError(f"graph input {i}{name} ({type(x).__name__}) is neither a weight, a tensor argument nor a cache tensor")
+        found.append(where[id(x)])
+    return found
+
+
+def _reader(module: nn.Module, attr: str, key: str) -> Callable[[dict], torch.Tensor]:
+    table = getattr(module, attr)
+    return lambda kwargs: table[key]
+
+
+def _item_reader(name: str, key: Any) -> Callable[[dict], torch.Tensor]:
+    return lambda kwargs: kwargs[name][key]
+
+
+def _cache_reader(name: str, layer: int, attr: str) -> Callable[[dict], torch.Tensor]:
+    return lambda kwargs: getattr(kwargs[name].layers[layer], attr)
+
+
+def output_fields(output: Any, graph_outputs: Sequence[Any], kwargs: dict) -> dict[str, int | str]:
+    """Which graph output (index) or keyword argument (name) each field of a shard's output (a ModelOutput) is."""
+    if not hasattr(output, "keys"):
+        raise StitchError(f"the shard returned a {type(output).__name__}, not a ModelOutput")
+    index = {id(t): i for i, t in enumerate(graph_outputs)}
+    given = {id(v): k for k, v in kwargs.items()}
+    fields: dict[str, int | str] = {}
+    for key in output.keys():
+        value = output[key]
+        if id(value) in index:
+            fields[key] = index[id(value)]
+        elif id(value) in given:
+            fields[key] = given[id(value)]
+        else:
+            raise StitchError(f"output field {key!r} is neither a graph output nor an argument")
+    return fields
+
+
+def stitch(captures: Sequence[Capture], devices: Sequence[torch.device], src: int) -> "StitchedStep":
+    """One graph computing every shard's step (see the module doc); StitchError where that cannot be proved."""
+    if any(torch.device(d).type != "cpu" for d in devices):
+        raise StitchError("only CPU slots are stitched (on GPUs each shard's kernels are queued asynchronously)")
+    segments = [_segments(c.graph) for c in captures]
+    _check_alike(segments, captures)
+    graph = fx.Graph()
+    env: list[dict[fx.Node, fx.Node]] = [{} for _ in captures]
+    for rank, capture in enumerate(captures):
+        for node in capture.graph.graph.find_nodes(op="placeholder"):
+            env[rank][node] = graph.placeholder(f"s{rank}_{node.name}")
+            env[rank][node].meta = dict(node.meta)
+    collectives_done: list[tuple[str, int, str]] = []
+    for k in range(len(segments[0])):
+        for rank, capture in enumerate(captures):
+            for node in segments[rank][k][0]:
+                env[rank][node] = graph.node_copy(node, lambda n, r=rank: env[r][n])
+        ends = [segments[rank][k][1] for rank in range(len(captures))]
+        if ends[0] is None:
+            break
+        pieces = [env[rank][end.args[0]] for rank, end in enumerate(ends)]
+        if ends[0].target is _ALL_REDUCE:
+            total = graph.call_function(operator.add, (pieces[0], pieces[1]))
+            for piece in pieces[2:]:
+                total = graph.call_function(operator.add, (total, piece))  # rank order: as comm/reduce.py's sum_on
+            kind = "all_reduce"
+        else:
+            _, _, dim, layout, _ = ends[0].args
+            total = graph.call_function(_assemble, (list(layout), dim, *pieces))
+            kind = "all_gather"
+        for rank, end in enumerate(ends):
+            # Every shard gets its own copy, as from the eager collective: model code may change the result in place
+            # (Falcon's `mlp_output += attention_output`, an `iadd` node, or through a view), which on one shared
+            # tensor would reach the other shards. Made here, before any shard's next segment runs.
+            env[rank][end] = total if rank == 0 else graph.call_method("clone", (total,))
+        collectives_done.append((kind, _nbytes(ends[0]), ends[0].args[-1]))
+    for capture in captures:
+        capture.last_outputs = None  # (the outputs of the last per-shard run: no longer needed)
+    out_node = captures[src].graph.graph.find_nodes(op="output")[0]
+    graph.output(fx.map_arg(out_node.args[0], lambda n: env[src][n]))
+    module = fx.GraphModule(nn.Module(), graph)  # (no attributes: graphs holding any are refused, `_segments`)
+    return StitchedStep(module, [c.sources for c in captures], captures[src], src, collectives_done)
+
+
+def _segments(gm: fx.GraphModule) -> list[tuple[list[fx.Node], fx.Node | None]]:
+    """The graph's computing nodes cut at its collectives: [(nodes before collective k, collective k)], the last
+    segment ending with None (the nodes before the output)."""
+    out, run = [], []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "get_attr":
+            raise StitchError(f"graph holds a constant attribute ({node.target}); not stitched")
+        if node.op == "call_function" and node.target in (_ALL_REDUCE, _ALL_GATHER):
+            if node.kwargs:
+                raise StitchError(f"a collective called with keyword arguments ({node.format_node()}); not stitched")
+            out.append((run, node))
+            run = []
+        else:
+            run.append(node)
+    out.append((run, None))
+    return out
+
+
+def _check_alike(segments: list, captures: Sequence[Capture]) -> None:
+    """The same collectives in the same order on every shard, with the same place (`where`), shape and layout."""
+    first = [end for _, end in segments[0]]
+    for rank, segs in enumerate(segments[1:], start=1):
+        ends = [end for _, end in segs]
+        if len(ends) != len(first):
+            raise StitchError(f"shard {rank} has {len(ends) - 1} collectives, shard 0 has {len(first) - 1}")
+        for a, b in zip(first, ends):
+            if a is None and b is None:
+                continue
+            if a.target is not b.target or a.args[-1] != b.args[-1] or _shape(a) != _shape(b):
+                raise StitchError(f"shard {rank}'s collective at {b.args[-1]!r} differs from shard 0's at {a.args[-1]!r}")
+            if a.target is _ALL_GATHER and tuple(a.args[2:4]) != tuple(b.args[2:4]):
+                raise StitchError(f"shard {rank}'s all-gather at {b.args[-1]!r} has another layout than shard 0's")
+            if collectives._comm(b.args[1]).rank != rank:
+                raise StitchError(f"graph {rank} calls the collectives of rank {collectives._comm(b.args[1]).rank}")
+
+
+def _shape(node: fx.Node) -> tuple:
+    value = node.meta.get("example_value")
+    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else ()
+
+
+def _nbytes(node: fx.Node) -> int:
+    value = node.meta.get("example_value")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _assemble(layout: list[int], dim: int, *pieces: torch.Tensor) -> torch.Tensor:
+    """The all-gather's result: each rank's piece at its place along `dim` (comm/threads.py's eager_all_gather)."""
+    return collectives.partition_of(layout).assemble(list(pieces), dim)
+
+
+class StitchedStep:
+    """The stitched graph, compiled with inductor on the first call, and how to feed it and read its output."""
+
+    def __init__(self, module: fx.GraphModule, sources: list[list[Callable]], src: Capture, rank: int, done: list) -> None:
+        self.module, self.sources, self.src, self.rank, self.collectives = module, sources, src, rank, done
+        self.compiled: Callable[..., Any] | None = None
+        self.registrations = 0  # registrations.py's count when stitched: the graph is good while it stays
+
+    def inputs(self, per_rank_kwargs: Sequence[dict]) -> list[torch.Tensor]:
+        return [read(kwargs) for sources, kwargs in zip(self.sources, per_rank_kwargs) for read in sources]
+
+    def compile(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> None:
+        """Compile the graph with inductor for these inputs' shapes (no run: nothing changes)."""
+        inductor = torch._dynamo.lookup_backend("inductor")  # torch._inductor's compile_fx, imported when first used
+        self.compiled = inductor(self.module, self.inputs(per_rank_kwargs), config_patches=config_patches or None)
+
+    def __call__(self, per_rank_kwargs: Sequence[dict]) -> Any:
+        """Every shard's step (each shard's keyword arguments, its own cache among them); shard `rank`'s output."""
+        if self.compiled is None:
+            raise RuntimeError("a stitched step runs after `compile`")
+        outs = self.compiled(*self.inputs(per_rank_kwargs))
+        for kind, nbytes, where in self.collectives:  # what the eager collectives report, once per call each
+            record(kind, nbytes, "forward", where)
+        own = per_rank_kwargs[self.rank]
+        return self.src.output_type(**{k: outs[v] if isinstance(v, int) else own[v] for k, v in self.src.fields.items()})
