@@ -107,3 +107,17 @@ def test_each_shard_gets_its_own_copy_of_a_collectives_result():
     for src in (0, 1):
         out = stitch(captures, ["cpu", "cpu"], src=src).module(x0, x1)[0]
         assert torch.equal(out, torch.full((3,), 4.0)), f"shard {src}'s result: {out}"
+
+
+def test_a_stitched_step_refuses_inputs_of_another_dtype_before_running():
+    """Inductor's code checks its inputs' sizes and strides, not their dtypes: a stitched step compiled for float32
+    refuses float64 inputs (a model cast after stitching) with StitchError, before running anything."""
+    comms = [_Comm(r) for r in range(2)]
+    handles = [collectives.handle_of(c) for c in comms]
+    step = _reduce_then_gather(Partition(6, (((0, 3),), ((3, 6),))))
+    stitched = stitch([_capture(step, h, r) for r, h in enumerate(handles)], ["cpu"] * 2, src=0)
+    per_rank = [{"x": torch.randn(2, 6, generator=torch.Generator().manual_seed(r))} for r in range(2)]
+    stitched.compile(per_rank)
+    assert torch.equal(stitched(per_rank)["y"], stitched.module(*[k["x"] for k in per_rank])[0])
+    with pytest.raises(StitchError, match="changed its dtype"):
+        stitched([{"x": k["x"].double()} for k in per_rank])

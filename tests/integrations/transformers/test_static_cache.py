@@ -112,6 +112,20 @@ def test_stitched_decoding_runs_no_shard_thread_per_token(compiled_llama):
     assert len(calls) == 1, f"{len(calls)} calls through the shards' threads (the prefill's only expected)"
 
 
+def test_a_stitched_step_is_not_reused_for_a_call_with_other_flags(compiled_llama):
+    """A stitched graph has no guards: a call of the same shapes asking for more (``output_hidden_states``, a flag
+    dynamo would guard on) is another kind of call, not the stitched step of the first (it gets the unsplit model's
+    hidden states; a tuple of them is an output field the stitcher does not map, so that kind runs per shard)."""
+    model, split, _, _ = compiled_llama
+    ask = dict(output_hidden_states=True, return_dict_in_generate=True)
+    out, messages = _logged(lambda: _greedy(split, _ids(), cache_implementation="static", **ask))
+    expected = _greedy(model, _ids(), **ask)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert any("not one stitched graph" in m and "hidden_states" in m for m in messages), messages
+    for got, want in zip(out.hidden_states[-1], expected.hidden_states[-1], strict=True):  # the last token's layers
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_compiled_decoding_reuses_its_graphs(compiled_llama):
     """A second generate of the same shapes compiles nothing: no new dynamo frame, the same steps object."""
     model, split, _, _ = compiled_llama

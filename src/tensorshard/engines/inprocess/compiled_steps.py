@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ...logs import get_logger
-from .stitched_decode import Stitcher
+from .stitched_decode import Stitcher, call_settings
 
 logger = get_logger(__name__)
 
@@ -85,8 +85,8 @@ class CompiledSteps:
         if self.prepare is not None:
             args, kwargs = (), self.prepare(args, kwargs)
         kind = _kind(args, kwargs)
-        if self.stitcher is not None and self.stitcher.handles(kind, kwargs):
-            out = self.stitcher(kind, kwargs)
+        if self.stitcher is not None and self.stitcher.handles(stitch_kind := (kind, call_settings(kwargs)), kwargs):
+            out = self.stitcher(stitch_kind, kwargs)
             if out is not None:
                 return out
         first = kind not in self.kinds

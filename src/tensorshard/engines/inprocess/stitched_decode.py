@@ -15,17 +15,21 @@ first, on CPU slots, with inductor (the default backend and mode):
 Whatever stops this (a graph break, graphs that differ, an input that cannot be found again, inductor failing on
 the stitched graph) is logged once at INFO with the reason, and that kind runs the per-shard compiled path from
 then on. A stitched graph skips dynamo's guards; what they would have caught is checked here instead: the kind of
-call, no gradient, the model in eval mode, and no module, weight or buffer registered on a split model since the
-stitch (registrations.py; weights changed in place, or replaced, are read afresh on every call).
+call and its plain arguments (`call_settings`: flags such as ``output_hidden_states`` make another kind), no
+gradient, the model in eval mode, every input's dtype (stitched_step.py), and no module, weight or buffer
+registered on a split model since the stitch (registrations.py; weights changed in place, or replaced, are read
+afresh on every call). Callers in several threads capture one at a time.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from ...logs import get_logger
 from ...registrations import registrations
@@ -51,6 +55,7 @@ class Stitcher:
         self._calls: dict[Hashable, int] = {}
         self._captures: dict[Hashable, dict[int, list[Capture]]] = {}
         self._now: tuple[Hashable, dict[int, dict]] | None = None  # the kind being captured, each rank's arguments
+        self._capture_lock = threading.Lock()
 
     @staticmethod
     def applies(model: nn.Module, options: dict[str, Any]) -> bool:
@@ -83,6 +88,10 @@ class Stitcher:
     # -- the first calls of a kind: the per-shard path, capturing ------------------------------------------------
 
     def _capturing(self, kind: Hashable, kwargs: dict) -> Any:
+        with self._capture_lock:  # (`_now` is the one call being captured: callers in other threads wait)
+            return self._capture(kind, kwargs)
+
+    def _capture(self, kind: Hashable, kwargs: dict) -> Any:
         own: dict[int, dict] = {}
         self._now = (kind, own)
 
@@ -167,7 +176,11 @@ class Stitcher:
         with self.model._call_lock:
             if step.compiled is None and not self._compile(kind, step, per_rank):
                 return None
-            out = step(per_rank)
+            try:
+                out = step(per_rank)
+            except StitchError as error:  # raised before the graph ran: the per-shard path takes this call
+                self._refuse(kind, str(error))
+                return None
         return to_device(out, self.model.output_device)
 
     def _compile(self, kind: Hashable, step: StitchedStep, per_rank: list[dict]) -> bool:
@@ -191,6 +204,16 @@ class Stitcher:
         self.refused.add(kind)
         self.steps.pop(kind, None)
         self._captures.pop(kind, None)
+
+
+def call_settings(kwargs: dict) -> Hashable:
+    """What a stitched graph is specialised on besides the kind of call (compiled_steps.py's `_kind`: tensors and
+    caches): the call's plain values by value (`use_cache`, `output_attentions`, `logits_to_keep`), any other
+    object by its type, and the arguments' structure. Dynamo's guards would recompile when one of these changes;
+    a stitched graph has no guards, so a change makes another kind of call, captured and stitched anew."""
+    leaves, spec = tree_flatten(kwargs)
+    plain = (bool, int, float, str, type(None))
+    return str(spec), tuple(x if isinstance(x, plain) else type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor))
 
 
 def _input_names(gm: torch.fx.GraphModule) -> list[str]:

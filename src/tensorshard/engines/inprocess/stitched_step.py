@@ -217,6 +217,7 @@ class StitchedStep:
     def __init__(self, module: fx.GraphModule, sources: list[list[Callable]], src: Capture, rank: int, done: list) -> None:
         self.module, self.sources, self.src, self.rank, self.collectives = module, sources, src, rank, done
         self.compiled: Callable[..., Any] | None = None
+        self.dtypes: list[torch.dtype] = []  # of the inputs it was compiled for
         self.registrations = 0  # registrations.py's count when stitched: the graph is good while it stays
 
     def inputs(self, per_rank_kwargs: Sequence[dict]) -> list[torch.Tensor]:
@@ -225,13 +226,20 @@ class StitchedStep:
     def compile(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> None:
         """Compile the graph with inductor for these inputs' shapes (no run: nothing changes)."""
         inductor = torch._dynamo.lookup_backend("inductor")  # torch._inductor's compile_fx, imported when first used
-        self.compiled = inductor(self.module, self.inputs(per_rank_kwargs), config_patches=config_patches or None)
+        inputs = self.inputs(per_rank_kwargs)
+        self.compiled = inductor(self.module, inputs, config_patches=config_patches or None)
+        self.dtypes = [x.dtype for x in inputs]
 
     def __call__(self, per_rank_kwargs: Sequence[dict]) -> Any:
-        """Every shard's step (each shard's keyword arguments, its own cache among them); shard `rank`'s output."""
+        """Every shard's step (each shard's keyword arguments, its own cache among them); shard `rank`'s output.
+        StitchError, before anything runs, if an input's dtype changed since `compile` (``split.half()``): inductor's
+        code checks sizes and strides, not dtypes."""
         if self.compiled is None:
             raise RuntimeError("a stitched step runs after `compile`")
-        outs = self.compiled(*self.inputs(per_rank_kwargs))
+        inputs = self.inputs(per_rank_kwargs)
+        if [x.dtype for x in inputs] != self.dtypes:
+            raise StitchError("a weight, buffer or cache changed its dtype since the step was stitched")
+        outs = self.compiled(*inputs)
         for kind, nbytes, where in self.collectives:  # what the eager collectives report, once per call each
             record(kind, nbytes, "forward", where)
         own = per_rank_kwargs[self.rank]
