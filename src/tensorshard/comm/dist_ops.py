@@ -17,7 +17,7 @@ implementation (shapes only) and a backward that follows comm/interface.py's con
 A group is named by its `group_name` (a string dynamo can guard on); the guard registry of comm/dist_guard.py
 finds the group. DistComm (comm/dist.py) switches to these ops while `torch.compiler.is_compiling()`.
 
-Why these are not the in-process engine's operators (comm/compiled.py) with another handle: these carry autograd
+Why these are not the in-process engine's operators (comm/thread_ops.py) with another handle: these carry autograd
 (a compiled training step under torchrun), and name the group by `group_name`, the same for every DistComm of a
 group. The in-process ones must not carry autograd: they are defined with torch.library's low-level API and no
 autograd kernel, so that the ~20 calls per decoded token skip a Python autograd layer (an op with one costs a few

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..partition import Partition
-from . import compiled, functions
+from . import functions, thread_ops
 from .interface import Comm
 from .counter import record
 from .partial_grads import PartialGrads
@@ -53,7 +53,7 @@ class ThreadComm(Comm):
         self.group, self.rank, self.world_size = group, rank, group.world_size
         self.shard = OneShard(group, rank)  # this shard's own nodes (each shard owning its graph)
         self._all_shards = AllShards(group.devices)  # one node for every shard (shards sharing a device)
-        self.handle = compiled.handle_of(self)  # its name in compiled graphs (comm/compiled.py)
+        self.handle = thread_ops.handle_of(self)  # its name in compiled graphs (comm/thread_ops.py)
 
     def _exchange(self, op: str, where: str, x: Any, compute: Callable[[list[Any]], list[Any]], signature: Any) -> Any:
         return self.group.exchange(self.rank, op, where, x, compute, signature)
@@ -73,7 +73,7 @@ class ThreadComm(Comm):
 
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
-            return compiled.all_reduce(x, self.handle, where)  # one operator inside the graph
+            return thread_ops.all_reduce(x, self.handle, where)  # one operator inside the graph
         return self.eager_all_reduce(x, where=where)
 
     @_not_compiled
@@ -113,7 +113,7 @@ class ThreadComm(Comm):
     def _traced_gather(self, x: torch.Tensor, dim: int, partition: Partition, where: str) -> torch.Tensor | None:
         """While torch.compile traces a call without gradients: the all-gather as one operator of its graph."""
         if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
-            return compiled.all_gather(x, self.handle, dim % x.dim(), compiled.layout_of(partition), where)
+            return thread_ops.all_gather(x, self.handle, dim % x.dim(), thread_ops.layout_of(partition), where)
         return None
 
     def _slice_dim(self, op: str, where: str, x: torch.Tensor, dim: int, partition: Partition) -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import fx
 
-from tensorshard.comm import compiled as collectives
+from tensorshard.comm import thread_ops as collectives
 from tensorshard.comm.reduce import sum_on
 from tensorshard.engines.inprocess.stitched_step import Capture, StitchError, stitch
 from tensorshard.partition import Partition

@@ -4,7 +4,7 @@ Decoding a token is mostly Python and operator dispatch (a small Llama on CPU: 1
 compiled), and every shard of a split model runs the model's whole Python, one thread at a time under the GIL,
 so N shards cost about N times the unsplit model's token. A compiled shard runs no model Python per token: the
 forward is one graph of generated kernels whose only calls back into Python are the collectives, kept inside
-the graph as operators (comm/compiled.py).
+the graph as operators (comm/thread_ops.py).
 
     steps = CompiledSteps(split, options={"dynamic": False})
     out = steps(input_ids=..., past_key_values=cache, ...)    # the split model's call, each shard compiled

@@ -3,7 +3,7 @@
 compiled_steps.py compiles each shard's forward on its own; per token each shard then runs in its thread, and at
 every collective (18 per token for an 8-block Llama) the shards' threads hand the GIL to one another, which on CPU
 slots costs more than the compiled kernels themselves (BENCHMARKS.md, section 5). Here the shards' graphs, as
-dynamo captured them (the collectives inside as `tensorshard::threads_*` operators, comm/compiled.py), become ONE
+dynamo captured them (the collectives inside as `tensorshard::threads_*` operators, comm/thread_ops.py), become ONE
 graph that computes every shard's step:
 
     shard 0:  seg0 -> all_reduce(a0) -> seg1 -> ... -> all_gather(l0)      stitched:  seg0(s0) seg0(s1)
@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx, nn
 
-from ...comm import compiled as collectives
+from ...comm import thread_ops as collectives
 from ...comm.counter import record
 
 _ALL_REDUCE, _ALL_GATHER = collectives.all_reduce, collectives.all_gather

@@ -9,7 +9,7 @@ eagerly, every later token through the compiled call. A split model answers the 
   removes, on CPU slots as on GPUs;
 - what to compile: not the split model's call (threads and a rendezvous: nothing a compiler can trace), but each
   shard's forward, once, with the collectives kept inside the graphs (engines/inprocess/compiled_steps.py,
-  comm/compiled.py). The compile options are `generation_config.compile_config`'s, except that
+  comm/thread_ops.py). The compile options are `generation_config.compile_config`'s, except that
   `mode="reduce-overhead"` (CUDA graphs, transformers' default) is replaced by inductor's default mode. On CPU
   slots the shards' graphs are then stitched into one graph run from the calling thread
   (engines/inprocess/stitched_decode.py; `compiled_call(model, None).keep_one_graph_per_shard()` opts out).
