@@ -52,7 +52,9 @@ def install(root: nn.Module, guard) -> None:
 
 def _on_every_device(model: nn.Module, criteria: Callable) -> Callable:
     def valid_auto_compile_criteria(model_kwargs: dict, generation_config) -> bool:
-        if generation_config.disable_compile or not _compileable_cache(model_kwargs.get("cache")):
+        # the cache's keyword: `cache` from transformers 5.24 on, `past_key_values` before
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if generation_config.disable_compile or not _compileable_cache(cache):
             return criteria(model, model_kwargs, generation_config)
         forced = copy.copy(generation_config)  # the caller's config is left as it was
         forced.compile_config = copy.copy(generation_config.compile_config or model._default_compile_config())
