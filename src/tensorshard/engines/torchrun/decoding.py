@@ -57,11 +57,20 @@ def _on_every_device(model: nn.Module, criteria: Callable) -> Callable:
         if generation_config.disable_compile or not _compileable_cache(cache):
             return criteria(model, model_kwargs, generation_config)
         forced = copy.copy(generation_config)  # the caller's config is left as it was
-        forced.compile_config = copy.copy(generation_config.compile_config or model._default_compile_config())
+        forced.compile_config = copy.copy(generation_config.compile_config or _default_compile_config(model))
         forced.compile_config._compile_all_devices = True
         return criteria(model, model_kwargs, forced)
 
     return valid_auto_compile_criteria
+
+
+def _default_compile_config(model: nn.Module):
+    """The CompileConfig generate() compiles with when given none: the model's (a later transformers picks one per
+    device type), or transformers 5.0's plain `CompileConfig()`."""
+    from transformers import CompileConfig
+
+    default = getattr(model, "_default_compile_config", None)
+    return default() if callable(default) else CompileConfig()
 
 
 def _compileable_cache(cache: Any) -> bool:
@@ -79,7 +88,7 @@ def _logging_compiles(model: nn.Module, compiled_call: Callable, guard) -> Calla
         compiled = compiled_call(model, compile_config)
         if id(compiled) not in wrapped:
             wrapped.clear()  # transformers made a new one (another CompileConfig): the old one is gone
-            wrapped[id(compiled)] = _logged(model, compiled, compile_config or model._default_compile_config(), guard)
+            wrapped[id(compiled)] = _logged(model, compiled, compile_config or _default_compile_config(model), guard)
         return wrapped[id(compiled)]
 
     return get_compiled_call
