@@ -25,6 +25,7 @@ work stays outside it (engine.py).
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from typing import Any, Callable
 
@@ -66,11 +67,10 @@ def _on_every_device(model: nn.Module, criteria: Callable) -> Callable:
 
 def _default_compile_config(model: nn.Module):
     """The CompileConfig generate() compiles with when given none: the model's (a later transformers picks one per
-    device type), or transformers 5.0's plain `CompileConfig()`."""
-    from transformers import CompileConfig
-
+    device type), or transformers 5.0's plain `CompileConfig()`, a class of the module of the model's
+    GenerationConfig."""
     default = getattr(model, "_default_compile_config", None)
-    return default() if callable(default) else CompileConfig()
+    return default() if callable(default) else sys.modules[type(model.generation_config).__module__].CompileConfig()
 
 
 def _compileable_cache(cache: Any) -> bool:
