@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import inspect
 import json
 import logging
 import os
@@ -226,7 +227,7 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
         put("mm_tokens_per_image", 4)
     rope = getattr(cfg, "rope_parameters", None)
     multimodal_rope = "mrope_section" in getattr(type(cfg), "ignore_keys_at_rope_validation", ()) or (
-        isinstance(rope, dict) and "mrope_section" in rope)
+        isinstance(rope, dict) and "mrope_section" in rope) or _names_mrope_in_init(type(cfg))
     if isinstance(rope, dict) and multimodal_rope:
         half = (getattr(cfg, "head_dim", None) or 16) // 2  # Qwen2-VL: the rotary sections must cover half a head
         put("rope_parameters", dict(rope, mrope_section=[half - 2 * (half // 3), half // 3, half // 3]))
@@ -236,6 +237,15 @@ def _shrink(cfg, depth: int = 0, keep_layers: bool = False, images: bool = True)
         for key, value in cfg.to_dict().items():
             if (key.endswith("_token_id") or key.endswith("_token_index")) and isinstance(value, int) and value >= vocab:
                 put(key, 1)
+
+
+def _names_mrope_in_init(config_class: type) -> bool:
+    """transformers 5.0 names Qwen2-VL's rotary sections only inside the config's __init__
+    (``ignore_keys_at_rope_validation={"mrope_section"}``); later releases as a class attribute (above)."""
+    try:
+        return '"mrope_section"' in inspect.getsource(config_class.__init__)
+    except (OSError, TypeError):
+        return False
 
 
 def build(model_type: str, family: str = "causal-lm"):
@@ -364,10 +374,17 @@ def image_text_inputs(model, cfg, gen: torch.Generator) -> dict:
     vocab = vocab_size(model)
     text = torch.randint(4, max(5, min(vocab, 512)), (2, 6), generator=gen)
     text[text == token] = 4
-    ids = torch.cat([text[:, :3], torch.full((2, count), token), text[:, 3:]], 1)
-    inputs = {"input_ids": ids, "pixel_values": pixels, **extra}
+    image = torch.full((2, count), token)
     if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # Qwen2-VL's multimodal positions
-        inputs["mm_token_type_ids"] = (ids == token).long()
+        ids = torch.cat([text[:, :3], image, text[:, 3:]], 1)
+        extra["mm_token_type_ids"] = (ids == token).long()
+    elif isinstance(getattr(model.config, "vision_start_token_id", None), int) and token < 3:
+        # transformers 5.0's Qwen2-VL finds an image's positions by the vision-start token before it (the shrunk
+        # config names every special token 1): a start and a video token of their own, below the text's ids
+        model.config.vision_start_token_id, model.config.video_token_id = token + 1, token + 2
+        image = torch.cat([torch.full((2, 1), token + 1), image], 1)
+    ids = torch.cat([text[:, :3], image, text[:, 3:]], 1)
+    inputs = {"input_ids": ids, "pixel_values": pixels, **extra}
     with torch.no_grad():
         model(**inputs)
     return inputs

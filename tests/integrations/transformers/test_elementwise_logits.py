@@ -239,11 +239,14 @@ def test_the_installed_transformers_models():
     # cut to the unpadded vocabulary, Bamba adds a z-loss: a log-sum-exp over it); 6 are elementwise in fact but
     # beyond the check (a softcap module: Inkling2 x4; xLSTM's chunked in-place softcap; Git slices the sequence);
     # 22 call their vocabulary projection inside another module (a BERT-style prediction head, an inner LM).
-    assert len(accepted) >= 200, len(accepted)
+    # With transformers 5.0: 158 classes call self.loss_function (the others compute their loss inline), 135 accepted.
+    assert len(audited) >= 150 and len(accepted) >= 0.8 * len(audited), (len(accepted), len(audited))
     for name in ["LlamaForCausalLM", "Gemma2ForCausalLM", "CohereForCausalLM", "GraniteForCausalLM",
-                 "RecurrentGemmaForCausalLM", "PaliGemmaForConditionalGeneration", "Gemma3nForConditionalGeneration",
-                 "MllamaForCausalLM", "BloomForCausalLM", "FalconH1ForCausalLM", "Qwen2ForCausalLM"]:
+                 "RecurrentGemmaForCausalLM", "PaliGemmaForConditionalGeneration", "MllamaForCausalLM",
+                 "BloomForCausalLM", "FalconH1ForCausalLM", "Qwen2ForCausalLM"]:
         assert name in accepted, (name, reasons.get(name))
+    if "Gemma3nForConditionalGeneration" in audited:  # transformers 5.0's computes its loss inline: not audited
+        assert "Gemma3nForConditionalGeneration" in accepted, reasons["Gemma3nForConditionalGeneration"]
     for name, why in {
         "ChameleonForConditionalGeneration": "logits[:, :, image_tokens] = torch.finfo(logits.dtype).min",
         "InklingForCausalLM": "a condition or loop reads the logits",  # then logits[..., :unpadded_vocab_size]

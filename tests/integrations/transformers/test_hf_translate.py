@@ -58,13 +58,37 @@ def test_translation_of_each_layout():
     assert "layers.*.self_attn" not in olmo  # gathered q/k/v: no head split, no head counts to change
     assert olmo["layers.*.self_attn.q_proj"] == tp.ColwiseParallel(gather_output=True)
 
-    moe = translate_tp_plan(dict(CONFIGS["qwen2_moe"]().base_model_tp_plan), CONFIGS["qwen2_moe"](), _model("qwen2_moe").model)
+    # qwen2_moe's experts as transformers writes them from 5.1 on (5.0's plan leaves them out)
+    experts = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+               "layers.*.mlp.experts": "moe_tp_experts"}
+    moe = translate_tp_plan(experts, CONFIGS["qwen2_moe"](), _model("qwen2_moe").model)
     assert moe["layers.*.mlp.experts"] == tp.ShardParams(params={"gate_up_proj": {"dim": 1, "blocks": [24, 24]}, "down_proj": 2})
+
+
+def test_the_layout_names_of_transformers_5_0(caplog):
+    """5.0 called gathered q/k/v "colwise_rep" and o_proj "rowwise_rep" (olmo2), and marked fused experts
+    "gather" with local_colwise / local_rowwise weights that do not say which dim to split: those stay whole."""
+    olmo_5_0 = {"layers.*.self_attn.q_proj": "colwise_rep", "layers.*.self_attn.k_proj": "colwise_rep",
+                "layers.*.self_attn.v_proj": "colwise_rep", "layers.*.self_attn.o_proj": "rowwise_rep"}
+    olmo = translate_tp_plan(olmo_5_0, CONFIGS["olmo2"](), _model("olmo2").model)
+    assert "layers.*.self_attn" not in olmo
+    assert olmo["layers.*.self_attn.q_proj"] == tp.ColwiseParallel(gather_output=True)
+    assert olmo["layers.*.self_attn.o_proj"] == tp.RowwiseParallel()
+
+    experts_5_0 = {"layers.*.mlp.experts.gate_up_proj": "local_colwise", "layers.*.mlp.experts.down_proj": "local_rowwise",
+                   "layers.*.mlp.experts": "gather"}
+    with caplog.at_level(logging.WARNING, logger="tensorshard"):
+        moe = translate_tp_plan(experts_5_0, CONFIGS["qwen2_moe"](), _model("qwen2_moe").model)
+    assert moe["layers.*.mlp.experts"] == tp.Replicate()
+    assert "on 3-D experts weights" in caplog.text and "layers.*.mlp.experts stays whole" in caplog.text
 
 
 def test_qk_norms_sum_their_gradients_when_heads_are_split():
     config = T.Qwen3Config(**SIZES, num_attention_heads=9, num_key_value_heads=3, head_dim=8)
-    plan = translate_tp_plan(dict(config.base_model_tp_plan), config, T.Qwen3Model(config))
+    # qwen3's plan as transformers writes it from 5.1 on (5.0's lists no q_norm / k_norm)
+    tp_plan = {**config.base_model_tp_plan, "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+               "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
+    plan = translate_tp_plan(tp_plan, config, T.Qwen3Model(config))
     assert plan["layers.*.self_attn.q_norm"] == SumGradients()
 
 

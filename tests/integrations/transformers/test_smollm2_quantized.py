@@ -22,7 +22,8 @@ def smollm2_folder(smollm2, tmp_path_factory):
     model, _ = smollm2
     folder = tmp_path_factory.mktemp("smollm2")
     config = copy.deepcopy(model.config)
-    del config.quantization_config  # transformers marks GGUF-loaded models; the weights are float32
+    if hasattr(config, "quantization_config"):  # transformers marks GGUF-loaded models (5.0 does not);
+        del config.quantization_config  # the weights are float32
     config.save_pretrained(folder)
     save_model(model, str(folder / "model.safetensors"))  # tied embedding / lm_head stored once
     return folder

@@ -64,6 +64,22 @@ def test_a_static_cache_passed_in_holds_each_devices_heads():
     assert heads == [2, 1]
 
 
+def test_a_static_cache_the_unsplit_model_used_and_reset_is_reallocated_per_device():
+    """reset() zeroes a static cache but keeps its tensors, sized for all 3 KV heads (transformers 5.0's generate()
+    reuses one so, kept on the model): each device allocates its own heads' instead."""
+    model = tiny_model("llama")
+    ids = _ids()
+    expected = _greedy(model, ids)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    _greedy(model, ids, disable_compile=True, **{_cache_keyword(model): cache})
+    cache.reset()
+    assert cache.layers[0].keys.shape[1] == 3 and cache.get_seq_length() == 0
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+    out = _greedy(split, ids, disable_compile=True, **{_cache_keyword(split): cache})
+    assert torch.equal(out, expected)
+    assert [own.layers[0].keys.shape[1] for own in rank_caches(cache)] == [2, 1]
+
+
 def _logged(run):
     """`run()`'s result and the messages the in-process engine logged meanwhile (INFO and above)."""
     records: list[logging.LogRecord] = []

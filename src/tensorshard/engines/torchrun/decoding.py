@@ -25,6 +25,7 @@ work stays outside it (engine.py).
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from typing import Any, Callable
 
@@ -52,14 +53,24 @@ def install(root: nn.Module, guard) -> None:
 
 def _on_every_device(model: nn.Module, criteria: Callable) -> Callable:
     def valid_auto_compile_criteria(model_kwargs: dict, generation_config) -> bool:
-        if generation_config.disable_compile or not _compileable_cache(model_kwargs.get("cache")):
+        # the cache's keyword: `cache` from transformers 5.24 on, `past_key_values` before
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        if generation_config.disable_compile or not _compileable_cache(cache):
             return criteria(model, model_kwargs, generation_config)
         forced = copy.copy(generation_config)  # the caller's config is left as it was
-        forced.compile_config = copy.copy(generation_config.compile_config or model._default_compile_config())
+        forced.compile_config = copy.copy(generation_config.compile_config or _default_compile_config(model))
         forced.compile_config._compile_all_devices = True
         return criteria(model, model_kwargs, forced)
 
     return valid_auto_compile_criteria
+
+
+def _default_compile_config(model: nn.Module):
+    """The CompileConfig generate() compiles with when given none: the model's (a later transformers picks one per
+    device type), or transformers 5.0's plain `CompileConfig()`, a class of the module of the model's
+    GenerationConfig."""
+    default = getattr(model, "_default_compile_config", None)
+    return default() if callable(default) else sys.modules[type(model.generation_config).__module__].CompileConfig()
 
 
 def _compileable_cache(cache: Any) -> bool:
@@ -77,7 +88,7 @@ def _logging_compiles(model: nn.Module, compiled_call: Callable, guard) -> Calla
         compiled = compiled_call(model, compile_config)
         if id(compiled) not in wrapped:
             wrapped.clear()  # transformers made a new one (another CompileConfig): the old one is gone
-            wrapped[id(compiled)] = _logged(model, compiled, compile_config or model._default_compile_config(), guard)
+            wrapped[id(compiled)] = _logged(model, compiled, compile_config or _default_compile_config(model), guard)
         return wrapped[id(compiled)]
 
     return get_compiled_call

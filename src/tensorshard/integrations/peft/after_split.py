@@ -383,7 +383,7 @@ def _local_for_parallelized(model: nn.Module, state_dict: dict) -> dict:
     return out
 
 
-def _engine_slices_first(reshard):
+def _engine_slices_first(reshard, then_peft: bool = True):
     """PEFT's `_reshard_dtensor_values_for_load`, after this rank has taken its slices of the tensors headed for a
     model split by tensorshard.
 
@@ -393,11 +393,13 @@ def _engine_slices_first(reshard):
     q|k|v in one c_attn: rank 0 holds rows 0-31, 64-95 and 128-159 of 192) are stored as the rank-order
     concatenation of the slices, the same global shape as the saved tensor, so PEFT's chunk loaded the wrong
     rows without a word. Here the engine's partition slices them first (blocks, uneven and padded splits as
-    `parallelize` did), and PEFT passes DTensors through; every other tensor is left to PEFT."""
+    `parallelize` did), and PEFT passes DTensors through; every other tensor is left to PEFT (`then_peft`: where
+    transformers has the DTensor support PEFT's function imports; otherwise there is nothing else to reshard)."""
 
     @functools.wraps(reshard)
     def resharded(model: nn.Module, state_dict: dict) -> dict:
-        return reshard(model, _local_for_parallelized(model, state_dict))
+        local = _local_for_parallelized(model, state_dict)
+        return reshard(model, local) if then_peft else local
 
     resharded.tensorshard_slices_first = True
     return resharded
@@ -406,6 +408,12 @@ def _engine_slices_first(reshard):
 # PEFT's function that reshards what it loads into DTensor parameters (peft >= 0.21), as `_engine_slices_first`
 # expects it: (model, state_dict) -> state_dict.
 RESHARD = ("peft.utils.save_and_load", "_reshard_dtensor_values_for_load", ("model", "state_dict"))
+# PEFT calls it only where transformers has DTensor tensor parallelism of its own (PEFT's flag below: it found
+# `transformers.distributed.tensor_parallel`, which transformers 5.0 lacks). Without it, PEFT would copy whole
+# tensors into tensorshard's DTensor parameters (torch: "got mixed torch.Tensor and DTensor"), so the flag is
+# raised while the patch lives, and the resharding is the engine's alone (PEFT's function would import the
+# missing module).
+_PEFT_RESHARDS = "is_transformers_dtensor_tp"
 
 
 def _install_reshard_patch() -> list[Patch]:
@@ -424,7 +432,11 @@ def _install_reshard_patch() -> list[Patch]:
             "tp.parallelize, or use a peft release whose function takes (model, state_dict)"
         )
     logger.debug("PEFT's loads into models split by tensorshard take the engine's slices first")
-    return [Patch(sys.modules[where], name, _engine_slices_first(reshard))]
+    peft_reshards = getattr(sys.modules[where], _PEFT_RESHARDS, True) is not False
+    patches = [Patch(sys.modules[where], name, _engine_slices_first(reshard, then_peft=peft_reshards))]
+    if not peft_reshards:
+        patches.append(Patch(sys.modules[where], _PEFT_RESHARDS, True))
+    return patches
 
 
 def _holds_peft_layers(model: object) -> bool:

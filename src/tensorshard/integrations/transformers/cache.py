@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_leaves
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, EncoderDecoderCache
 
 from ...engines.inprocess.boundary import PerDevice, register_per_device
 from ...engines.inprocess import current_rank
@@ -106,8 +106,22 @@ def shard_cache(cache: Any, world_size: int, split_filled: Callable[[Cache], lis
             f"past_key_values must be a transformers Cache (e.g. DynamicCache()) or None; got {type(cache).__name__}. "
             "Tuples of tensors are no longer accepted by transformers."
         )
-    ranks = split_filled(cache) if _seq_length(cache) > 0 else [copy.deepcopy(cache) for _ in range(world_size)]
+    ranks = split_filled(cache) if _seq_length(cache) > 0 else _empty_copies(cache, world_size)
     return _dispatch_over(cache, ranks)
+
+
+def _empty_copies(cache: Cache, world_size: int) -> list[Cache]:
+    """A copy of an empty cache for each device. Layers whose tensors are already allocated (sized for the
+    unsplit model's heads) are returned to unallocated first, so that each device allocates its own heads' on
+    first use: `reset()` zeroes a static cache but keeps its tensors, and transformers 5.0's generate() keeps
+    its static cache on the model (``model._cache``) and resets it for the next call, so a model that generated
+    with a static cache before it was split hands one over (later releases build a new cache per call)."""
+    halves = [cache.self_attention_cache, cache.cross_attention_cache] if isinstance(cache, EncoderDecoderCache) else [cache]
+    for layer in (layer for half in halves for layer in getattr(half, "layers", [])):
+        if getattr(layer, "is_initialized", False) and isinstance(getattr(layer, "keys", None), torch.Tensor):
+            layer.keys = layer.values = None  # (batch, unsplit KV heads, max tokens, head_dim), all zeros
+            layer.is_initialized = False
+    return [copy.deepcopy(cache) for _ in range(world_size)]
 
 
 def _dispatch_over(cache: Any, ranks: list[Any]) -> Any:
@@ -135,22 +149,33 @@ def _refuse_filled(cache: Cache) -> list[Cache]:
     )
 
 
+# The methods by which a cache class of a model's own is recognised: `update` (Reformer's ReformerDynamicCache), or
+# update_conv_state (transformers 5.0's recurrent caches, MambaCache and Mamba2Cache: later releases made them
+# `Cache`s of recurrent layers, passed as `cache_params` all the same).
+_OWN_CACHE_METHODS = ("update", "update_conv_state")
+
+
 def is_cache(x: Any) -> bool:
     """A transformers `Cache`, or a cache class of a model's own that is not one (Reformer's
     ReformerDynamicCache of hashing buckets and states): a transformers class named ...Cache with an `update`."""
     if isinstance(x, Cache):
         return True
     cls = type(x)
-    return cls.__module__.startswith("transformers.") and cls.__name__.endswith("Cache") and callable(getattr(x, "update", None))
+    return (
+        cls.__module__.startswith("transformers.")
+        and cls.__name__.endswith("Cache")
+        and any(callable(getattr(x, method, None)) for method in _OWN_CACHE_METHODS)
+    )
 
 
 def _per_device_cache(cache: Any, world: int) -> Any:
     """Every device's own cache behind the caller's object. A model's own (non-`Cache`) cache class: an empty one
     gets a copy per device; one holding state cannot be divided (its layout is the model's own), so it is refused
-    rather than shared by the devices."""
+    rather than shared by the devices. Empty means no tensor with a nonzero value: a recurrent cache starts as
+    zeros (transformers 5.0's Mamba2Cache, made by generate() before the first call)."""
     if isinstance(cache, (Cache, ShardedCache)):
         return shard_cache(cache, world, _refuse_filled)
-    if any(isinstance(t, torch.Tensor) and t.numel() for t in tree_leaves(vars(cache))):
+    if any(isinstance(t, torch.Tensor) and t.numel() and bool(t.any()) for t in tree_leaves(vars(cache))):
         raise ValueError(
             f"{type(cache).__name__} already holds state, passed to a split model: only a cache this split model "
             "filled can be passed back to it (every device keeps its own). Start from None and reuse the cache it returns"

@@ -87,11 +87,25 @@ def split_class(model_class: type) -> type:
     for method in _ENCODER_METHODS:
         if callable(getattr(model_class, method, None)):
             methods[method] = on_every_shard(method, getattr(model_class, method))
+    for check in _SOURCE_CHECKS:
+        if callable(getattr(model_class, check, None)):
+            methods[check] = classmethod(functools.partial(_model_class_answers, getattr(model_class, check)))
     # SplitAdapters: transformers' add_adapter / load_adapter (integrations/peft/transformers_adapters.py)
     return type(name, (SplitAdapters, TransformersTensorParallel, model_class), methods)
 
 
 _ENCODER_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
+
+# transformers decides whether a model may switch its attention / experts implementation by reading the source
+# file of the class's module (looking for "@use_experts_implementation"): for the class made here that would
+# be this file. transformers 5.0 reads it on every call, so generate() of a mixture-of-experts model fails
+# ("does not support setting experts implementation"); later releases cache the answer on the model's class,
+# which the split class happens to inherit. Either way, the answer is the model class's.
+_SOURCE_CHECKS = ("_can_set_attn_implementation", "_can_set_experts_implementation")
+
+
+def _model_class_answers(check, cls) -> bool:
+    return check()
 
 
 def transformers_view(model: TensorParallel, path: str, original: nn.Module) -> "TransformersTensorParallel":

@@ -4,9 +4,9 @@ transformers 5.x ships a plan for ~130 model families, as ``{pattern: style name
 module (or parameter) names. It is a starting point for architectures without a hand-written preset:
 
     colwise, local_colwise            -> ColwiseParallel (q / k / v on head boundaries, see below)
-    colwise_gather_output             -> ColwiseParallel(gather_output=True)
+    colwise_gather_output, colwise_rep -> ColwiseParallel(gather_output=True)
     rowwise, local_rowwise,
-    rowwise_split_input               -> RowwiseParallel (a whole input is split locally)
+    rowwise_split_input, rowwise_rep  -> RowwiseParallel (a whole input is split locally)
     packed_colwise (a fused gate|up)  -> ColwiseParallel(blocks=(I, I))
     embedding_rowwise / _colwise      -> EmbeddingParallel(split="vocab" / "embedding")
     experts' gate_up_proj / down_proj
@@ -35,7 +35,16 @@ from ..plan import Plan, match_pattern
 logger = get_logger(__name__)
 
 COLWISE = {"colwise", "local_colwise"}
-ROWWISE = {"rowwise", "local_rowwise", "rowwise_split_input"}
+ROWWISE = {"rowwise", "local_rowwise", "rowwise_split_input", "rowwise_rep"}
+# transformers 5.0 named a column-parallel layer whose output is gathered "colwise_rep", and a row-parallel one
+# whose whole input is split locally "rowwise_rep"; later releases renamed them colwise_gather_output and
+# rowwise_split_input (olmo2's attention, where a norm over all heads follows q and k).
+GATHERED_COLWISE = {"colwise_gather_output", "colwise_rep"}
+# transformers 5.0 marks fused experts "gather" and their 3-D weights local_colwise / local_rowwise without saying
+# which dim holds the experts' hidden features (deepseek_v2's fused gate|up is local_colwise, deepseek_v3's the
+# same layout local_rowwise); later releases say packed_colwise / rowwise under moe_tp_experts. Such experts stay
+# whole.
+UNSPECIFIED_EXPERTS = {"local_colwise", "local_rowwise"}
 WHOLE = {  # styles whose module is simply replicated here
     "sequence_parallel", "replicate", "ep_router", "grouped_gemm", "ep_dispatch_experts", "moe_identity_expert",
     "gather", "local",
@@ -68,7 +77,9 @@ def translate_tp_plan(tp_plan: dict[str, str], config, base: nn.Module) -> Plan:
         if not targets:  # a parameter (experts' 3-D weights) or something this model class lacks
             owners = [m for n, m in modules.items() if match_pattern(parent, n)]
             param = getattr(owners[0], leaf, None) if owners else None
-            if isinstance(param, nn.Parameter) and param.dim() >= 2:
+            if isinstance(param, nn.Parameter) and param.dim() == 3 and value in UNSPECIFIED_EXPERTS:
+                untranslated[parent] = f"{leaf}: {value!r} on 3-D experts weights (no dim for the hidden features)"
+            elif isinstance(param, nn.Parameter) and param.dim() >= 2:
                 out_dim = param.dim() - 2  # (out, in), or (experts, out, in) for 3-D experts
                 if value == "packed_colwise":  # [gate | up] along the output features
                     half = param.shape[out_dim] // 2
@@ -126,7 +137,7 @@ def translate_tp_plan(tp_plan: dict[str, str], config, base: nn.Module) -> Plan:
 def _module_style(value: str, module: nn.Module) -> Style | None:
     if value in COLWISE:
         return ColwiseParallel()
-    if value == "colwise_gather_output":
+    if value in GATHERED_COLWISE:
         return ColwiseParallel(gather_output=True)
     if value in ROWWISE:
         return RowwiseParallel()
