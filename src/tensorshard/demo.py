@@ -118,8 +118,8 @@ def answer(model, ids: torch.Tensor, max_new_tokens: int, run: Run) -> None:
 
 
 def answer_fast(model, ids: torch.Tensor, max_new_tokens: int, run: Run) -> None:
-    """The answer through `generate(..., cache_implementation="static")`: every shard's decode step compiled (the
-    first call, untimed, compiles; its time is `compile_s`)."""
+    """The answer through `generate(..., cache_implementation="static")`: every shard's decode step compiled, on
+    CPU slots stitched into one graph (the first call, untimed, compiles; its time is `compile_s`)."""
     ids = ids.to(model.device)
     with torch.no_grad():
         start = time.perf_counter()
@@ -191,8 +191,8 @@ def run_demo(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new
             answer_fast(split, ids, max_new_tokens, run)
             same = torch.equal(run.fast_tokens, ref.tokens)
             out(
-                f"  fast path (cache_implementation=\"static\": each shard's decode step compiled, in {run.compile_s:.0f} s "
-                f"on the first call): {len(run.fast_tokens) / run.fast_s:.1f} tokens/s, token-identical: {'yes' if same else 'NO'}"
+                f"  fast path (cache_implementation=\"static\": the shards' decode steps compiled, on CPU stitched into "
+                f"one graph, in {run.compile_s:.0f} s on the first call): {len(run.fast_tokens) / run.fast_s:.1f} tokens/s, token-identical: {'yes' if same else 'NO'}"
             )
         fine_tune(split, text_ids, steps, lr, run)
         runs.append(run)
