@@ -17,10 +17,14 @@ import torch
 from transformers import CompileConfig, StaticCache
 
 import tensorshard as tp
+from tensorshard.engines.inprocess.stitched_decode import STITCHES
 from tensorshard.integrations.transformers.cache import rank_caches
 from support.hf_configs import tiny_config, tiny_model
 
 pytestmark = pytest.mark.timeout(600)
+
+# Before torch 2.13 the fast path keeps one compiled graph per shard (stitched_decode.py): those tests skip there.
+needs_stitching = pytest.mark.skipif(not STITCHES, reason="the shards' steps are stitched from torch 2.13 on")
 
 FAMILIES = ["llama", "gemma2", "gpt2", "mixtral", "falcon", "t5"]  # GQA, sliding window, fused qkv, MoE, MQA, enc-dec
 
@@ -109,11 +113,15 @@ def test_compiled_decoding_gives_the_unsplit_tokens(compiled_llama):
     """On CPU slots the shards' steps are stitched into one graph (after two tokens run per shard), logged once."""
     model, split, out, messages = compiled_llama
     assert torch.equal(out, _greedy(model, _ids()))
+    if not STITCHES:
+        assert len([m for m in messages if "compiled the decode step" in m]) == 1, messages
+        return
     stitched = [m for m in messages if "stitched the decode steps" in m]
     assert len(stitched) == 1 and "2 shards" in stitched[0], messages
     assert not [m for m in messages if "compiled the decode step" in m or "not one stitched graph" in m], messages
 
 
+@needs_stitching
 def test_stitched_decoding_runs_no_shard_thread_per_token(compiled_llama):
     """Once stitched, a generate calls the shards' threads for its prefill only: every token is one graph run from
     the calling thread."""
@@ -128,6 +136,7 @@ def test_stitched_decoding_runs_no_shard_thread_per_token(compiled_llama):
     assert len(calls) == 1, f"{len(calls)} calls through the shards' threads (the prefill's only expected)"
 
 
+@needs_stitching
 def test_a_stitched_step_is_not_reused_for_a_call_with_other_flags(compiled_llama):
     """A stitched graph has no guards: a call of the same shapes asking for more (``output_hidden_states``, a flag
     dynamo would guard on) is another kind of call, not the stitched step of the first (it gets the unsplit model's
@@ -163,6 +172,7 @@ def test_compiled_decoding_runs_the_collectives_of_the_eager_step(compiled_llama
     assert compiled.counts == eager.counts and eager.counts["all_reduce"] > 0
 
 
+@needs_stitching
 def test_stitched_decoding_with_uneven_heads_over_3_devices():
     """8 heads in 4 KV groups over 3 devices (2, 1, 1 KV heads): the stitched graph gives the unsplit tokens."""
     config = tiny_config("llama")
@@ -174,6 +184,7 @@ def test_stitched_decoding_with_uneven_heads_over_3_devices():
     assert any("stitched the decode steps" in m and "3 shards" in m for m in messages), messages
 
 
+@needs_stitching
 def test_stitched_decoding_gives_the_unsplit_logits():
     """Falcon (parallel attention and MLP) adds the attention's all-reduced output into the MLP's in place: the
     stitched graph gives each shard its own copy of a collective's result, so the logits of every token stay within
@@ -188,6 +199,7 @@ def test_stitched_decoding_gives_the_unsplit_logits():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the sums' order differs from the unsplit matmul's
 
 
+@needs_stitching
 def test_a_stitched_step_is_dropped_when_the_split_model_gains_a_module(monkeypatch):
     """The stitched graph skips dynamo's guards: a registration on the split model's modules since the stitch (what
     a PEFT adapter added late makes, registrations.py; here its count moved by hand) drops it, logged, and the
@@ -205,6 +217,7 @@ def test_a_stitched_step_is_dropped_when_the_split_model_gains_a_module(monkeypa
     assert any("compiled the decode step" in m for m in messages), messages
 
 
+@needs_stitching
 def test_a_step_that_cannot_be_stitched_runs_per_shard_and_says_why():
     """A graph break in every shard (a hook dynamo cannot trace) leaves two graphs per shard: not stitched, logged
     with the reason, and the per-shard compiled path gives the unsplit tokens."""

@@ -39,6 +39,9 @@ from .stitched_step import Capture, StitchError, StitchedStep, locate_inputs, ou
 logger = get_logger(__name__)
 
 _CAPTURE_CALLS = 2  # calls of a kind run per shard before stitching: one to capture, one to see nothing recompile
+# torch 2.10's dynamo breaks a shard's decode step into several graphs where 2.13 makes one (seen at the floors,
+# docs/versions.md), so nothing would stitch there: older torch keeps one compiled graph per shard from the start.
+STITCHES = torch.__version__ >= "2.13"
 
 
 class Stitcher:
@@ -59,10 +62,10 @@ class Stitcher:
 
     @staticmethod
     def applies(model: nn.Module, options: dict[str, Any]) -> bool:
-        """Stitch at all? CPU slots only, several of them, inductor in its default mode."""
+        """Stitch at all? torch 2.13 or later, CPU slots only, several of them, inductor in its default mode."""
         cpu = all(torch.device(d).type == "cpu" for d in model.devices)
         backend = options.get("backend", "inductor")
-        return cpu and len(model.devices) > 1 and backend in ("inductor", None) and options.get("mode") is None
+        return STITCHES and cpu and len(model.devices) > 1 and backend in ("inductor", None) and options.get("mode") is None
 
     def handles(self, kind: Hashable, kwargs: dict) -> bool:
         """Whether this call goes through the stitcher (capturing or stitched)."""
