@@ -84,8 +84,9 @@ class CompiledSteps:
         world = len(self.compiled)
         if self.prepare is not None:
             args, kwargs = (), self.prepare(args, kwargs)
-        kind = _kind(args, kwargs)
-        if self.stitcher is not None and self.stitcher.handles(stitch_kind := (kind, call_settings(kwargs)), kwargs):
+        leaves, spec = tree_flatten((args, kwargs))  # (once per call: the kind and the stitcher's settings read it)
+        kind = _kind(leaves)
+        if self.stitcher is not None and self.stitcher.handles(stitch_kind := (kind, call_settings(leaves, spec)), kwargs):
             out = self.stitcher(stitch_kind, kwargs)
             if out is not None:
                 return out
@@ -126,10 +127,9 @@ def _entry(shard: nn.Module, rank: int) -> Callable[..., Any]:
     return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
 
 
-def _kind(args: tuple, kwargs: dict) -> Hashable:
+def _kind(leaves: list) -> Hashable:
     """What a compiled graph is specialised on, as far as the inputs tell: each tensor's shape and dtype, and the
     length of a static KV cache (its tensors' shapes)."""
-    leaves, _ = tree_flatten((args, kwargs))
     return tuple(
         (tuple(x.shape), str(x.dtype).removeprefix("torch.")) if isinstance(x, torch.Tensor) else _cache_lengths(x)
         for x in leaves if isinstance(x, torch.Tensor) or hasattr(x, "layers")

@@ -29,7 +29,6 @@ from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from ...logs import get_logger
 from ...registrations import registrations
@@ -209,12 +208,12 @@ class Stitcher:
         self._captures.pop(kind, None)
 
 
-def call_settings(kwargs: dict) -> Hashable:
+def call_settings(leaves: list, spec: Any) -> Hashable:
     """What a stitched graph is specialised on besides the kind of call (compiled_steps.py's `_kind`: tensors and
     caches): the call's plain values by value (`use_cache`, `output_attentions`, `logits_to_keep`), any other
     object by its type, and the arguments' structure. Dynamo's guards would recompile when one of these changes;
-    a stitched graph has no guards, so a change makes another kind of call, captured and stitched anew."""
-    leaves, spec = tree_flatten(kwargs)
+    a stitched graph has no guards, so a change makes another kind of call, captured and stitched anew.
+    `leaves` and `spec`: the call's arguments as `tree_flatten` gives them (flattened once per call, by the caller)."""
     plain = (bool, int, float, str, type(None))
     return str(spec), tuple(x if isinstance(x, plain) else type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor))
 
