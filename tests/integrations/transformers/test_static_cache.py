@@ -151,6 +151,25 @@ def test_a_stitched_step_is_not_reused_for_a_call_with_other_flags(compiled_llam
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@needs_stitching
+def test_a_call_under_autocast_is_stitched_on_its_own(compiled_llama):
+    """Autocast changes what every matmul computes, and a stitched graph has no guard for it: a call under
+    ``torch.autocast("cpu", torch.bfloat16)`` is another kind, stitched on its own, whose logits are the eager split
+    model's under the same autocast (within bfloat16's rounding); the float32 kind keeps its stitched step."""
+    model, split, _, _ = compiled_llama
+    ask = dict(output_logits=True, return_dict_in_generate=True, cache_implementation="static")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast, messages = _logged(lambda: _greedy(split, _ids(), **ask))
+        eager = _greedy(split, _ids(), disable_compile=True, **ask)
+    assert any("stitched the decode steps" in m for m in messages), messages
+    assert not any("not one stitched graph" in m for m in messages), messages
+    for got, want in zip(fast.logits, eager.logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)  # bfloat16 matmuls, fused or not
+    plain, messages = _logged(lambda: _greedy(split, _ids(), **ask))
+    assert torch.equal(plain.sequences, _greedy(model, _ids()))
+    assert not any("compiled" in m or "not one stitched graph" in m for m in messages), messages
+
+
 def test_compiled_decoding_reuses_its_graphs(compiled_llama):
     """A second generate of the same shapes compiles nothing: no new dynamo frame, the same steps object."""
     model, split, _, _ = compiled_llama

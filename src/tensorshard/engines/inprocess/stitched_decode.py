@@ -213,9 +213,12 @@ def call_settings(leaves: list, spec: Any) -> Hashable:
     caches): the call's plain values by value (`use_cache`, `output_attentions`, `logits_to_keep`), any other
     object by its type, and the arguments' structure. Dynamo's guards would recompile when one of these changes;
     a stitched graph has no guards, so a change makes another kind of call, captured and stitched anew.
-    `leaves` and `spec`: the call's arguments as `tree_flatten` gives them (flattened once per call, by the caller)."""
+    `leaves` and `spec`: the call's arguments as `tree_flatten` gives them (flattened once per call, by the caller).
+    CPU autocast is part of it too: a call under ``torch.autocast("cpu", ...)`` is its own kind (its static cache
+    is allocated in the autocast dtype, which would otherwise drop the float32 kind's stitched step for good)."""
     plain = (bool, int, float, str, type(None))
-    return str(spec), tuple(x if isinstance(x, plain) else type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor))
+    autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+    return str(spec), tuple(x if isinstance(x, plain) else type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)), autocast
 
 
 def _input_names(gm: torch.fx.GraphModule) -> list[str]:
