@@ -294,3 +294,23 @@ def test_a_clean_graph_passes():
         Import("tensorshard.checkpoint.gguf", "gguf", in_function=True, commented=True),
     ]
     assert problems(good, PACKAGES) == []
+
+
+# Where the model's kind (model_kind.py) may be asked: once per split, where the split begins. The front door hands
+# the answer on to the engine, the plan resolution and the automatic plan; tests/core/test_model_kind.py counts the
+# calls during a split (one).
+KIND_ASKED = {
+    "tensorshard/api.py": "the front door, tensor_parallel()",
+    "tensorshard/plan_inference/auto.py": "only when no kind was handed on (parallelize, the CLI, hand loading)",
+    "tensorshard/engines/inprocess/copies.py": "copy.deepcopy of a split model is a new split, of the copy",
+    "tensorshard/compat/entry.py": "TensorParallelPreTrainedModel's check of what it was given, before it splits (a copy)",
+}
+
+
+def test_the_model_kind_is_asked_only_where_a_split_begins():
+    asked = set()
+    for f in sorted((SRC / "tensorshard").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "model_kind":
+                asked.add(f.relative_to(SRC).as_posix())
+    assert asked <= set(KIND_ASKED), f"model_kind() asked in {sorted(asked - set(KIND_ASKED))}: take the kind handed on"

@@ -20,6 +20,12 @@ A PeftModel around a plain module (no transformers model inside) is a **module**
 split but its adapter layers (integrations/peft/adapter_plan.py). When a module holds several transformers
 models, the outermost first in module order is the one; nothing is searched again later. Neither transformers
 nor peft is imported here: a model of theirs means they are loaded already.
+
+Asked once per split: the front door (api.py `tensor_parallel`) asks and hands the answer on (`kind=`) to the
+engine, the plan resolution (plans.resolve_plan) and the automatic plan (plan_inference/auto.py), which plans a
+PEFT model or a wrapper from its inner model's kind (`ModelKind.inner_kind`), known without asking again. Only
+an entry that did not pass the front door (torchrun's `parallelize`, the CLI, hand loading) is asked where its
+plan is resolved.
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ class ModelKind:
     def holds_transformers_model(self) -> bool:
         """True for every kind but MODULE: the transformers integration splits it."""
         return self.inner is not None
+
+    def inner_kind(self) -> "ModelKind":
+        """The kind of the transformers model inside (TRANSFORMERS, itself at path ""), without asking again."""
+        if self.inner is None:
+            raise ValueError(f"a {self.name!r} model holds no transformers model")
+        return ModelKind(TRANSFORMERS, "", self.inner)
 
 
 def model_kind(module: object) -> ModelKind:

@@ -26,8 +26,8 @@ from torch import nn
 
 import tensorshard as ts
 from ..devices import resolve_devices
-from ..layers import is_peft_model, is_transformers_model
 from ..logs import get_logger
+from ..model_kind import PEFT, TRANSFORMERS, model_kind
 from .config import Config
 from .keep import split_copy, split_keeping
 
@@ -136,7 +136,7 @@ class TensorParallelPreTrainedModel(metaclass=_Alias):
         sharded_param_names: Collection[str] | None = None,
         **kwargs: Any,
     ):
-        if not (is_transformers_model(module) or (is_peft_model(module) and is_transformers_model(module.get_base_model()))):
+        if model_kind(module).name not in (TRANSFORMERS, PEFT):  # the front door's own sorting (model_kind.py)
             raise TypeError(
                 f"TensorParallelPreTrainedModel splits a transformers PreTrainedModel, or a PeftModel around one; got "
                 f"{type(module).__name__}. Use TensorParallel(...) or tensor_parallel(...) for other modules."
