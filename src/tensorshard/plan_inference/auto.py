@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..logs import get_logger
-from ..model_kind import PEFT, WRAPPER, ModelKind, model_kind
+from ..model_kind import ModelKind, model_kind
 from ..plans.plan import Plan
 from ..plans.presets import PRESETS, preset_for
 from ..plans.sharding import shard_plan
@@ -29,7 +29,7 @@ def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, 
     pass it (torchrun's parallelize, the CLI, hand loading): asked here then."""
     if kind is None:
         kind = model_kind(module)
-    if kind.name in (PEFT, WRAPPER):  # a PeftModel, your own module: the inner model's plan, prefixed
+    if kind.holds_inner:  # a PeftModel, your own module: the inner model's plan, prefixed
         path, model = kind.inner_path, kind.inner
         plan = auto_plan(model, world_size, check=check, example_inputs=example_inputs, kind=kind.inner_kind())
         logger.info("plan for %s: the plan of the %s at %r", type(module).__name__, type(model).__name__, path)

@@ -7,8 +7,9 @@ is one: ../peft/before_split.py).
 
 from torch import nn
 
-from ...model_kind import PEFT, TRANSFORMERS, WRAPPER, ModelKind
+from ...model_kind import TRANSFORMERS, WRAPPER, ModelKind
 from ..peft.before_split import PeftTensorParallel, tensor_parallel_peft
+from ..peft.recognised import PEFT
 from .cache import ShardedCache, rank_caches
 from .model import TransformersTensorParallel, is_transformers_model, split_class, tensor_parallel_pretrained
 from .split_logits import assemble_logits_once

@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from ...engines.inprocess import TensorParallel
-from ...model_kind import PEFT, WRAPPER, ModelKind
+from ...model_kind import ModelKind
 from .model import TransformersTensorParallel, transformers_view
 
 
@@ -35,7 +35,7 @@ class WrapperTensorParallel(TensorParallel):
 
     def __init__(self, module: nn.Module, device_ids=None, *, kind: ModelKind, **kwargs) -> None:
         """`kind`: `module`'s, as the front door decided it (model_kind.py)."""
-        if kind.name not in (WRAPPER, PEFT):
+        if not kind.holds_inner:
             raise TypeError(
                 f"{type(module).__name__} is a {kind.name!r} model, not a module holding a transformers PreTrainedModel: "
                 "split it with tensorshard.tensor_parallel(), which picks the right class"
