@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import tensorshard as tp
-from tensorshard.model_kind import MODULE, PEFT, TRANSFORMERS, WRAPPER, model_kind
+from tensorshard.integrations.peft.recognised import PEFT
+from tensorshard.model_kind import MODULE, TRANSFORMERS, WRAPPER, model_kind
 
 pytestmark = pytest.mark.timeout(120)
 
