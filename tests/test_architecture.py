@@ -11,6 +11,7 @@ dependency, with a comment saying so.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -294,3 +295,80 @@ def test_a_clean_graph_passes():
         Import("tensorshard.checkpoint.gguf", "gguf", in_function=True, commented=True),
     ]
     assert problems(good, PACKAGES) == []
+
+
+# Where the model's kind (model_kind.py) may be asked: once per split, where the split begins. The front door hands
+# the answer on to the engine, the plan resolution and the automatic plan; tests/core/test_model_kind.py counts the
+# calls during a split (one).
+KIND_ASKED = {
+    "tensorshard/api.py": "the front door, tensor_parallel()",
+    "tensorshard/plan_inference/auto.py": "only when no kind was handed on (parallelize, the CLI, hand loading)",
+    "tensorshard/engines/inprocess/copies.py": "copy.deepcopy of a split model is a new split, of the copy",
+    "tensorshard/compat/entry.py": "TensorParallelPreTrainedModel's check of what it was given, before it splits (a copy)",
+}
+
+
+def test_the_model_kind_is_asked_only_where_a_split_begins():
+    asked = set()
+    for f in sorted((SRC / "tensorshard").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "model_kind":
+                asked.add(f.relative_to(SRC).as_posix())
+    assert asked <= set(KIND_ASKED), f"model_kind() asked in {sorted(asked - set(KIND_ASKED))}: take the kind handed on"
+
+
+# PEFT's behaviour lives in integrations/peft/: the code below it reaches PEFT's models and layers only through the
+# registries the package fills (model_kind.register_holder_kind, layers.register_layer_wrapper, the plan rewriter,
+# the engines' adopters). Outside it, no name in code (an identifier, or a string that is one: an attribute read)
+# is PEFT's; prose (docstrings, messages) may mention PEFT. Files that still name it, each with its reason:
+PEFT_NAMES = re.compile(r"peft|lora|adapter|modules_to_save|base_layer|original_module|ia3", re.IGNORECASE)
+PEFT_NAMED_ELSEWHERE = {
+    "tensorshard/__init__.py": "imports the PEFT package, whose import fills the registries",
+    "tensorshard/demo.py": "the demo is a user's script: it fine-tunes with PEFT's own API, as a user would",
+    "tensorshard/compat/entry.py": "the original API's TensorParallelPreTrainedModel takes a PeftModel: it asks "
+                                   "integrations/peft/recognised.py",
+    "tensorshard/integrations/transformers/__init__.py": "hands a PeftModel to integrations/peft (transformers' "
+                                                         "integration sits above PEFT's, never the reverse)",
+    "tensorshard/integrations/transformers/model.py": "takes transformers' add_adapter/load_adapter from "
+                                                      "integrations/peft (SplitAdapters)",
+    "tensorshard/integrations/transformers/split_logits.py": "a PeftModel passes its inner model's logits through",
+}
+
+
+def _names_in_code(tree: ast.AST) -> list[tuple[int, str]]:
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.alias):
+            names = [node.name, node.asname or ""]
+        elif isinstance(node, (ast.arg, ast.keyword)):
+            names = [node.arg or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            names = [node.value] if node.value.isidentifier() else []
+        else:
+            continue
+        found += [(getattr(node, "lineno", 0), n) for n in names if PEFT_NAMES.search(n)]
+    return found
+
+
+def test_peft_aware_names_appear_only_in_the_peft_package():
+    outside = []
+    for f in sorted((SRC / "tensorshard").rglob("*.py")):
+        where = f.relative_to(SRC).as_posix()
+        if where.startswith("tensorshard/integrations/peft/") or where in PEFT_NAMED_ELSEWHERE:
+            continue
+        outside += [f"{where}:{line}: {name}" for line, name in _names_in_code(ast.parse(f.read_text()))]
+    assert outside == [], "PEFT's names outside integrations/peft/ (reach them through its registries):\n" + "\n".join(outside)
+
+
+def test_the_peft_name_check_sees_code_not_prose():
+    code = ast.parse('"""LoRA in prose."""\nx = layer.base_layer\ngetattr(m, "lora_A")\nraise ValueError("adapters: no")\n')
+    assert [n for _, n in _names_in_code(code)] == ["base_layer", "lora_A"]

@@ -84,7 +84,7 @@ def tensor_parallel(
     )
     kind = model_kind(module)  # asked once here; the steps below read the answer (model_kind.py)
     if not kind.holds_transformers_model:
-        return TensorParallel(module, device_ids, **options)
+        return TensorParallel(module, device_ids, kind=kind, **options)
     # deferred: the integration imports transformers, an optional heavy dependency (loaded already here)
     from .integrations.transformers import tensor_parallel_transformers
 

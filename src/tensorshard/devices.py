@@ -17,8 +17,6 @@ import torch
 
 from .logs import get_logger
 
-DeviceLike = "torch.device | str | int"
-
 logger = get_logger(__name__)
 
 

@@ -11,16 +11,26 @@ process-wide hooks for that. Each such hook is a `GlobalHook`, defined (not inst
 
 `install` returns the handles (anything with ``remove()``: torch's RemovableHandle, or `Patch` for a function
 of another library replaced in place); they are removed, last installed first, when the last holder is
-collected. A hook that split models need from the moment they are made says which (``needed_by=``, a test
+collected, at a safe point: the finalizer runs wherever the garbage collector does, which may be inside torch
+while it loops over the very dict of hooks being removed (a hook allocating inside `Optimizer.step`'s loop over
+its global pre-hooks, say: "OrderedDict mutated during iteration"). So while any thread is inside torch's own
+code, the removal waits (`_sweep`): for the end of a later garbage collection outside torch (a gc callback,
+armed only while a removal waits), or for the next `hold` or `installed()`, whichever comes first. A hook held
+again before then simply stays installed. A hook that split models need from the moment they are made says which (``needed_by=``, a test
 on the model); the engines call `split_model_made(model)` on every model they make, which holds those. `installed()` lists
 what is installed now (docs/inprocess.md, "What tensorshard installs in the process", lists every hook).
 """
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
 import threading
 import weakref
 from typing import Any, Callable, Protocol
+
+import torch
 
 from .logs import get_logger
 
@@ -47,6 +57,8 @@ class Patch:
 
 _lock = threading.RLock()  # finalizers run wherever the garbage collector runs
 _defined: list["GlobalHook"] = []
+_waiting: list["GlobalHook"] = []  # hooks whose last holder is gone, to remove at the next safe point
+_TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
 class GlobalHook:
@@ -67,7 +79,8 @@ class GlobalHook:
         return self._handles is not None
 
     def hold(self, owner: Any) -> None:
-        """Keep this hook installed while `owner` lives (installing it now if nothing holds it yet)."""
+        """Keep this hook installed while `owner` lives (installing it now if nothing holds it yet, or keeping it
+        if its removal still waits for a safe point)."""
         with _lock:
             if owner in self._holders:
                 return
@@ -77,6 +90,7 @@ class GlobalHook:
             self._holders.add(owner)
             self._count += 1
             weakref.finalize(owner, self._release)
+        _sweep()
 
     def handles(self) -> list[Handle] | None:
         """What `install` returned, while installed; None otherwise."""
@@ -87,14 +101,54 @@ class GlobalHook:
         return list(self._holders)
 
     def _release(self) -> None:
+        """A holder's finalizer: the last one gone, the hook is removed at the next safe point (`_sweep`)."""
         with _lock:
             self._count -= 1
             if self._count > 0 or self._handles is None:
                 return
-            handles, self._handles = self._handles, None
-        for handle in reversed(handles):
+            if self not in _waiting:
+                _waiting.append(self)
+        _sweep()
+
+    def _remove(self) -> None:
+        handles, self._handles = self._handles, None
+        for handle in reversed(handles or []):
             handle.remove()
         logger.debug("removed %s (no split model holds it any more)", self.what)
+
+
+def _inside_torch() -> bool:
+    """Some thread is running torch's Python code now (it may be looping over one of torch's hook dicts)."""
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(_TORCH):
+                return True
+            frame = frame.f_back
+    return False
+
+
+def _sweep(*_gc_phase_and_info: Any) -> None:
+    """Remove the hooks whose last holder is gone, unless a thread is inside torch: then wait for the end of a later
+    garbage collection (this function as a gc callback, armed only while something waits) or the next `hold` /
+    `installed()`."""
+    with _lock:
+        if _gc_phase_and_info and _gc_phase_and_info[0] != "stop":
+            return
+        if not _waiting or _inside_torch():
+            _arm(bool(_waiting))
+            return
+        due = [hook for hook in _waiting if hook._count == 0 and hook._handles is not None]
+        _waiting.clear()
+        _arm(False)
+        for hook in due:
+            hook._remove()
+
+
+def _arm(waiting: bool) -> None:
+    if waiting and _sweep not in gc.callbacks:
+        gc.callbacks.append(_sweep)
+    elif not waiting and _sweep in gc.callbacks:
+        gc.callbacks.remove(_sweep)
 
 
 def split_model_made(model: Any) -> None:
@@ -106,5 +160,6 @@ def split_model_made(model: Any) -> None:
 
 def installed() -> list[str]:
     """What tensorshard has installed in the process now (empty after import, and again once every split model
-    holding a hook is gone)."""
+    holding a hook is gone; a removal still waiting for a safe point is made first, if this is one)."""
+    _sweep()
     return [hook.what for hook in _defined if hook.installed]

@@ -7,8 +7,8 @@ to run the layer without its bias (a row-parallel layer adds its bias once, afte
 Supported: nn.Linear (and subclasses, bitsandbytes' quantized Linear4bit / Linear8bitLt among them:
 their shapes and products go through `tensorshard.quant`), transformers' GPT-2 style Conv1D (weight stored
 (in, out)), nn.Conv1d/2d/3d with groups=1, nn.Embedding and nn.EmbeddingBag. Recognised without importing
-their library: transformers models, PEFT models and PEFT's layer wrappers (`is_adapter_layer`,
-`is_modules_to_save`: integrations/peft/ splits them).
+their library: transformers models. Modules that wrap a layer of the model (an adapter library's) are known
+through `register_layer_wrapper`, by the integration that knows the library (integrations/peft/ registers PEFT's).
 """
 
 from __future__ import annotations
@@ -111,21 +111,33 @@ def is_transformers_model(module: object) -> bool:
     return transformers is not None and isinstance(module, transformers.PreTrainedModel)
 
 
-def is_peft_model(module: object) -> bool:
-    """True for a peft PeftModel, without importing peft when nobody has."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(module, peft.PeftModel)
+@dataclass(frozen=True)
+class LayerWrapper:
+    """A kind of module that wraps a layer of the model and calls it (an adapter library's), as registered by the
+    integration that knows it."""
+
+    is_one: Callable[[nn.Module], bool]
+    inner: str  # the attribute holding the wrapped layer
+    reads_inner: bool = False  # its own forward reads the wrapped layer's tensors (not only through its forward)
 
 
-def is_adapter_layer(module: nn.Module) -> bool:
-    """A PEFT tuner layer (LoRA, IA3, ...): it wraps the original layer as ``.base_layer`` (recognised by its
-    attributes: PEFT is not imported; what follows from it is in integrations/peft/)."""
-    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
+_LAYER_WRAPPERS: list[LayerWrapper] = []
 
 
-def is_modules_to_save(module: nn.Module) -> bool:
-    """PEFT's ModulesToSaveWrapper (a trainable copy of a whole module per adapter)."""
-    return isinstance(getattr(module, "original_module", None), nn.Module) and isinstance(
-        getattr(module, "modules_to_save", None), nn.ModuleDict
-    )
+def register_layer_wrapper(wrapper: LayerWrapper) -> LayerWrapper:
+    """Make `wrapper` known to the code that looks through layer wrappers (the engines, compat/bare.py)."""
+    if wrapper not in _LAYER_WRAPPERS:
+        _LAYER_WRAPPERS.append(wrapper)
+    return wrapper
+
+
+def layer_wrapper(module: nn.Module) -> LayerWrapper | None:
+    """The registered kind of layer wrapper `module` is, or None."""
+    return next((w for w in _LAYER_WRAPPERS if w.is_one(module)), None)
+
+
+def wrapped_layer(module: nn.Module) -> nn.Module | None:
+    """The layer `module` wraps, if it is a registered layer wrapper; else None."""
+    wrapper = layer_wrapper(module)
+    return None if wrapper is None else getattr(module, wrapper.inner)
 

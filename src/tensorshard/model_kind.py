@@ -1,6 +1,6 @@
 """What kind of model the front door was handed, decided once.
 
-`model_kind(module)` sorts a model into one of four kinds, and the answer carries what the steps after it need:
+`model_kind(module)` sorts a model into one of a few kinds, and the answer carries what the steps after it need:
 
     kind = model_kind(module)
     kind.name        # "module" | "transformers" | "peft" | "wrapper"
@@ -11,7 +11,8 @@
   `TensorParallel`, with a preset or inferred plan for the module itself;
 - **transformers**: a transformers `PreTrainedModel`: split as an instance of its own class
   (integrations/transformers/model.py);
-- **peft**: a PEFT `PeftModel` around a transformers model: still a PeftModel (integrations/peft/before_split.py);
+- a kind an integration registers (`register_holder_kind`) for modules of its own holding a transformers model:
+  integrations/peft/ registers **peft**, a PEFT `PeftModel` around one, split still a PeftModel;
 - **wrapper**: any other module holding a transformers model (a user's classifier around a language model, a
   LightningModule holding one): the inner model's plan under its path, its ``generate`` and ``save_pretrained``
   (integrations/transformers/wrapped.py).
@@ -20,6 +21,12 @@ A PeftModel around a plain module (no transformers model inside) is a **module**
 split but its adapter layers (integrations/peft/adapter_plan.py). When a module holds several transformers
 models, the outermost first in module order is the one; nothing is searched again later. Neither transformers
 nor peft is imported here: a model of theirs means they are loaded already.
+
+Asked once per split: the front door (api.py `tensor_parallel`) asks and hands the answer on (`kind=`) to the
+engine, the plan resolution (plans.resolve_plan) and the automatic plan (plan_inference/auto.py), which plans a
+PEFT model or a wrapper from its inner model's kind (`ModelKind.inner_kind`), known without asking again. Only
+an entry that did not pass the front door (torchrun's `parallelize`, the CLI, hand loading) is asked where its
+plan is resolved.
 """
 
 from __future__ import annotations
@@ -28,16 +35,28 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .layers import is_peft_model, is_transformers_model
+from typing import Callable
 
-MODULE, TRANSFORMERS, PEFT, WRAPPER = "module", "transformers", "peft", "wrapper"
+from .layers import is_transformers_model
+
+MODULE, TRANSFORMERS, WRAPPER = "module", "transformers", "wrapper"
+
+# Kinds of module holding a transformers model that an integration splits its own way, in registration order:
+# (name, test). integrations/peft/ registers its PeftModel's. Any other holder is a WRAPPER.
+_HOLDER_KINDS: list[tuple[str, Callable[[nn.Module], bool]]] = []
+
+
+def register_holder_kind(name: str, is_one: Callable[[nn.Module], bool]) -> None:
+    """Give the modules `is_one` accepts, when they hold a transformers model, the kind `name` (not WRAPPER)."""
+    if all(n != name for n, _ in _HOLDER_KINDS):
+        _HOLDER_KINDS.append((name, is_one))
 
 
 @dataclass(frozen=True)
 class ModelKind:
     """One model's kind (see the module docstring)."""
 
-    name: str  # MODULE, TRANSFORMERS, PEFT or WRAPPER
+    name: str  # MODULE, TRANSFORMERS, WRAPPER or a registered holder kind
     inner_path: str | None = None  # the transformers model's module path: "" for the model itself; None for MODULE
     inner: nn.Module | None = None  # the transformers model at that path (the unsplit one, consumed by splitting)
 
@@ -45,6 +64,17 @@ class ModelKind:
     def holds_transformers_model(self) -> bool:
         """True for every kind but MODULE: the transformers integration splits it."""
         return self.inner is not None
+
+    @property
+    def holds_inner(self) -> bool:
+        """True when the transformers model is inside, not the model itself (a WRAPPER or a registered holder)."""
+        return bool(self.inner_path)
+
+    def inner_kind(self) -> "ModelKind":
+        """The kind of the transformers model inside (TRANSFORMERS, itself at path ""), without asking again."""
+        if self.inner is None:
+            raise ValueError(f"a {self.name!r} model holds no transformers model")
+        return ModelKind(TRANSFORMERS, "", self.inner)
 
 
 def model_kind(module: object) -> ModelKind:
@@ -56,4 +86,5 @@ def model_kind(module: object) -> ModelKind:
     found = next(((path, m) for path, m in module.named_modules() if is_transformers_model(m)), None)
     if found is None:
         return ModelKind(MODULE)
-    return ModelKind(PEFT if is_peft_model(module) else WRAPPER, *found)
+    name = next((n for n, is_one in _HOLDER_KINDS if is_one(module)), WRAPPER)
+    return ModelKind(name, *found)

@@ -100,6 +100,11 @@ class Partition:
     def replicated(cls, size: int, world_size: int) -> "Partition":
         return cls(size, tuple(((0, size),) for _ in range(world_size)))
 
+    @classmethod
+    def stacked(cls, rows: int, world_size: int) -> "Partition":
+        """`world_size` blocks of `rows` each, in rank order: what an all-gather of equal pieces stacks."""
+        return cls(rows * world_size, tuple(((r * rows, (r + 1) * rows),) for r in range(world_size)))
+
 
 @dataclass(frozen=True)
 class HeadGroups:

@@ -225,3 +225,39 @@ def test_a_patch_puts_the_original_back_unless_someone_replaced_it_since():
     lib.f = theirs  # another library wrapped it after us: removing ours must not undo theirs
     patch.remove()
     assert lib.f is theirs
+
+
+def test_a_hook_whose_last_holder_goes_while_torch_loops_over_its_dict_is_removed_after_the_loop():
+    """A finalizer runs wherever the object dies, also inside torch's loop over the very hook dict that holds the
+    hook (here a later hook of that loop drops the last holder); removing the hook there broke the loop
+    ("OrderedDict mutated during iteration" before the next hook). Its removal waits for a safe point."""
+    import torch
+    from torch.nn.modules import module as torch_module
+
+    from tensorshard.global_hooks import GlobalHook
+
+    seen = []
+    hook = GlobalHook("a test module registration hook", lambda: [
+        torch_module.register_module_module_registration_hook(lambda module, name, sub: seen.append(name))])
+    holders = [_Owner()]
+    hook.hold(holders[0])
+    (ours,) = hook.handles()
+
+    def drop_the_last_holder(module, name, sub):
+        holders.clear()  # its finalizer runs here, inside torch's loop over the registration hooks
+
+    theirs = [torch_module.register_module_module_registration_hook(drop_the_last_holder),
+              torch_module.register_module_module_registration_hook(lambda module, name, sub: seen.append("after"))]
+    try:
+        torch.nn.Module().add_module("first", torch.nn.Identity())  # the loop goes on to the hook after theirs
+        assert seen == ["first", "after"] and holders == []
+        assert hook.installed and ours.id in torch_module._global_module_registration_hooks  # not inside the loop
+        gc.collect()  # a safe point: outside torch
+        assert not hook.installed and ours.id not in torch_module._global_module_registration_hooks
+        torch.nn.Module().add_module("second", torch.nn.Identity())
+        assert seen == ["first", "after", "after"]
+    finally:
+        for handle in theirs:
+            handle.remove()
+        gc.collect()
+    assert not hook.installed

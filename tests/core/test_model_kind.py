@@ -6,12 +6,16 @@ the kind, and a split class built by hand refuses a model of the wrong kind befo
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
+
 import pytest
 import torch
 from torch import nn
 
 import tensorshard as tp
-from tensorshard.model_kind import MODULE, PEFT, TRANSFORMERS, WRAPPER, model_kind
+from tensorshard.integrations.peft.recognised import PEFT
+from tensorshard.model_kind import MODULE, TRANSFORMERS, WRAPPER, model_kind
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,5 +79,41 @@ def test_a_wrapper_class_refuses_a_model_of_another_kind_before_splitting():
 
     lm = tiny_llama()
     with pytest.raises(TypeError, match="'transformers' model, not a module holding"):
-        WrapperTensorParallel(lm, ["cpu", "cpu"])
+        WrapperTensorParallel(lm, ["cpu", "cpu"], kind=model_kind(lm))
     assert not any(p.is_meta for p in lm.parameters())  # refused before the engine consumed it
+
+
+@contextmanager
+def kind_calls():
+    """The modules `model_kind` is called on in this thread meanwhile (its code object seen by a profiler: counted
+    however a caller imported the function)."""
+    calls, code = [], model_kind.__code__
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            calls.append(type(frame.f_locals["module"]).__name__)
+
+    before = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield calls
+    finally:
+        sys.setprofile(before)
+
+
+@pytest.mark.parametrize("build", ["module", "transformers", "peft", "wrapper"])
+def test_the_kind_is_decided_once_per_split(build):
+    """The front door asks; the engine, the plan resolution and the automatic plan (recursing into a PEFT model's
+    or a wrapper's inner model) take the answer as it is handed on."""
+    if build == "module":
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    elif build == "transformers":
+        model = tiny_llama()
+    elif build == "peft":
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    else:
+        model = Holder(tiny_llama())
+    with kind_calls() as calls:
+        tp.tensor_parallel(model, ["cpu", "cpu"], check=False)
+    assert calls == [type(model).__name__]

@@ -13,7 +13,7 @@ from torch import nn
 
 import tensorshard as tp
 from support.helpers import rel_err
-from support.workers_state import busy_workers
+from support.workers_state import busy_workers, set_timeout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,6 +29,7 @@ class Steps(nn.Module):
         self.a2, self.b2 = nn.Linear(8, 16), nn.Linear(16, 8)
         self.fail = None  # "before", "between" or "after" the collectives
         self.stall = 0.0  # seconds to sleep between the two pairs
+        self.hold: threading.Event | None = None  # wait for it before the first collective (a stuck shard)
         self.skip_first = False  # go straight to the second pair
         self.early_exit = False  # return after the first pair
         self.rows = None  # keep only this many rows before the second pair (a different shape)
@@ -36,6 +37,8 @@ class Steps(nn.Module):
     def forward(self, x):
         if self.fail == "before":
             raise ValueError("failing before the collectives")
+        if self.hold is not None:
+            self.hold.wait()
         h = x if self.skip_first else self.b1(self.a1(x))
         if self.fail == "between":
             raise ValueError("failing between the collectives")
@@ -60,6 +63,7 @@ def assert_usable(model, ref, gen):
     """The next call works and matches the unsplit model (fp32, 1e-5), gradients included."""
     for shard in model.module_shards:
         shard.fail, shard.stall, shard.skip_first, shard.early_exit, shard.rows = None, 0.0, False, False, None
+        shard.hold = None
     x = torch.randn(4, 8, generator=gen)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     out = model(xa)
@@ -118,22 +122,25 @@ def test_different_shapes_at_one_collective_fail_instead_of_broadcasting(gen):
 
 
 def test_a_stuck_worker_is_reported_and_abandoned_and_cannot_disturb_later_calls(gen):
-    ref, model = split(2, timeout=0.3)
-    assert_usable(model, ref, gen)  # starts the worker thread
+    """Shard 1 waits on an event before its first collective, for as long as the test likes: the call fails after the
+    timeout all the same, while the shard is still stuck (so the call did not wait for it); later calls run on a new
+    worker while the old one is held, and once released it meets its ended call and exits."""
+    ref, model = split(2, timeout=60)  # healthy calls: no limit a loaded machine could reach
+    assert_usable(model, ref, gen)  # starts the worker threads
     stuck = model._pool._threads[1]
-    model.module_shards[1].stall = 3.0
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"all_reduce at b2 \(collective #2\): device cpu\[1\] \(rank 1\) did not arrive within 0.3 s"):
+    released = threading.Event()
+    model.module_shards[1].hold = released
+    set_timeout(model, 0.3)  # how long rank 0 waits at the collective shard 1 never reaches
+    with pytest.raises(TimeoutError, match=r"all_reduce at b1 \(collective #1\): device cpu\[1\] \(rank 1\) did not arrive within 0.3 s"):
         with torch.no_grad():
             model(torch.randn(4, 8, generator=gen))
-    assert time.monotonic() - start < 2.5  # did not wait for the stuck shard (3 s)
-    model.module_shards[1].stall = 0.0
-    # While the abandoned thread sleeps, wakes and runs into its stale call, new calls are unaffected.
-    while stuck.is_alive() and time.monotonic() - start < 10:
-        assert_usable(model, ref, gen)
-    stuck.join(5)
-    assert not stuck.is_alive()  # it exited once it came back
+    set_timeout(model, 60)
+    assert stuck.is_alive() and not released.is_set()  # the call ended while the shard is still stuck
+    assert_usable(model, ref, gen)  # on a new worker, the abandoned one still held
     assert model._pool._threads[1] is not stuck
+    released.set()  # it wakes and runs into its stale call, while new calls go on
+    assert_usable(model, ref, gen)
+    stuck.join()  # bounded by the test's timeout
     assert_usable(model, ref, gen)
 
 

@@ -1,11 +1,27 @@
-"""What the tests look at after a failure: which worker threads are busy, and whether a model is unchanged."""
+"""What the tests look at after a failure: which worker threads are busy, and whether a model is unchanged; and how
+they set the collective timeout of a split model between calls."""
 
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 from torch import nn
+
+
+def set_timeout(model, seconds: float) -> None:
+    """The seconds a shard of `model` (in-process) waits at a collective from the next call on: short only for the
+    call where a test makes a shard miss one, long for every other call (a loaded machine can hold a healthy shard
+    back for longer than a fraction of a second)."""
+    model.timeout = model._group.timeout = seconds
+
+
+def wait_until_idle(model) -> None:
+    """Return once no worker thread of `model` runs a shard (a released straggler meets its ended call and stops);
+    bounded by the test's own timeout, not by a clock of this function's."""
+    while busy_workers(model):
+        time.sleep(0.01)
 
 
 def busy_workers(model) -> list[str]:

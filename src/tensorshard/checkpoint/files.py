@@ -111,11 +111,6 @@ def _write_tensor(f, tensor: torch.Tensor) -> None:
         f.write(memoryview(flat.view(torch.uint8).numpy()))
 
 
-def read_header(path: str | os.PathLike) -> dict:
-    """The JSON header of a safetensors file (tensor entries and ``__metadata__``)."""
-    return _read_header(path)[0]
-
-
 def _read_header(path: str | os.PathLike) -> tuple[dict, int]:
     """(header, offset of the data section)."""
     fix = "the file is damaged or not a safetensors file: restore it, or save the checkpoint again"

@@ -43,12 +43,6 @@ from .torchrun import TorchrunJob, is_parallelized, job_of
 logger = get_logger(__name__)
 
 
-def gather_entry(layout: ModelLayout, entry: TensorEntry, device: torch.device | str = "cpu") -> torch.Tensor:
-    """One tensor of the unsplit model, assembled from every rank's part on `device` (a new tensor;
-    collective under torchrun)."""
-    return layout.gather(entry, device)
-
-
 def _require_split(model: object, what: str) -> None:
     if not (is_split_model(model) or is_parallelized(model)):
         raise TypeError(

@@ -8,7 +8,8 @@ the shared-memory transport polls FIFOs), and torch's functional collectives wou
 instead of shared memory. So the compiled graph calls these opaque ops instead: each runs the very same
 guarded collective as eager code (comm/transport.py: shared memory between CPU ranks of one host, else the
 backend), counts it for `tp.count_collectives()` when it runs (not when it is traced), and has a fake
-implementation (shapes only) and a backward that follows comm/interface.py's convention:
+implementation (shapes only) and a backward that follows comm/interface.py's convention, by the rules the eager
+autograd nodes use (comm/functions.py's `*_backward`, called here with this rank's one gradient):
 
     all_reduce        backward: identity
     all_gather        backward: this rank's block of the gradient
@@ -29,8 +30,10 @@ from __future__ import annotations
 
 import torch
 
+from ..partition import Partition
 from .counter import record
 from .dist_guard import guard_named
+from .functions import all_gather_backward, all_reduce_backward, copy_to_parallel_backward
 from .process_group import all_reduce_copy, label, nbytes as _nbytes
 from .transport import all_gather_
 
@@ -57,7 +60,8 @@ def _(x, group_name, where, backward=False):
 
 
 def _all_reduce_backward(ctx, grad):
-    return grad, None, None, None  # dL/dy is replicated: every partial input gets it unchanged
+    (grad,) = all_reduce_backward((grad,))
+    return grad, None, None, None
 
 
 all_reduce.register_autograd(_all_reduce_backward)
@@ -82,12 +86,13 @@ def _(piece, group_name, world, rank, where):
 
 
 def _all_gather_setup(ctx, inputs, output):
-    ctx.rank, ctx.rows = inputs[3], inputs[0].shape[0]
+    piece, _, world, rank, _ = inputs
+    ctx.rank, ctx.stacked = rank, Partition.stacked(piece.shape[0], world)
 
 
 def _all_gather_backward(ctx, grad):
-    # the gathered value is replicated and so is its gradient: this rank's block is its piece's gradient
-    return grad.narrow(0, ctx.rank * ctx.rows, ctx.rows), None, None, None, None
+    (grad,) = all_gather_backward((grad,), (ctx.rank,), ctx.stacked, 0)
+    return grad, None, None, None, None
 
 
 all_gather.register_autograd(_all_gather_backward, setup_context=_all_gather_setup)
@@ -112,7 +117,9 @@ def _copy_setup(ctx, inputs, output):
 
 
 def _copy_backward(ctx, grad):
-    return torch.ops.tensorshard.all_reduce(grad, ctx.group_name, ctx.where, True), None, None
+    (grad,) = copy_to_parallel_backward(
+        (grad,), lambda gs: [torch.ops.tensorshard.all_reduce(g, ctx.group_name, ctx.where, True) for g in gs])
+    return grad, None, None
 
 
 copy_to_parallel.register_autograd(_copy_backward, setup_context=_copy_setup)

@@ -18,7 +18,12 @@ of `c.ranks`, in that order:
     SumGrads          identity (many parameters)      reduce each one's gradient (in-process partial_grads)
     GatherRows        gather many along dim 0         take own rows (in-process ZeRO-3)
 
-The functions below (`all_reduce`, ...) are how an engine runs one: through `Function.apply` where a gradient will
+The backward rules of all-reduce, all-gather and copy-to-parallel are written once, as the functions
+`all_reduce_backward`, `all_gather_backward` and `copy_to_parallel_backward`: the nodes below call them, and so
+do the autograd registrations of the torchrun engine's compiled operators (comm/dist_ops.py), one rank's
+gradient at a time.
+
+The functions at the end (`all_reduce`, ...) are how an engine runs one: through `Function.apply` where a gradient will
 flow back, else the raw collective alone (decoding under no_grad pays for no autograd node). Without a gradient,
 copy_to_parallel, split and tie communicate nothing, so their engines skip them before reaching here.
 """
@@ -26,7 +31,7 @@ copy_to_parallel, split and tie communicate nothing, so their engines skip them 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.autograd import Function
@@ -41,8 +46,29 @@ def _needs_grad(xs: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
 
 
-def _own_slices(c: Collectives, grads, partition: Partition, dim: int) -> tuple:
-    return tuple(partition.take(g, dim, r).contiguous() for r, g in zip(c.ranks, grads))
+# --- the backward rules shared with the compiled operators (dist_ops.py): one gradient per rank of `ranks` ------
+
+
+def all_reduce_backward(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """dL/dy is replicated: each partial input gets it unchanged."""
+    return tuple(grads)
+
+
+def all_gather_backward(
+    grads: Sequence[torch.Tensor], ranks: Sequence[int], partition: Partition, dim: int
+) -> tuple[torch.Tensor, ...]:
+    """The gathered value is replicated and so is its gradient: each rank's slice of it is its piece's gradient."""
+    return tuple(partition.take(g, dim, r).contiguous() for r, g in zip(ranks, grads))
+
+
+def copy_to_parallel_backward(
+    grads: Sequence[torch.Tensor], reduce: Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+) -> tuple[torch.Tensor, ...]:
+    """The split layers reading the copy each hold part of dL/dx: `reduce` (an all-reduce) sums them."""
+    return tuple(reduce(grads))
+
+
+# --- the nodes ---------------------------------------------------------------------------------------------------
 
 
 class AllReduce(Function):
@@ -52,7 +78,7 @@ class AllReduce(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (*_NONE2, *grads)  # dL/dy is replicated: each partial input gets it unchanged
+        return (*_NONE2, *all_reduce_backward(grads))
 
 
 class CopyToParallel(Function):
@@ -63,7 +89,9 @@ class CopyToParallel(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (*_NONE2, *ctx.c.reduce(grads, op="copy_to_parallel", where=ctx.where, phase="backward"))
+        c, where = ctx.c, ctx.where
+        return (*_NONE2, *copy_to_parallel_backward(
+            grads, lambda gs: c.reduce(gs, op="copy_to_parallel", where=where, phase="backward")))
 
 
 class AllGather(Function):
@@ -74,7 +102,7 @@ class AllGather(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (*_NONE4, *_own_slices(ctx.c, grads, ctx.partition, ctx.dim))
+        return (*_NONE4, *all_gather_backward(grads, ctx.c.ranks, ctx.partition, ctx.dim))
 
 
 class Assemble(AllGather):

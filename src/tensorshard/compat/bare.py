@@ -18,12 +18,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..layers import is_adapter_layer, is_modules_to_save
+from ..layers import layer_wrapper, wrapped_layer
 from ..plans.plan import Plan
 from ..plans.rewriters import rewrite_plan
-
-_INNER = ("base_layer", "original_module")
-
 
 def bare_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) as the rules see them: a wrapper's name holds the layer it wraps; adapters are left out."""
@@ -51,15 +48,17 @@ def adapted(model: nn.Module, plan: Plan) -> Plan:
     return rewrite_plan(model, plan)
 
 
-def _wrappers(model: nn.Module) -> set[str]:
-    return {n for n, m in model.named_modules() if is_adapter_layer(m) or is_modules_to_save(m)}
+def _wrappers(model: nn.Module) -> dict[str, str]:
+    """The layer wrappers' names (layers.py `register_layer_wrapper`: PEFT's), each with its wrapped layer's
+    attribute."""
+    return {n: w.inner for n, m in model.named_modules() if (w := layer_wrapper(m)) is not None}
 
 
 def _inner(wrapper: nn.Module) -> nn.Module:
-    return wrapper.base_layer if is_adapter_layer(wrapper) else wrapper.original_module
+    return wrapped_layer(wrapper)
 
 
-def _inside(name: str, wrappers: set[str]) -> str | None:
+def _inside(name: str, wrappers: dict[str, str]) -> str | None:
     """The wrapper `name` lies strictly inside, if any."""
     return next((w for w in _prefixes(name) if w in wrappers and w != name), None)
 
@@ -70,13 +69,13 @@ def _prefixes(name: str) -> Iterator[str]:
         yield ".".join(parts[:depth])
 
 
-def _bare_name(name: str, wrappers: set[str]) -> str | None:
+def _bare_name(name: str, wrappers: dict[str, str]) -> str | None:
     """``...q_proj.base_layer.weight`` -> ``...q_proj.weight``; an adapter's tensor -> None."""
     wrapper = _inside(name, wrappers)
     if wrapper is None:
         return name
     rest = name[len(wrapper) + 1:] if wrapper else name
     head, _, tail = rest.partition(".")
-    if head not in _INNER or not tail:
+    if head != wrappers[wrapper] or not tail:
         return None
     return f"{wrapper}.{tail}" if wrapper else tail

@@ -26,8 +26,9 @@ from torch import nn
 
 import tensorshard as ts
 from ..devices import resolve_devices
-from ..layers import is_peft_model, is_transformers_model
+from ..integrations.peft.recognised import PEFT, is_peft_class
 from ..logs import get_logger
+from ..model_kind import TRANSFORMERS, model_kind
 from .config import Config
 from .keep import split_copy, split_keeping
 
@@ -123,7 +124,7 @@ class TensorParallelPreTrainedModel(metaclass=_Alias):
 
     @staticmethod
     def _is_one(cls: type) -> bool:  # a split transformers or PEFT model (without importing either here)
-        return issubclass(cls, ts.TensorParallel) and (_is_transformers_class(cls) or _is_peft_class(cls))
+        return issubclass(cls, ts.TensorParallel) and (_is_transformers_class(cls) or is_peft_class(cls))
 
     def __new__(
         cls,
@@ -136,7 +137,7 @@ class TensorParallelPreTrainedModel(metaclass=_Alias):
         sharded_param_names: Collection[str] | None = None,
         **kwargs: Any,
     ):
-        if not (is_transformers_model(module) or (is_peft_model(module) and is_transformers_model(module.get_base_model()))):
+        if model_kind(module).name not in (TRANSFORMERS, PEFT):  # the front door's own sorting (model_kind.py)
             raise TypeError(
                 f"TensorParallelPreTrainedModel splits a transformers PreTrainedModel, or a PeftModel around one; got "
                 f"{type(module).__name__}. Use TensorParallel(...) or tensor_parallel(...) for other modules."
@@ -222,11 +223,6 @@ def _consume(consume: Any) -> bool:
 def _is_transformers_class(cls: type) -> bool:
     transformers = sys.modules.get("transformers")  # a model of it means it is imported
     return transformers is not None and issubclass(cls, transformers.PreTrainedModel)
-
-
-def _is_peft_class(cls: type) -> bool:
-    peft = sys.modules.get("peft")
-    return peft is not None and issubclass(cls, peft.PeftModel)
 
 
 def _on_meta(module: nn.Module) -> bool:

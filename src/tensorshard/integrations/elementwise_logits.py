@@ -49,11 +49,12 @@ GETTERS = {"get_text_config", "get_decoder"}  # zero-argument calls read along a
 
 def why_not_elementwise(lm: nn.Module, head: str) -> str | None:
     """None if `lm`'s forward provably treats the output of ``self.<head>`` (a dotted path from `lm`)
-    elementwise up to its loss; otherwise the reason, for a debug log."""
-    reason, scalars = _analyse(type(lm), head)
+    elementwise up to its loss; otherwise the reason, for a debug log. The class part (`classify`, steps 1-3,
+    cached per class) first, then step 4 on the instance."""
+    reason = classify(type(lm), head)
     if reason is not None:
         return reason
-    for text, steps in scalars:
+    for text, steps in _analyse(type(lm), head)[1]:
         try:
             value = lm
             for kind, attr in steps:
@@ -72,7 +73,8 @@ def why_not_elementwise(lm: nn.Module, head: str) -> str | None:
 
 
 def classify(cls: type, head: str = "lm_head") -> str | None:
-    """The class part of the check, from the source alone (no instance): None, or why not (the audit)."""
+    """The class part of the check (steps 1-3), from the source alone, no instance: None, or why not.
+    `why_not_elementwise` asks it first; the audit of transformers' classes asks it alone."""
     return _analyse(cls, head)[0]
 
 

@@ -19,6 +19,11 @@ unknown until registered. An unknown step under a per-tensor or refused parent i
 anything with the slice); any other unknown class is assumed elementwise, with one warning per class that
 names the assumption and `register_elementwise` / `register_per_tensor`, which state it.
 
+A wrapper that hands its step to the optimizer it wraps (accelerate's ``AcceleratedOptimizer``, which
+transformers' Trainer uses; Lightning's and Fabric's optimizer wrappers, subclasses of the wrapped class with a
+``step`` of their own) is of the kind of the optimizer inside: `inner_optimizer` finds it, as the optimizer held
+in one of the wrapper's attributes whose ``param_groups`` are the wrapper's own (the same list).
+
     import tensorshard as tp
     tp.optimizers.register_elementwise(MyAdam)      # its update of an entry reads that entry only
     tp.optimizers.register_per_tensor(MyShampoo)    # ... reads its whole tensor: step split tensors whole
@@ -107,12 +112,29 @@ def _lookup(cls: type) -> tuple[str | None, list[type]]:
     return None, overriding
 
 
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer a wrapper hands its step to: one held in an attribute of `optimizer` with the very same
+    ``param_groups`` (accelerate's ``.optimizer``, Lightning's and Fabric's ``._optimizer``); None if there is none."""
+    try:
+        groups = optimizer.param_groups
+    except AttributeError:
+        return None
+    for value in vars(optimizer).values():
+        if isinstance(value, torch.optim.Optimizer) and value is not optimizer and value.param_groups is groups:
+            return value
+    return None
+
+
 def kind_of(optimizer: torch.optim.Optimizer) -> str:
-    """ELEMENTWISE, PER_TENSOR or REFUSED for this optimizer (an unknown class: ELEMENTWISE, warned once)."""
+    """ELEMENTWISE, PER_TENSOR or REFUSED for this optimizer (a wrapper: the kind of the one inside; an unknown
+    class: ELEMENTWISE, warned once)."""
     cls = type(optimizer)
     kind, overriding = _lookup(cls)
     if not overriding:
         return kind if kind is not None else ELEMENTWISE
+    inner = inner_optimizer(optimizer)
+    if inner is not None:
+        return kind_of(inner)  # its step is the inner one's: nothing to assume
     if kind in (PER_TENSOR, REFUSED):
         return REFUSED  # an override of a step that needs whole tensors: nothing says what it reads
     if _key(cls) not in _warned:
@@ -133,6 +155,9 @@ def why_refused(optimizer: torch.optim.Optimizer) -> str:
     """Why `optimizer` (of kind REFUSED) cannot step a split weight exactly."""
     cls = type(optimizer)
     kind, overriding = _lookup(cls)
+    inner = inner_optimizer(optimizer) if overriding else None
+    if inner is not None:
+        return why_refused(inner)
     if overriding:
         parent = next(klass for klass in cls.__mro__ if _key(klass) in _kinds)
         return (f"{cls.__qualname__} overrides step() of {_key(parent)} ({kind}), and nothing says what the override "

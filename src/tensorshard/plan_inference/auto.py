@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..logs import get_logger
-from ..model_kind import PEFT, WRAPPER, model_kind
+from ..model_kind import ModelKind, model_kind
 from ..plans.plan import Plan
 from ..plans.presets import PRESETS, preset_for
 from ..plans.sharding import shard_plan
@@ -23,11 +23,15 @@ from .selfcheck import check_plan
 logger = get_logger(__name__)
 
 
-def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, example_inputs=None) -> Plan:
-    kind = model_kind(module)  # asked here too: torchrun, the CLI and hand loading reach this without the front door
-    if kind.name in (PEFT, WRAPPER):  # a PeftModel, your own module: the inner model's plan, prefixed
+def auto_plan(module: nn.Module, world_size: int, *, check: bool | None = None, example_inputs=None,
+              kind: ModelKind | None = None) -> Plan:
+    """`kind`: `module`'s kind as the front door decided it (model_kind.py); None only for the entries that do not
+    pass it (torchrun's parallelize, the CLI, hand loading): asked here then."""
+    if kind is None:
+        kind = model_kind(module)
+    if kind.holds_inner:  # a PeftModel, your own module: the inner model's plan, prefixed
         path, model = kind.inner_path, kind.inner
-        plan = auto_plan(model, world_size, check=check, example_inputs=example_inputs)
+        plan = auto_plan(model, world_size, check=check, example_inputs=example_inputs, kind=kind.inner_kind())
         logger.info("plan for %s: the plan of the %s at %r", type(module).__name__, type(model).__name__, path)
         return Plan((f"{path}.{p}", s) for p, s in plan.items())
     plan = preset_for(module)

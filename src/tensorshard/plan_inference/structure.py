@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -227,11 +227,3 @@ _CONFIG_COUNTS = re.compile(
     r"num_attention_heads|num_key_value_heads|n_head|n_heads|num_heads|n_kv_heads|num_kv_heads|"
     r"multi_query_group_num|n_head_kv|num_key_value_groups|kv_n_heads|num_query_groups"
 )
-
-
-@dataclass
-class GroupLayoutInput:
-    """What `infer_layout` needs for one group, collected from a trace."""
-
-    members: dict[str, torch.Tensor] = field(default_factory=dict)
-    needs: dict[int, set[int]] = field(default_factory=dict)

@@ -44,17 +44,18 @@ def _inferred(name: str) -> Callable:
     return _inference[name]
 
 
-def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None = None) -> Plan:
+def resolve_plan(module: nn.Module, plan, world_size: int, *, check: bool | None = None, kind=None) -> Plan:
     """The plan to use: the one given (a Plan, a {pattern: style} dict, a JSON file, or an object with a
     ``to_plan(module, world_size)`` method such as a tensorshard.compat.Config), else an automatic one.
 
     `check`: a given plan's column/row pairs are checked against a traced forward (plan_inference/plancheck.py):
     by default a pair split around an op that mixes features is refused; with True it stays whole and the rest
     of the plan is self-checked numerically (plan_inference/selfcheck.py); False trusts the plan.
+    `kind`: the model's kind (model_kind.py) when the caller has it, for the automatic plan.
     """
     refuse_unsplittable(module)  # e.g. a PEFT method no plan can split (rewriters.py)
     if plan is None:
-        resolved = _inferred("auto_plan")(module, world_size, check=check)
+        resolved = _inferred("auto_plan")(module, world_size, check=check, kind=kind)
         return rewrite_plan(module, resolved)
     if isinstance(plan, Plan):
         resolved = plan

@@ -57,8 +57,6 @@ from .module_shard import ModuleShard
 
 logger = get_logger(__name__)
 
-_QUANTITY = {"heads": "num_heads", "kv_heads": "num_kv_heads", "groups": "groups", "features": "features", "kv_features": "kv_features"}
-
 
 @dataclass
 class _Layer:

@@ -123,6 +123,42 @@ def test_an_unknown_subclass_warns_once_and_steps_slices(reference, world, monke
     assert optimizers.worst_rel(got, want["unknown_subclass"]) < 1e-5
 
 
+@pytest.mark.parametrize("per_device", [False, True], ids=["default_step", "per_device_optimizer"])
+def test_a_wrapper_optimizer_is_the_kind_of_the_one_inside_and_is_not_warned_about(reference, per_device, monkeypatch):
+    """accelerate's AcceleratedOptimizer (what transformers' Trainer steps) and Lightning's and Fabric's wrappers
+    (subclasses of the wrapped class with a step of their own) hand their step to the optimizer inside: they are of
+    its kind (Muon's: split weights stepped whole), with no unknown-optimizer warning, and train exactly."""
+    accelerate = pytest.importorskip("accelerate")
+    pytest.importorskip("lightning")
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState
+    from lightning.fabric.wrappers import _FabricOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    ref, data, want = reference
+    monkeypatch.setattr(tp.optimizers.kinds, "_warned", set())
+    model = split(ref, 2)
+    accelerate.Accelerator(cpu=True)  # AcceleratedOptimizer reads the process's accelerator state
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            muon, adamw = optimizers.build(model, "muon")
+            for wrap in (lambda o: AcceleratedOptimizer(o, device_placement=False), LightningOptimizer,
+                         lambda o: _FabricOptimizer(o, strategy=None)):
+                assert tp.optimizers.kind_of(wrap(muon)) == tp.optimizers.PER_TENSOR
+                assert tp.optimizers.kind_of(wrap(adamw)) == tp.optimizers.ELEMENTWISE
+            if per_device:  # the wrapper around the per-device optimizer; the other way round is refused
+                with pytest.raises(TypeError, match=r"AcceleratedOptimizer, a wrapper .* per_device_optimizer\(Muon"):
+                    tp.per_device_optimizer(AcceleratedOptimizer(muon, device_placement=False), model)
+                muon, adamw = (tp.per_device_optimizer(o, model) for o in (muon, adamw))
+            wrapped = [AcceleratedOptimizer(o, device_placement=False) for o in (muon, adamw)]
+            got = optimizers.train(model, wrapped, data)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert [str(w.message) for w in caught if "tensorshard assumes" in str(w.message)] == []
+    assert optimizers.worst_rel(got, want["muon"]) < 1e-5
+
+
 def test_registering_a_class_states_its_kind():
     class Mine(torch.optim.SGD):
         def step(self, closure=None):

@@ -39,6 +39,7 @@ from ...comm.timeout import resolve_timeout
 from ...devices import as_device, device_labels, resolve_devices
 from ...global_hooks import split_model_made
 from ...logs import get_logger
+from ...model_kind import ModelKind
 from ...partition import Partition
 from ...plans import resolve_plan
 from ...plans.plan import Plan
@@ -111,6 +112,7 @@ class TensorParallel(PackageNames, nn.Module):
             `tensor_parallel()` turns it on by default when training.
         sharded_param_names: which of them to partition (default: every trainable one).
         check: self-check the plan before splitting (see `tensor_parallel`).
+        kind: the module's kind (model_kind.py) as `tensor_parallel` decided it; None: decided where the plan is.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class TensorParallel(PackageNames, nn.Module):
         sharded: bool = False,
         sharded_param_names: Sequence[str] | None = None,
         check: bool | None = None,
+        kind: ModelKind | None = None,
     ) -> None:
         # nn.Module's own constructor, not super(): a subclass may also inherit the wrapped model's class
         # (integrations/transformers does), whose constructor would build a fresh model.
@@ -142,7 +145,7 @@ class TensorParallel(PackageNames, nn.Module):
 
 
         world = len(devices)
-        self.plan = resolve_plan(module, plan, world, check=check)
+        self.plan = resolve_plan(module, plan, world, check=check, kind=kind)
         layout = shard_plan(module, self.plan, world)  # raises on any plan error; the model is untouched
         only = sorted(
             {f"{ms.name or '<root>'}: {ms.style.describe()}" for ms in layout.modules.values() if getattr(ms.style, "torchrun_only", False)}

@@ -38,6 +38,7 @@ from torch import nn
 
 from ...logs import get_logger
 from ...optimizers import step_split_whole
+from ...optimizers.kinds import inner_optimizer
 from ...optimizers.whole import HOOK_DICTS, run_own_step
 from .engine import TensorParallel
 from .workers import ThreadState
@@ -62,6 +63,14 @@ def per_device_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module) -> 
         raise TypeError(
             f"per_device_optimizer(optimizer, model): model must be the split model (an nn.Module); got "
             f"{type(model).__name__}"
+        )
+    inner = inner_optimizer(optimizer)
+    if inner is not None and not isinstance(optimizer, PerDeviceOptimizer):
+        raise TypeError(
+            f"per_device_optimizer() got {type(optimizer).__name__}, a wrapper that hands its step to the "
+            f"{type(inner).__name__} inside it; its step cannot run once per device. Make the per-device optimizer "
+            f"first and wrap that: per_device_optimizer({type(inner).__name__}(...), model), then give it to the "
+            "library that wraps it (accelerator.prepare(...), Lightning's configure_optimizers)."
         )
     if isinstance(optimizer, _COUPLED):
         raise TypeError(

@@ -68,7 +68,7 @@ from ..split_report import report_split
 from . import decoding
 from .copies import deep_copy, keep_skeleton
 from .data import check_same_inputs
-from .local_views import swap_adapter_layers, swap_local_views
+from .local_views import swap_local_views, swap_wrapper_views
 
 logger = get_logger(__name__)
 
@@ -89,7 +89,7 @@ class TorchrunState:
     module_names: set[str] = field(default_factory=set)  # the module's names, to spot adapters added later
     module_count: int = 0
     registrations: int = -1  # registrations.py's count when module_count was last checked
-    building: list = field(default_factory=list)  # stand-ins while PEFT adds adapters (local_views.building_views)
+    building: list = field(default_factory=list)  # plain stand-ins while an integration builds layers on the module
     skeleton: nn.Module | None = field(default=None, repr=False)  # the module before splitting, meta tensors (copies.py)
     skeleton_error: str = ""  # why there is no skeleton: the module could not be deep-copied
 
@@ -184,7 +184,7 @@ def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, sou
                 ms.style.attach(by_name[name], ms.splits, ms.context(rank, world, comm))
         for mod, tensors in held.items():
             swap_local_views(mod, tensors, state)  # after attach: outermost, and partial grads are known
-        swap_adapter_layers(module, state)  # PEFT layers read their base weight (DoRA), their vectors (IA3)
+        swap_wrapper_views(module, state)  # layer wrappers that read their layer's tensors (layers.py)
     except BaseException as e:
         comm.guard.report(e, f"parallelize({type(module).__name__})")  # the others stop waiting for this rank
         raise

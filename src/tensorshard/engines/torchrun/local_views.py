@@ -1,10 +1,9 @@
 """A parallelized module's forward runs on plain local tensors: its DTensor parameters and buffers are swapped
 for their local views for the duration of its own forward (engine.py step 4).
 
-Two kinds of module read tensors they do not own, outside their owner's forward, and get the views of those too:
-a PEFT adapter layer (DoRA reads its base layer's weight; IA3 its ``ia3_l`` vectors, held in a ParameterDict
-that has no forward) and anything PEFT builds while it adds adapters after `parallelize`: `building_views`
-shows every layer its local slices until the engine adopts the new adapters (integrations/peft/late_adapters.py).
+A layer wrapper that reads the wrapped layer's tensors in its own forward (layers.py `register_layer_wrapper`,
+``reads_inner``: an adapter library's, registered by its integration) gets the views of every tensor below it too
+(`swap_wrapper_views`), since it reads them outside their owner's forward.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ...comm.dtensor import Layout
 from ...comm.old_torch import to_local
-from ...layers import is_adapter_layer
+from ...layers import layer_wrapper
 from ...plans.sharding import direct_tensors
 from ...styles.style import wrap_forward
 
@@ -26,7 +25,7 @@ def swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state)
 
 
 def swap_subtree_views(layer: nn.Module, name: str, state) -> None:
-    """Make an adapter layer's forward (module `name`) see the local tensors of every DTensor below it."""
+    """Make a layer wrapper's forward (module `name`) see the local tensors of every DTensor below it."""
     entries = []
     for sub_name, sub in layer.named_modules(prefix=name):
         for kind, attr, t in direct_tensors(sub):
@@ -37,10 +36,11 @@ def swap_subtree_views(layer: nn.Module, name: str, state) -> None:
         _wrap(layer, entries, state)
 
 
-def swap_adapter_layers(root: nn.Module, state, names=None) -> None:
-    """`swap_subtree_views` for every PEFT adapter layer of `root` (or those named)."""
+def swap_wrapper_views(root: nn.Module, state, names=None) -> None:
+    """`swap_subtree_views` for every layer wrapper of `root` (or those named) that reads its layer's tensors."""
     for name, module in root.named_modules():
-        if is_adapter_layer(module) and (names is None or name in names):
+        wrapper = layer_wrapper(module)
+        if wrapper is not None and wrapper.reads_inner and (names is None or name in names):
             swap_subtree_views(module, name, state)
 
 
@@ -79,27 +79,3 @@ def _wrap(around: nn.Module, entries: list[tuple[nn.Module, str, str, Layout]], 
                 table[name] = t
 
     wrap_forward(around, forward)
-
-
-def building_views(root: nn.Module, state) -> None:
-    """While PEFT adds adapter layers to the parallelized `root`: every DTensor parameter is replaced by a plain
-    parameter holding this rank's slice (PEFT's code reads base weights with plain tensors beside them: DoRA's
-    row norms). `restore_after_building` puts the DTensors back (the engine does, before adopting)."""
-    if state.building:
-        return
-    for name, module in root.named_modules():
-        for attr, t in list(module._parameters.items()):
-            key = f"{name}.{attr}" if name else attr
-            if isinstance(t, DTensor) and key in state.layouts:
-                stand_in = nn.Parameter(state.layouts[key].view(t.to_local().detach()), requires_grad=t.requires_grad)
-                state.building.append((module, attr, t, stand_in))
-                module._parameters[attr] = stand_in
-
-
-def restore_after_building(state) -> None:
-    """The DTensors back in place of `building_views`' stand-ins, with the trainable flags PEFT gave those."""
-    for module, attr, original, stand_in in state.building:
-        if module._parameters.get(attr) is stand_in:
-            module._parameters[attr] = original
-        original.requires_grad_(stand_in.requires_grad)
-    state.building = []

@@ -11,8 +11,8 @@ engines/late_modules.py).
 
 adapter_plan.py: plans rewritten around PEFT's layers (registered with plans/rewriters.py); lora_styles.py and
 ia3_styles.py: the styles that split them (registered with the styles' names, so a plan JSON naming them loads),
-over adapter_layer_style.py. None of these imports PEFT: its wrappers are recognised by their attributes
-(layers.py).
+over adapter_layer_style.py. None of these imports PEFT: its models and wrappers are recognised by their
+attributes (recognised.py, which also makes them known to model_kind.py and layers.py below).
 
 Importing this package registers what the layers below call (the plan rewriter, the engines' adopters, the
 gathering ``save_pretrained`` of a PeftModel split by `parallelize`) and imports no PEFT:
@@ -20,4 +20,5 @@ transformers_adapters.py, which does, is loaded with the transformers integratio
 """
 
 # each registers what the layers below it call; after_split.py defines PEFT's hooks (installed at first use)
+from . import recognised  # noqa: F401  (first: the kind of a PeftModel, PEFT's layer wrappers)
 from . import adapter_io, adapter_plan, after_split, late_in_process, late_torchrun  # noqa: F401

@@ -29,7 +29,7 @@ from torch import nn
 
 from ...checkpoint.gather import gathered_state_dict, gathering_save_pretrained
 from ...engines.inprocess import TensorParallel
-from ...layers import is_peft_model
+from .recognised import is_peft_model
 from ...plans.slices import after_split
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_config.json")  # what a save replaces

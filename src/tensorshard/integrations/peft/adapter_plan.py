@@ -21,7 +21,7 @@ whole beside a row layer); an IA3 layer becomes ``Ia3Parallel`` on the layer, th
 Adapters on layers the plan leaves whole stay whole. An adapter that cannot follow its layer's split (LoRA
 variants other than DoRA, LoRA on an embedding or on a gathered output head, other PEFT tuners such as
 LoHa or VeRA) is refused with an error naming the layer and the fix, before the model changes. PEFT is never
-imported: its wrappers are recognised by their attributes (layers.py).
+imported: its wrappers are recognised by their attributes (recognised.py).
 
 `resolve_plan` runs `adapt_plan` on every plan of a model holding PEFT wrappers, and `refuse_prompt_learning`
 first: both are registered with plans/rewriters.py at the end of this file.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...layers import is_adapter_layer, is_modules_to_save
+from .recognised import is_adapter_layer, is_modules_to_save
 from ...logs import get_logger
 from ...plans.plan import Plan, match_pattern
 from ...plans.rewriters import PlanRewriter, register_rewriter

@@ -62,9 +62,7 @@ from ...checkpoint.torchrun import Job, TorchrunJob, is_parallelized
 from ...comm.dtensor import mesh_device
 from ...engines.inprocess import TensorParallel
 from ...engines.inprocess.param_count import UnsplitParameter, count_parameters, unsplit_parameters
-from ...engines.torchrun.local_views import building_views
 from ...global_hooks import GlobalHook, Patch
-from ...layers import is_peft_model
 from ...logs import get_logger
 from .adapter_plan import has_adapters
 from .adapter_io import (
@@ -79,7 +77,8 @@ from .adapter_io import (
     with_adapter_names,
 )
 from .late_in_process import adopt_in_process
-from .late_torchrun import adopt_under_torchrun
+from .late_torchrun import adopt_under_torchrun, building_views
+from .recognised import is_peft_model
 
 logger = get_logger(__name__)
 

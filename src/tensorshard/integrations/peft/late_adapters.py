@@ -50,7 +50,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ...layers import is_adapter_layer, is_modules_to_save
+from .recognised import is_adapter_layer, is_modules_to_save
 from ...plans.module_shard import ModuleShard
 from ...plans.plan import Plan
 from ...plans.sharding import direct_tensors

@@ -2,7 +2,8 @@
 
 The plan of what was added, and the refusals, are late_adapters.py's (the same for both engines); this file
 renames, broadcasts what stays whole, stores each tensor as a DTensor in its layout and attaches the styles.
-Registered with engines/late_modules.py for the torchrun engine.
+Registered with engines/late_modules.py for the torchrun engine. While PEFT builds its layers on the parallelized
+module (after_split.py), `building_views` shows it this rank's plain slices; the adoption puts the DTensors back.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ...comm.process_group import gather_partition
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
 from ...engines.late_modules import register_adopter
-from ...engines.torchrun.local_views import restore_after_building, swap_adapter_layers, swap_local_views
+from ...engines.torchrun.local_views import swap_local_views, swap_wrapper_views
 from ...logs import get_logger
 from ...registrations import count_modules_and_tensors, nothing_added, registrations
 from ...styles.style import ShardContext
@@ -57,7 +58,7 @@ def adopt_under_torchrun(root: nn.Module) -> None:
     _attach_under_torchrun(root, state, late)
     for module, tensors in held.items():
         swap_local_views(module, tensors, state)  # after attach: outermost, and partial gradients are known
-    swap_adapter_layers(root, state, names=set(late.wrappers))  # what they read of their base layers
+    swap_wrapper_views(root, state, names=set(late.wrappers))  # what they read of their base layers
     state.module_names = {n for n, _ in root.named_modules()}
     state.module_count = count_modules_and_tensors(root)
     state.registrations = registrations()  # only now: an adoption that failed half-way is looked at again
@@ -139,3 +140,29 @@ def _attach_under_torchrun(root: nn.Module, state, late: LateAdapters) -> None:
 
 
 register_adopter("torchrun", adopt_under_torchrun)
+
+
+# While PEFT adds adapter layers to a parallelized module (after_split.py), and until they are adopted.
+
+def building_views(root: nn.Module, state) -> None:
+    """While PEFT adds adapter layers to the parallelized `root`: every DTensor parameter is replaced by a plain
+    parameter holding this rank's slice (PEFT's code reads base weights with plain tensors beside them: DoRA's
+    row norms). `restore_after_building` puts the DTensors back (the engine does, before adopting)."""
+    if state.building:
+        return
+    for name, module in root.named_modules():
+        for attr, t in list(module._parameters.items()):
+            key = f"{name}.{attr}" if name else attr
+            if isinstance(t, DTensor) and key in state.layouts:
+                stand_in = nn.Parameter(state.layouts[key].view(t.to_local().detach()), requires_grad=t.requires_grad)
+                state.building.append((module, attr, t, stand_in))
+                module._parameters[attr] = stand_in
+
+
+def restore_after_building(state) -> None:
+    """The DTensors back in place of `building_views`' stand-ins, with the trainable flags PEFT gave those."""
+    for module, attr, original, stand_in in state.building:
+        if module._parameters.get(attr) is stand_in:
+            module._parameters[attr] = original
+        original.requires_grad_(stand_in.requires_grad)
+    state.building = []

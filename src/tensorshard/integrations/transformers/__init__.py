@@ -7,8 +7,9 @@ is one: ../peft/before_split.py).
 
 from torch import nn
 
-from ...model_kind import PEFT, TRANSFORMERS, WRAPPER, ModelKind
+from ...model_kind import TRANSFORMERS, WRAPPER, ModelKind
 from ..peft.before_split import PeftTensorParallel, tensor_parallel_peft
+from ..peft.recognised import PEFT
 from .cache import ShardedCache, rank_caches
 from .model import TransformersTensorParallel, is_transformers_model, split_class, tensor_parallel_pretrained
 from .split_logits import assemble_logits_once
@@ -32,7 +33,7 @@ def tensor_parallel_transformers(module: nn.Module, kind: ModelKind, device_ids=
     (an instance of its class: model.py), a PeftModel (still a PeftModel: ../peft/before_split.py) or a module
     holding a transformers model (wrapped.py). The wrappers take the transformers model inside from `kind`."""
     if kind.name == TRANSFORMERS:
-        split = tensor_parallel_pretrained(module, device_ids, **options)
+        split = tensor_parallel_pretrained(module, device_ids, kind=kind, **options)
     elif kind.name == PEFT:
         split = tensor_parallel_peft(module, device_ids, split_class=WrapperTensorParallel, kind=kind, **options)
     elif kind.name == WRAPPER:

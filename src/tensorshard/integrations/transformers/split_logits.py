@@ -31,10 +31,11 @@ import torch
 from torch import nn
 
 from ...comm.threads import ThreadComm
-from ...model_kind import PEFT, ModelKind
 from ...logs import get_logger
+from ...model_kind import ModelKind
 from ...styles.style import original_forward, wrap_forward
 from ..causal_lm_loss import call_labels, plain_causal_lm_loss, sliced_head, sliced_loss_function
+from ..peft.recognised import PEFT
 
 logger = get_logger(__name__)
 

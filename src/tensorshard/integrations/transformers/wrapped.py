@@ -26,21 +26,21 @@ from typing import Any
 from torch import nn
 
 from ...engines.inprocess import TensorParallel
-from ...model_kind import PEFT, WRAPPER, ModelKind, model_kind
+from ...model_kind import ModelKind
 from .model import TransformersTensorParallel, transformers_view
 
 
 class WrapperTensorParallel(TensorParallel):
     """A split module with a transformers model inside (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, device_ids=None, *, kind: ModelKind | None = None, **kwargs) -> None:
-        kind = kind if kind is not None else model_kind(module)  # given by the front door, which asked already
-        if kind.name not in (WRAPPER, PEFT):
+    def __init__(self, module: nn.Module, device_ids=None, *, kind: ModelKind, **kwargs) -> None:
+        """`kind`: `module`'s, as the front door decided it (model_kind.py)."""
+        if not kind.holds_inner:
             raise TypeError(
                 f"{type(module).__name__} is a {kind.name!r} model, not a module holding a transformers PreTrainedModel: "
                 "split it with tensorshard.tensor_parallel(), which picks the right class"
             )
-        super().__init__(module, device_ids, **kwargs)
+        super().__init__(module, device_ids, kind=kind, **kwargs)
         object.__setattr__(self, "_inner", (kind.inner_path, kind.inner))  # the consumed unsplit model: not a submodule
         object.__setattr__(self, "_inner_view", None)
 

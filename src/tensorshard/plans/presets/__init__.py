@@ -21,6 +21,7 @@ from typing import Callable
 
 from torch import nn
 
+from ...layers import wrapped_layer
 from ...logs import get_logger
 from ...styles import ColwiseParallel, EmbeddingParallel, ShardParams, Style
 from ..plan import Plan, match_pattern
@@ -91,10 +92,10 @@ def _plain_linear(module) -> bool:
 
 
 def _unwrapped(module):
-    """The layer inside PEFT's modules_to_save wrapper (split like the layer; integrations/peft/adapter_plan.py
-    rewrites the entry)."""
-    inner = getattr(module, "original_module", None)
-    return inner if isinstance(inner, nn.Module) else module
+    """The layer inside a layer wrapper (layers.py; PEFT's modules_to_save: split like the layer, and
+    integrations/peft/adapter_plan.py rewrites the entry)."""
+    inner = wrapped_layer(module)
+    return inner if inner is not None else module
 
 
 def _call(module: nn.Module, method: str):
