@@ -20,14 +20,15 @@ pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(not native.available(), reason=f"native collectives unavailable: {native.why_not()}")]
 
 
-def _native_group(timeout: float) -> tuple[int, int]:
-    """A fresh group over every rank, its shared-memory transport and native group: (handle, group rank)."""
+def _native_group(timeout: float, with_guard: bool = False):
+    """A fresh group over every rank, its shared-memory transport and native group: (handle, group rank), and
+    its guard `with_guard`."""
     group = dist.new_group(list(range(dist.get_world_size())))
     guard = guard_for(group, timeout)
     transport.connect(guard, "cpu")
     handle = transport.connect_native(guard)
     assert handle is not None and guard.shm is not None
-    return handle, guard.shm.rank
+    return (handle, guard.shm.rank, guard) if with_guard else (handle, guard.shm.rank)
 
 
 def _piece(rank: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -108,3 +109,25 @@ def test_a_missing_rank_times_out_instead_of_hanging(pool2):
     assert 1.9 < first["seconds"] < 10
     assert "the group failed on rank 0 before" in second["message"], second
     assert second["seconds"] < 6  # its sleep, then at once
+
+
+def reported_failure_task() -> dict:
+    """Rank 1 raises outside any collective and reports it (as generate()'s compiled step does, decoding.py):
+    rank 0, waiting in a native collective, stops at once with rank 1's error, not at the 60 s limit."""
+    handle, rank, guard = _native_group(60, with_guard=True)
+    began = time.monotonic()
+    if rank == 1:
+        time.sleep(0.5)
+        guard.report(ValueError("bad batch on rank 1"), "the compiled decode step")
+        return {"message": "reported", "seconds": time.monotonic() - began}
+    try:
+        torch.ops.tensorshard.native_all_reduce(torch.ones(4), handle, rank, "waiting")
+    except RuntimeError as e:
+        return {"message": str(e), "seconds": time.monotonic() - began}
+    return {"message": "finished", "seconds": time.monotonic() - began}
+
+
+def test_a_failure_reported_by_a_rank_stops_a_peer_waiting_in_a_native_collective(pool2):
+    first, _ = pool2.run(reported_failure_task)
+    assert "the group failed on rank 1 before (rank 1 raised ValueError: bad batch on rank 1)" in first["message"], first
+    assert first["seconds"] < 10
