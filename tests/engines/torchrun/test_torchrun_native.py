@@ -1,10 +1,12 @@
 """The native collectives between torchrun ranks (comm/native/: C++ operators over the shared-memory segment):
 the rank-ordered sums and joined pieces on every rank, counted by `tp.count_collectives()`, ranks at different
-collectives and a missing rank stopping with a clear error, and what generate()'s compiled decode step calls.
-The ops without torchrun (threads, a peer process that ends) are in tests/core/test_native_collectives.py."""
+collectives, a missing rank and a rank's reported failure stopping the others with a clear error, and no rank
+using them when one cannot load them (logged). What generate()'s compiled decode step calls, and its counts, are
+asserted in test_torchrun_compile.py. The ops without torchrun (threads, a peer process that ends) are in tests/core/test_native_collectives.py."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import tensorshard as tp
+from support.helpers import log_messages
 from tensorshard.comm import transport
 from tensorshard.comm.dist_guard import guard_for
 from tensorshard.comm.native import ops as native
@@ -131,3 +134,28 @@ def test_a_failure_reported_by_a_rank_stops_a_peer_waiting_in_a_native_collectiv
     first, _ = pool2.run(reported_failure_task)
     assert "the group failed on rank 1 before (rank 1 raised ValueError: bad batch on rank 1)" in first["message"], first
     assert first["seconds"] < 10
+
+
+def one_rank_cannot_load_task() -> dict:
+    """Rank 1 cannot load the library (as without a compiler): no rank uses the native collectives (compiled
+    graphs keep the Python ones everywhere), and rank 0 says why."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    guard = guard_for(group, 60)
+    transport.connect(guard, "cpu")
+    logged, stop = log_messages("tensorshard.comm.transport", logging.WARNING)
+    saved = native.available
+    if dist.get_rank() == 1:
+        native.available = lambda: False
+    try:
+        handle = transport.connect_native(guard)
+    finally:
+        native.available = saved
+        stop()
+    return {"handle": handle, "logged": logged, "shm": guard.shm is not None}
+
+
+def test_when_a_rank_cannot_load_them_no_rank_uses_them_and_the_reason_is_logged(pool2):
+    first, second = pool2.run(one_rank_cannot_load_task)
+    assert first["shm"] and second["shm"]
+    assert first["handle"] is None and second["handle"] is None
+    assert len(first["logged"]) == 1 and "native collectives off: another rank could not load them" in first["logged"][0]
