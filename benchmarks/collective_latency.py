@@ -1,4 +1,5 @@
-"""Time per collective between CPU ranks of one host: gloo's TCP path against tensorshard's shared memory.
+"""Time per collective between CPU ranks of one host: gloo's TCP path, tensorshard's shared memory, and the two
+ways a compiled graph calls a collective.
 
     python benchmarks/collective_latency.py                       # 2 ranks; 64 B, 4 KiB and 2 MiB
     python benchmarks/collective_latency.py --ranks 2 4 8 --json benchmarks/results/collective_latency.json
@@ -9,6 +10,14 @@ its guard: bounded waits and failure checks included), `--repeats` times after a
 per collective: the median and the minimum wall time on rank 0, and the CPU time per rank (the process's,
 all threads: gloo's own threads included), which the load of a shared machine blurs less than wall time.
 The 2 MiB size is one (4, 128, 1024) fp32 activation, what the benchmark Llama all-reduces twice per block.
+
+The transports, as rows:
+    gloo               dist.all_reduce / all_gather through the guard (TENSORSHARD_SHM=0's path)
+    shared memory      comm/shm.py through the guard: what eager code runs
+    python op          torch.ops.tensorshard.all_reduce / all_gather (comm/dist_ops.py): what a compiled graph called
+                       before the native collectives (a Python custom op around the shared-memory path)
+    native op          torch.ops.tensorshard.native_all_reduce / native_all_gather (comm/native/, C++): what a
+                       compiled decode step calls now, called here as inductor's Python wrapper calls it
 """
 
 from __future__ import annotations
@@ -36,24 +45,28 @@ def _rank(rank: int, world: int, init: str, args, results) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    from tensorshard.comm import dist_ops  # noqa: F401 - registers torch.ops.tensorshard.all_reduce / all_gather
+
     ranks = list(range(world))
-    groups = {"gloo": dist.new_group(ranks), "shared memory": dist.new_group(ranks)}
+    groups = {name: dist.new_group(ranks) for name in TRANSPORTS}
+    natives = {}
     for name, group in groups.items():
         guard = guard_for(group, 120)
-        if name == "shared memory":
+        if name != "gloo":
             transport.connect(guard, "cpu")
             if guard.shm is None:
                 raise RuntimeError("the shared-memory transport could not be set up here")
+        if name == "native op":
+            natives[name] = transport.connect_native(guard)
+            if natives[name] is None:
+                raise RuntimeError("the native collectives could not be loaded here (see the log)")
     rows = []
     for nbytes in args.sizes:
         for kind in ("all_reduce", "all_gather"):
             for name, group in groups.items():
                 t = torch.ones(max(1, nbytes // 4))
                 out = t.new_empty(world * t.numel())
-                if kind == "all_reduce":
-                    call = lambda: transport.all_reduce_(t, group, what="bench")  # noqa: E731
-                else:
-                    call = lambda: transport.all_gather_(out, t, group, what="bench")  # noqa: E731
+                call = _call(name, kind, t, out, group, natives.get(name), rank, world)
                 repeats = args.repeats if nbytes < (1 << 20) else max(10, args.repeats // 10)
                 for _ in range(5):
                     call()
@@ -78,6 +91,30 @@ def _rank(rank: int, world: int, init: str, args, results) -> None:
     dist.destroy_process_group()
 
 
+TRANSPORTS = ("gloo", "shared memory", "python op", "native op")
+
+
+def _call(name: str, kind: str, t: torch.Tensor, out: torch.Tensor, group, native, rank: int, world: int):
+    from tensorshard.comm import transport
+
+    if name == "native op":
+        if kind == "all_reduce":
+            op = torch.ops.tensorshard.native_all_reduce.default
+            return lambda: op(t, native, rank, "bench")
+        op = torch.ops.tensorshard.native_all_gather.default
+        sizes = [t.shape[0]] * world
+        return lambda: op(t, native, rank, 0, sizes, "bench")
+    if name == "python op":
+        if kind == "all_reduce":
+            op = torch.ops.tensorshard.all_reduce.default
+            return lambda: op(t, group.group_name, "bench")
+        op = torch.ops.tensorshard.all_gather.default
+        return lambda: op(t, group.group_name, world, rank, "bench")
+    if kind == "all_reduce":
+        return lambda: transport.all_reduce_(t, group, what="bench")
+    return lambda: transport.all_gather_(out, t, group, what="bench")
+
+
 def run(world: int, args) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
@@ -97,15 +134,16 @@ def _size(n: int) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| ranks | collective | size | gloo: median (min) ms | shared memory: median (min) ms | CPU ms per rank, gloo / shared memory |",
-             "|---:|---|---:|---:|---:|---:|"]
+    """One line per (ranks, collective, size): each transport's median (min) wall time in us, then CPU us per rank."""
+    names = [n for n in TRANSPORTS if any(r["transport"] == n for r in rows)]
+    lines = ["| ranks | collective | size | " + " | ".join(f"{n}: median (min) us" for n in names)
+             + " | CPU us per rank, " + " / ".join(names) + " |", "|---:|---|---:|" + "---:|" * (len(names) + 1)]
     by = {(r["ranks"], r["kind"], r["bytes"], r["transport"]): r for r in rows}
-    for (ranks, kind, nbytes, transport), g in by.items():
-        if transport != "gloo":
-            continue
-        s = by[(ranks, kind, nbytes, "shared memory")]
-        lines.append(f"| {ranks} | {kind.replace('_', '-')} | {_size(nbytes)} | {g['median_ms']:.3f} ({g['min_ms']:.3f}) | "
-                     f"{s['median_ms']:.3f} ({s['min_ms']:.3f}) | {g['cpu_ms']:.3f} / {s['cpu_ms']:.3f} |")
+    for ranks, kind, nbytes in dict.fromkeys((r["ranks"], r["kind"], r["bytes"]) for r in rows):
+        cells = [by[(ranks, kind, nbytes, n)] for n in names]
+        lines.append(f"| {ranks} | {kind.replace('_', '-')} | {_size(nbytes)} | "
+                     + " | ".join(f"{c['median_ms'] * 1e3:.1f} ({c['min_ms'] * 1e3:.1f})" for c in cells) + " | "
+                     + " / ".join(f"{c['cpu_ms'] * 1e3:.1f}" for c in cells) + " |")
     return "\n".join(lines)
 
 

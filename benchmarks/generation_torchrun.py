@@ -12,7 +12,9 @@ Rows, all `generate(prompt, do_sample=False)` on the same random Llama (seed 0, 
   CPU (`CompileConfig._compile_all_devices = True`: transformers compiles by itself on CUDA only)
 - split default: `tp.parallelize` over N gloo ranks (torchrun), dynamic cache, no compile
 - split fast: the same model, `cache_implementation="static"`: the engine compiles the decode step itself
-  (engines/torchrun/decoding.py), collectives inside the graph (comm/dist_ops.py)
+  (engines/torchrun/decoding.py), collectives inside the graph (the native C++ operators of comm/native/;
+  with TENSORSHARD_NATIVE=0, comm/dist_ops.py's Python operators, as before them; benchmarks/decode_collectives.py
+  compares the two in one job)
 
 Per token: the decode steps only, the median gap between consecutive tokens of one generate() (a logits
 processor notes the time of each), then the median over rounds; split rows take the slowest rank's (a barrier

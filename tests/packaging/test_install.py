@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,12 @@ def wheel(tmp_path_factory) -> Path:
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", out, tree], cwd=tree, timeout=300)
     (found,) = out.glob("tensorshard-*.whl")
     return found
+
+
+def test_the_wheel_carries_the_native_collectives_source(wheel):
+    """comm/native/collectives.cpp is compiled on the user's machine on first use: the wheel must ship it."""
+    with zipfile.ZipFile(wheel) as z:
+        assert "tensorshard/comm/native/collectives.cpp" in z.namelist()
 
 
 def _fresh_venv(where: Path, wheel: Path, extra: str = "") -> Path:

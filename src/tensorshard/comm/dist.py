@@ -93,12 +93,17 @@ class DistComm(Comm):
 
     # While torch.compile traces (torch.compiler.is_compiling()), every collective is one of comm/dist_ops.py's
     # ops: the graph holds the call, and the per-call bookkeeping below (Python dicts keyed by storage
-    # addresses) is skipped: a traced column layer reduces its own input gradient, still exact.
+    # addresses) is skipped: a traced column layer reduces its own input gradient, still exact. A call without
+    # autograd on CPU ranks of one host (a compiled decode step) takes the native collectives instead
+    # (comm/native/: C++, no Python per collective) once transport.connect_native has set guard.native.
 
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
         if torch.compiler.is_compiling():
+            native = self._native(x)
+            if native is not None:
+                return torch.ops.tensorshard.native_all_reduce.default(x, native, self.rank, where)
             return dist_ops.all_reduce(x, self.group_name, where)
         return functions.all_reduce(self.raw, where, x)[0]
 
@@ -131,9 +136,25 @@ class DistComm(Comm):
             return self._traced_gather(x, dim, partition, where)
         return functions.all_gather(self.raw, where, partition, dim, x)[0]
 
+    def _native(self, x: torch.Tensor) -> int | None:
+        """The native group to run a traced collective of `x` on, when it needs no autograd; else None."""
+        native = self.guard.native
+        if native is None or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+            return None
+        return native
+
     def _traced_gather(self, x: torch.Tensor, dim: int, partition: Partition, where: str) -> torch.Tensor:
-        """`all_gather` as comm/dist_ops.py's op: each rank's piece padded to the longest, as gather_pieces does."""
+        """`all_gather` as comm/dist_ops.py's op: each rank's piece padded to the longest, as gather_pieces does;
+        or as the native op, which takes uneven pieces and joins them in rank order."""
         sizes = [partition.local_size(r) for r in range(self.world_size)]
+        native = self._native(x)
+        if native is not None:
+            dim = dim % x.dim()
+            joined = torch.ops.tensorshard.native_all_gather.default(x, native, self.rank, dim, sizes, where)
+            starts = [ranges[0][0] for ranges in partition.ranges]
+            if not partition.overlapping and all(len(r) == 1 for r in partition.ranges) and starts == sorted(starts):
+                return joined  # rank order is index order: the joined pieces are the whole tensor
+            return partition.assemble(list(joined.split(sizes, dim)), dim)
         longest = max(sizes)
         piece = x.movedim(dim, 0)
         if piece.shape[0] < longest:

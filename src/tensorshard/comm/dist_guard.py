@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from ..logs import get_logger
 from .rendezvous import CollectiveAborted
+from .native import ops as native_ops
 from .shm import CollectivesDiffer, process_alive
 from .timeout import resolve_timeout
 
@@ -104,6 +105,8 @@ class GroupGuard:
         self.timeout = timeout
         self.set_timeout(timeout)
         self.shm = None  # the group's shared-memory transport (comm/transport.py), when it has one
+        self.native: int | None = None  # its native collectives' group, for compiled graphs (transport.connect_native)
+        self.native_asked = False  # connect_native ran (every rank agreed on `native`)
         self.seconds = 0.0  # time this rank spent inside the group's guarded collectives (waiting included)
         self._put(f"pid/{self.rank}", _process_id())
 
@@ -187,6 +190,8 @@ class GroupGuard:
         if getattr(error, "_tensorshard_reported", False):
             return
         mark_reported(error)
+        if self.native is not None:  # ranks waiting in a native collective stop at once
+            native_ops.abort(self.native, self.ranks.index(self.rank), f"rank {self.rank} raised {_short(error)}")
         done = self.completed  # an error while waiting at a collective (Ctrl-C) did not finish it
         text = _short(error)
         self._record(done, f"raised {text} in {where}, after its collective #{done}")

@@ -87,6 +87,7 @@ class SharedMemoryGroup:
         self.heard = [0] * world  # bytes read from each peer (one per barrier it entered)
         self.rounds = 0
         self.broken: str | None = None
+        self.native_offset = self.native_bytes = 0  # the native collectives' region (comm/shm_setup.py sets it)
         self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # whole slots, typed
         self.poller = select.poll()
         self.poller.register(fifo, select.POLLIN)

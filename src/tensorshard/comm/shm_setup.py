@@ -11,7 +11,8 @@ goes on without it. Rank 0 then removes the folder; every rank holds open what i
 nothing behind. TENSORSHARD_SHM=0 turns the transport off.
 
 Sizes: at most `BUDGET` bytes per group, two buffer sets of N slots plus a result area, a slot between
-`MIN_SLOT` and `MAX_SLOT` (64-byte aligned), and a header per rank and set.
+`MIN_SLOT` and `MAX_SLOT` (64-byte aligned), and a header per rank and set. After them, the region of the native
+collectives (comm/native/ops.py: what compiled graphs call; its own flags and slots, so the two never meet).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import tempfile
 from datetime import timedelta
 
 from ..logs import get_logger
+from .native.ops import region_bytes as native_region_bytes
 from .shm import HEADER, SharedMemoryGroup
 
 logger = get_logger(__name__)
@@ -92,7 +94,9 @@ def connect(store, *, rank: int, world: int, pids: list[int] | None, timeout: fl
     slot = _slot_bytes(world)
     if rank == 0:
         logger.debug("%s: collectives through shared memory (%d ranks, slots of %d KiB)", label, world, slot >> 10)
-    return SharedMemoryGroup(rank, world, segment, slot, fifo, peers, list(pids))
+    group = SharedMemoryGroup(rank, world, segment, slot, fifo, peers, list(pids))
+    group.native_offset, group.native_bytes = _python_bytes(world), native_region_bytes(world)
+    return group
 
 
 def _slot_bytes(world: int) -> int:
@@ -100,8 +104,13 @@ def _slot_bytes(world: int) -> int:
     return max(MIN_SLOT, min(MAX_SLOT, slot))
 
 
-def _segment_bytes(world: int) -> int:
+def _python_bytes(world: int) -> int:
+    """The part of the segment that comm/shm.py uses (a multiple of 64: the native region follows, aligned)."""
     return 2 * (world + 1) * _slot_bytes(world) + 2 * world * HEADER
+
+
+def _segment_bytes(world: int) -> int:
+    return _python_bytes(world) + native_region_bytes(world)
 
 
 def _create(world: int) -> tuple[str, str]:
@@ -134,6 +143,12 @@ def _open(folder: str, rank: int, world: int) -> tuple[mmap.mmap, int]:
         os.close(fd)
     fifo = os.open(os.path.join(folder, f"fifo{rank}"), os.O_RDWR | os.O_NONBLOCK)
     return segment, fifo
+
+
+def agree(store, *, rank: int, world: int, ok: bool, timeout: float) -> bool:
+    """True on every rank of the group when `ok` is True on every rank (all call it at the same point)."""
+    call = store.add(f"{PREFIX}agree/{rank}", 1)  # equal on all ranks: they agree in the same order
+    return _agree(store, f"{PREFIX}agree/{call}/", rank, world, ok, timedelta(seconds=timeout))
 
 
 def _agree(store, key: str, rank: int, world: int, ok: bool, wait: timedelta) -> bool:

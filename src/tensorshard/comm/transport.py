@@ -1,9 +1,14 @@
 """How the torchrun engine's collectives travel, and how torch's CommDebugMode sees them.
 
     connect(guard, "cpu")                            # once per group, on every rank (DistComm does it)
+    connect_native(guard)                            # before compiling: guard.native for compiled graphs, or None
     all_reduce_(t, group, "sum", what="all_reduce at w2")
     all_gather_(out, piece, group, what=...)         # out: the world's pieces stacked on dim 0
     reduce_scatter_(out, inp, group, what=...)
+
+Compiled graphs (comm/dist.py while torch.compile traces, no autograd) call the native collectives instead
+(comm/native/: C++ operators over a region of the same segment, no Python per collective) once
+`connect_native` has given the guard a native group: on every rank or on none.
 
 Transports: when every rank of the group is a CPU process of one host, shared memory (comm/shm.py, set up
 by comm/shm_setup.py: one barrier through the kernel per round, no TCP); otherwise, and for what shared
@@ -29,6 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from ..logs import get_logger
 from .dist_guard import GroupGuard, collective, guard_for
 from . import shm_setup
+from .native import ops as native_ops
 
 logger = get_logger(__name__)
 
@@ -49,6 +55,28 @@ def connect(guard: GroupGuard, device_type: str) -> None:
     rank = guard.ranks.index(guard.rank)
     guard.shm = shm_setup.connect(guard.store, rank=rank, world=len(guard.ranks), pids=pids,
                                   timeout=guard.timeout, label=guard.label)
+
+
+def connect_native(guard: GroupGuard) -> int | None:
+    """The native collectives' group of `guard`'s group (set as `guard.native`), when it has a shared-memory
+    transport and every rank loaded the native library; else None, with the reason logged. Collective: every
+    rank of the group calls it at the same point (the first call agrees, later calls return what it agreed)."""
+    if guard.native_asked:
+        return guard.native
+    guard.native_asked = True
+    shm = guard.shm
+    if shm is None:
+        return None  # the same on every rank: connect() agreed on it
+    loaded = native_ops.available()
+    if not shm_setup.agree(guard.store, rank=shm.rank, world=shm.world, ok=loaded, timeout=guard.timeout):
+        if loaded and shm.rank == 0:
+            logger.warning("%s: native collectives off: another rank could not load them (its log says why); "
+                           "compiled graphs call the Python collectives", guard.label)
+        return None
+    guard.native = native_ops.process_group(shm, timeout=guard.timeout)
+    if shm.rank == 0:
+        logger.debug("%s: compiled graphs call the native collectives", guard.label)
+    return guard.native
 
 
 def op_name(op) -> str | None:

@@ -1,6 +1,7 @@
 """torch.compile on a model parallelized under torchrun, and generate()'s compiled static-cache decoding.
 
-The compiled graph holds the collectives (tensorshard's ops, comm/dist_ops.py): no graph break, the counted
+The compiled graph holds the collectives (tensorshard's ops, comm/dist_ops.py; in generate()'s decode step, the C++
+ones of comm/native/ where they load): no graph break, the counted
 collectives those of the eager model, the unsplit model's logits and greedy tokens. Inductor compiles slowly
 on two loaded cores (a minute or two per graph), so only two tests use it (the paths users take:
 `torch.compile(model.forward, fullgraph=True)` and generate's default); the others trace with backends that
@@ -18,6 +19,7 @@ import tensorshard as tp
 from support import tiny_llama
 from support.harness import world_mesh
 from support.helpers import log_messages
+from tensorshard.comm.native import ops as native
 
 pytestmark = pytest.mark.timeout(600)
 INDUCTOR_TASK = 540  # seconds a task that compiles with inductor may take on this machine's loaded cores
@@ -81,10 +83,15 @@ def generate_static_task() -> dict:
         before = compiled_graphs()
         first = model.generate(ids, cache_implementation="static", **settings)
         after_first = compiled_graphs()
-        second = model.generate(ids, cache_implementation="static", **settings)
+        with tp.count_collectives() as counted, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            second = model.generate(ids, cache_implementation="static", **settings)
+        with tp.count_collectives() as eager:
+            model.generate(ids, cache_implementation="static", disable_compile=True, **settings)
     stop_logging()
+    called = sorted({e.name for e in prof.events() if e.name.startswith("tensorshard::")})
     return {"tokens": [first.tolist(), second.tolist()], "expected": expected.tolist(), "logged": logged,
-            "graphs": [after_first - before, compiled_graphs() - after_first]}
+            "graphs": [after_first - before, compiled_graphs() - after_first], "called": called,
+            "counts": [counted.counts, eager.counts], "native": native.available()}
 
 
 def test_generate_with_a_static_cache_compiles_the_decode_step_and_gives_the_unsplit_tokens(pool2):
@@ -92,6 +99,9 @@ def test_generate_with_a_static_cache_compiles_the_decode_step_and_gives_the_uns
     for rank, out in enumerate(results):
         assert out["tokens"] == [out["expected"]] * 2
         assert out["graphs"][0] >= 1 and out["graphs"][1] == 0  # compiled once, the second generate reuses it
+        assert out["counts"][0] == out["counts"][1]  # the compiled steps' collectives counted as the eager ones
+        if out["native"]:  # the decode step's collectives are the C++ ops (comm/native/): none enters Python
+            assert out["called"] == ["tensorshard::native_all_gather", "tensorshard::native_all_reduce"], out["called"]
         compiled = [line for line in out["logged"] if line.startswith("compiled the decode step of LlamaForCausalLM")]
         assert len(compiled) == (1 if rank == 0 else 0), out["logged"]  # rank 0 logs it, with its duration
         if compiled:

@@ -18,8 +18,10 @@ device. The last condition is what a split model lifts: its shards decode faster
 2. `get_compiled_call`: transformers' compiled call, wrapped so that each call that compiled (dynamo counted
    a new graph) logs on global rank 0 what it compiled and how long that took.
 
-The compiled step runs the model and its collectives as one graph (comm/dist_ops.py); the engine's host-side
-work stays outside it (engine.py).
+The compiled step runs the model and its collectives as one graph; the engine's host-side work stays outside it
+(engine.py). Before its first call, the ranks agree on the native collectives (comm/transport.connect_native):
+where every rank is a CPU process of this host and loaded them, the graph calls those C++ operators
+(comm/native/) and no collective enters Python; elsewhere it calls comm/dist_ops.py's Python operators.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...comm.transport import connect_native
 from ...logs import get_logger
 
 logger = get_logger(__name__)
@@ -98,6 +101,7 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard) -> Call
     name = type(model).__name__
 
     def call(*args, **kwargs):
+        connect_native(guard)  # once: every rank reaches the compiled step at the same point
         before = compiled_graphs()
         began = time.perf_counter()
         try:
