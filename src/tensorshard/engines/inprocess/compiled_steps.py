@@ -74,7 +74,7 @@ class CompiledSteps:
         self.unwrap, self.rewrap, self.prepare = unwrap, rewrap, prepare
         self.compiled = [torch.compile(_entry(shard, rank), **self.options) for rank, shard in enumerate(model.module_shards)]
         self.kinds: set[Hashable] = set()  # kinds of call compiled so far
-        self.cpu_only = all(torch.device(d).type == "cpu" for d in model.devices)
+        self.together = False  # later calls always run the shards at the same time (`run_shards_together`)
         self.stitcher = (
             Stitcher(model, [_entry(shard, rank) for rank, shard in enumerate(model.module_shards)], self.options, unwrap, rewrap)
             if stitch and prepare is not None and Stitcher.applies(model, self.options) else None
@@ -92,7 +92,10 @@ class CompiledSteps:
                 return out
         first = kind not in self.kinds
         started = time.perf_counter()
-        serial = True if first or self.cpu_only else None
+        # A first call compiles, one shard at a time; later calls run the shards at the same time
+        # (`run_shards_together`), else as the call schedule measures faster (schedule.py: a step that computes
+        # little between two collectives makes the threads hand the GIL back and forth; one at a time is faster).
+        serial = True if first else (False if self.together else None)
         # A graph torch.compile fails to make (an internal error at a recompile) runs that frame eagerly, as a
         # failure to compile does without graph breaks allowed: the numbers are the same, only slower.
         with torch._dynamo.config.patch(suppress_errors=not self.options.get("fullgraph", False)):
@@ -108,6 +111,13 @@ class CompiledSteps:
     def keep_one_graph_per_shard(self) -> None:
         """Never stitch: every call runs each shard's own compiled graph in its thread (to compare, or to debug)."""
         self.stitcher = None
+
+    def run_shards_together(self) -> None:
+        """Never stitch, and run every shard's compiled graph on its own thread at the same time as the others on
+        every call after the first (not as the call schedule measures): to compare, or where the weights per
+        collective are too few for the default's choice (stitched_decode.py's `PARALLEL_BYTES`)."""
+        self.stitcher = None
+        self.together = True
 
     def _run(self, rank: int, args: tuple, kwargs: dict) -> Any:
         args = tuple(self.unwrap(a, rank) for a in args)
