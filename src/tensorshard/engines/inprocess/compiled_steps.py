@@ -16,15 +16,17 @@ What happens per call:
 - the first call of a kind (a new batch size, cache length or dtype: `_kind`) compiles every shard, one shard at
   a time (the baton passes at every collective: schedule.py's serial way), since `torch.compile` is not
   thread-safe; each shard compiles its own graphs, under a code object of its own (`_entry`);
-- later calls on CPU slots run the shards one at a time too: compiled code does little between two collectives,
-  and two threads running it at once hand the GIL back and forth at every kernel (measured on 2 cores: a third
-  of the speed of one thread after the other); on GPUs, whose compiled kernels are queued asynchronously, the
-  call schedule chooses (schedule.py);
+- later calls run the shards at the same time or one at a time, as the call schedule measures faster
+  (schedule.py): compiled code that does little between two collectives makes two threads hand the GIL back and
+  forth at every kernel (a small Llama on 2 cores: a third of the speed of one thread after the other), while one
+  that streams many weights between them overlaps; `run_shards_together()` fixes the first way;
 - a graph torch.compile fails to make runs that part eagerly (the same numbers, slower), unless `fullgraph`.
 
-On CPU slots (inductor, its default mode) a kind of call seen twice is handed on to one graph that runs every
-shard's step from the calling thread (stitched_decode.py): the hand-offs between the shards' threads at every
-collective, which dominated what was left per token (BENCHMARKS.md, section 5), are gone.
+On CPU slots (inductor, its default mode) a kind of call seen twice is handed on to stitched_decode.py, which
+builds from the shards' captured graphs either one stitched graph run from the calling thread (a step that reads
+few weights between two collectives) or each shard's graph compiled on its own with native collectives, run on
+its own thread at the same time as the others (parallel_step.py); this per-shard path is what remains where
+neither can be built (a graph break, a step that recompiles per token).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""When the fast decoding path runs one stitched graph for all shards, and when it keeps one graph per shard.
+"""When the fast decoding path runs one stitched graph for all shards, each shard's graph at the same time as the
+others', or one `torch.compile` per shard.
 
 CompiledSteps (compiled_steps.py) hands each kind of call (`_kind`: shapes, dtypes, cache lengths) to a `Stitcher`
 first, on CPU slots, with inductor (the default backend and mode):
@@ -8,9 +9,13 @@ first, on CPU slots, with inductor (the default backend and mode):
    comes from, which output is which field) and runs it as it is;
 2. the second call must add no graph: dynamo recompiling there means the step depends on Python state that changes
    per token (a sliding-window cache layer), which one fixed graph cannot follow;
-3. then the shards' graphs are stitched into one (stitched_step.py), and from the third call on that graph,
-   compiled once with inductor, runs every shard's step from the caller's thread: no thread, no hand-off, no
-   dynamo frame evaluation per shard.
+3. then, by the weights a shard reads between two of its collectives (`weight_bytes_per_segment`):
+   - from `PARALLEL_BYTES` on, each shard's graph is compiled on its own with native collectives and every later
+     token runs them on the shards' threads at the same time (parallel_step.py): each core reads its share of the
+     weights, as tensor parallelism promises;
+   - below it, the shards' graphs are stitched into one (stitched_step.py), compiled once with inductor, and every
+     later token runs it from the caller's thread: no thread, no hand-off, no dynamo frame evaluation per shard
+     (a step that computes little between two collectives would spend more in the hand-offs than it saves).
 
 Whatever stops this (a graph break, graphs that differ, an input that cannot be found again, inductor failing on
 the stitched graph) is logged once at INFO with the reason, and that kind runs the per-shard compiled path from
@@ -18,7 +23,8 @@ then on. A stitched graph skips dynamo's guards; what they would have caught is 
 call and its plain arguments (`call_settings`: flags such as ``output_hidden_states`` make another kind), no
 gradient, the model in eval mode, every input's dtype (stitched_step.py), and no module, weight or buffer
 registered on a split model since the stitch (registrations.py; weights changed in place, or replaced, are read
-afresh on every call). Callers in several threads capture one at a time.
+afresh on every call). Callers in several threads capture one at a time. A parallel step whose shard failed is
+dropped (its native group is aborted with it).
 """
 
 from __future__ import annotations
