@@ -118,8 +118,8 @@ def stitch(captures: Sequence[Capture], devices: Sequence[torch.device], src: in
     """One graph computing every shard's step (see the module doc); StitchError where that cannot be proved."""
     if any(torch.device(d).type != "cpu" for d in devices):
         raise StitchError("only CPU slots are stitched (on GPUs each shard's kernels are queued asynchronously)")
-    segments = [segments(c.graph) for c in captures]
-    _check_alike(segments, captures)
+    cut = [segments(c.graph) for c in captures]
+    _check_alike(cut, captures)
     graph = fx.Graph()
     env: list[dict[fx.Node, fx.Node]] = [{} for _ in captures]
     for rank, capture in enumerate(captures):
@@ -127,11 +127,11 @@ def stitch(captures: Sequence[Capture], devices: Sequence[torch.device], src: in
             env[rank][node] = graph.placeholder(f"s{rank}_{node.name}")
             env[rank][node].meta = dict(node.meta)
     collectives_done: list[tuple[str, int, str]] = []
-    for k in range(len(segments[0])):
+    for k in range(len(cut[0])):
         for rank, capture in enumerate(captures):
-            for node in segments[rank][k][0]:
+            for node in cut[rank][k][0]:
                 env[rank][node] = graph.node_copy(node, lambda n, r=rank: env[r][n])
-        ends = [segments[rank][k][1] for rank in range(len(captures))]
+        ends = [cut[rank][k][1] for rank in range(len(captures))]
         if ends[0] is None:
             break
         pieces = [env[rank][end.args[0]] for rank, end in enumerate(ends)]
