@@ -68,6 +68,7 @@ class Stitcher:
         self.steps: dict[Hashable, StitchedStep] = {}
         self.refused: set[Hashable] = set()
         self.parallel: dict[Hashable, int] = {}  # kinds run by a ParallelStep: weight bytes per segment
+        self._retired: list[ParallelStep] = []  # parallel steps dropped (their native groups stay allocated)
         self._calls: dict[Hashable, int] = {}
         self._captures: dict[Hashable, dict[int, list[Capture]]] = {}
         self._now: tuple[Hashable, dict[int, dict]] | None = None  # the kind being captured, each rank's arguments
@@ -261,7 +262,9 @@ class Stitcher:
         self.refused.add(kind)
         step = self.steps.pop(kind, None)
         if isinstance(step, ParallelStep):
-            step.close()
+            # Kept, not closed: a shard of a failed call may still be leaving a native collective (the engine's
+            # call returns within a grace period), and closing frees the region it reads.
+            self._retired.append(step)
         self._captures.pop(kind, None)
 
 
