@@ -309,6 +309,21 @@ def test_heavy_steps_run_every_shard_at_the_same_time_on_its_own_thread(monkeypa
         _greedy(split, _ids(), cache_implementation="static", disable_compile=True)
     assert compiled.counts == eager.counts and eager.counts["all_reduce"] > 0
 
+    # A shard failing in its step: shard 0, waiting in a native collective, raises at once (the native group is
+    # aborted), the call names the failure, the step is dropped (logged) and the model still decodes.
+    def fail(self, rank, kwargs):
+        if rank == 1:
+            raise RuntimeError("shard 1 broke")
+        return run(self, rank, kwargs)
+
+    monkeypatch.setattr(ParallelStep, "run", fail)
+    with pytest.raises(Exception, match="shard 1 broke"):
+        _logged(lambda: _greedy(split, _ids(), cache_implementation="static"))
+    assert stitched_decode.ParallelStep is ParallelStep and not [
+        s for s in split.__dict__["_tensorshard_compiled_steps"].values() if s.stitcher and s.stitcher.steps
+    ]
+    assert torch.equal(_greedy(split, _ids(), cache_implementation="static", disable_compile=True), _greedy(model, _ids()))
+
 
 def test_shards_run_together_over_3_devices():
     """`run_shards_together()` at 3 devices, 9 heads (3 each; AOT autograd's tracing, inductor left out for time):
