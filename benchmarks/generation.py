@@ -13,7 +13,9 @@ its prefill included):
   (`CompileConfig._compile_all_devices`; transformers compiles by itself only on GPUs);
 - split default: `tp.tensor_parallel(model, ["cpu"] * n).generate(...)` with the dynamic cache;
 - split fast: the same split model with `cache_implementation="static"`: on CPU slots, after two tokens, every
-  shard's step stitched into one compiled graph run from the calling thread (engines/inprocess/stitched_decode.py);
+  shard's step stitched into one compiled graph run from the calling thread, or, for a model that reads enough
+  weights between two collectives, each shard's compiled graph on its own thread at the same time as the others'
+  (engines/inprocess/stitched_decode.py chooses; its log line says which);
 - split fast per shard: the fast path as it was before stitching, each shard's own compiled graph in its thread
   (`keep_one_graph_per_shard`), on a copy of the split model.
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import threading
 
 import pytest
 import torch
 from transformers import CompileConfig, StaticCache
 
 import tensorshard as tp
+from tensorshard.engines.inprocess import stitched_decode
 from tensorshard.engines.inprocess.stitched_decode import STITCHES
+from tensorshard.integrations.transformers.fast_decode import compiled_call
 from tensorshard.integrations.transformers.cache import rank_caches
 from support.hf_configs import tiny_config, tiny_model
 
@@ -279,3 +282,79 @@ def test_compiled_decoding_of_a_split_peft_model():
     ids = _ids()
     compiled = _greedy(split, ids, cache_implementation="static", compile_config=CompileConfig(backend="aot_eager"))
     assert torch.equal(compiled, _greedy(model, ids))
+
+
+def _meeting(run, world: int, threads: list[set[int]], skip_first: bool = False):
+    """`run(rank, ...)` made to wait, inside the shard's step, until all `world` shards are inside theirs: a call
+    whose shards run one after another breaks the barrier (BrokenBarrierError: the call fails). Each rank's threads
+    are added to `threads[rank]`. `skip_first`: a rank's first call (which compiles, one shard at a time) passes."""
+    barrier = threading.Barrier(world, timeout=20)
+    calls = [0] * world
+
+    def step(rank, *args, **kwargs):
+        calls[rank] += 1
+        if calls[rank] > 1 or not skip_first:
+            threads[rank].add(threading.get_ident())
+            barrier.wait()  # every shard's step is in flight here at once
+        return run(rank, *args, **kwargs)
+
+    return step
+
+
+@needs_stitching
+def test_heavy_steps_run_every_shard_at_the_same_time_on_its_own_thread(monkeypatch):
+    """A step that reads more weights between two collectives than `PARALLEL_BYTES` (here every step: the bound
+    set to 0) is not stitched: each shard's compiled graph runs on its own thread while the others run theirs
+    (every token's steps meet inside themselves, which shards run one after another never do), with the native
+    collectives, logged, with the unsplit tokens and the eager step's collectives."""
+    from tensorshard.comm.native import ops as native
+    from tensorshard.engines.inprocess.parallel_step import ParallelStep
+
+    monkeypatch.setattr(stitched_decode, "PARALLEL_BYTES", 0)
+    threads: list[set[int]] = [set(), set()]
+    run = ParallelStep.run
+    monkeypatch.setattr(ParallelStep, "run", lambda self, rank, kwargs: meet(rank, self, kwargs))
+    meet = _meeting(lambda rank, self, kwargs: run(self, rank, kwargs), 2, threads)
+    model = tiny_model("llama")
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+    with tp.count_collectives() as compiled:
+        out, messages = _logged(lambda: _greedy(split, _ids(), cache_implementation="static"))
+    assert torch.equal(out, _greedy(model, _ids()))
+    ran = [m for m in messages if "on its own thread at the same time" in m]
+    assert len(ran) == 1 and ("native collectives" if native.available() else "Python collectives") in ran[0], messages
+    assert not [m for m in messages if "stitched the decode steps" in m or "compiled the decode step of" in m], messages
+    assert all(len(t) >= 1 for t in threads) and not threads[0] & threads[1], threads  # each shard on its own thread
+    with tp.count_collectives() as eager:
+        _greedy(split, _ids(), cache_implementation="static", disable_compile=True)
+    assert compiled.counts == eager.counts and eager.counts["all_reduce"] > 0
+
+    # A shard failing in its step: shard 0, waiting in a native collective, raises at once (the native group is
+    # aborted), the call names the failure, the step is dropped (logged) and the model still decodes.
+    def fail(self, rank, kwargs):
+        if rank == 1:
+            raise RuntimeError("shard 1 broke")
+        return run(self, rank, kwargs)
+
+    monkeypatch.setattr(ParallelStep, "run", fail)
+    with pytest.raises(Exception, match="shard 1 broke"):
+        _logged(lambda: _greedy(split, _ids(), cache_implementation="static"))
+    assert stitched_decode.ParallelStep is ParallelStep and not [
+        s for s in split.__dict__["_tensorshard_compiled_steps"].values() if s.stitcher and s.stitcher.steps
+    ]
+    assert torch.equal(_greedy(split, _ids(), cache_implementation="static", disable_compile=True), _greedy(model, _ids()))
+
+
+def test_shards_run_together_over_3_devices():
+    """`run_shards_together()` at 3 devices, 9 heads (3 each; AOT autograd's tracing, inductor left out for time):
+    every token's three steps are in flight at once, each on its own thread, and the tokens are the unsplit ones."""
+    model = tiny_model("qwen2")
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 3)
+    config = CompileConfig(backend="aot_eager")
+    steps = compiled_call(split, config)
+    steps.run_shards_together()
+    threads: list[set[int]] = [set(), set(), set()]
+    compiled = list(steps.compiled)
+    meet = _meeting(lambda rank, *a, **k: compiled[rank](*a, **k), 3, threads, skip_first=True)
+    steps.compiled = [lambda *a, rank=rank, **k: meet(rank, *a, **k) for rank in range(3)]
+    assert torch.equal(_greedy(split, _ids(), cache_implementation="static", compile_config=config), _greedy(model, _ids()))
+    assert all(threads) and len(set().union(*threads)) == 3, threads

@@ -16,15 +16,17 @@ What happens per call:
 - the first call of a kind (a new batch size, cache length or dtype: `_kind`) compiles every shard, one shard at
   a time (the baton passes at every collective: schedule.py's serial way), since `torch.compile` is not
   thread-safe; each shard compiles its own graphs, under a code object of its own (`_entry`);
-- later calls on CPU slots run the shards one at a time too: compiled code does little between two collectives,
-  and two threads running it at once hand the GIL back and forth at every kernel (measured on 2 cores: a third
-  of the speed of one thread after the other); on GPUs, whose compiled kernels are queued asynchronously, the
-  call schedule chooses (schedule.py);
+- later calls run the shards at the same time or one at a time, as the call schedule measures faster
+  (schedule.py): compiled code that does little between two collectives makes two threads hand the GIL back and
+  forth at every kernel (a small Llama on 2 cores: a third of the speed of one thread after the other), while one
+  that streams many weights between them overlaps; `run_shards_together()` fixes the first way;
 - a graph torch.compile fails to make runs that part eagerly (the same numbers, slower), unless `fullgraph`.
 
-On CPU slots (inductor, its default mode) a kind of call seen twice is handed on to one graph that runs every
-shard's step from the calling thread (stitched_decode.py): the hand-offs between the shards' threads at every
-collective, which dominated what was left per token (BENCHMARKS.md, section 5), are gone.
+On CPU slots (inductor, its default mode) a kind of call seen twice is handed on to stitched_decode.py, which
+builds from the shards' captured graphs either one stitched graph run from the calling thread (a step that reads
+few weights between two collectives) or each shard's graph compiled on its own with native collectives, run on
+its own thread at the same time as the others (parallel_step.py); this per-shard path is what remains where
+neither can be built (a graph break, a step that recompiles per token).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class CompiledSteps:
         self.unwrap, self.rewrap, self.prepare = unwrap, rewrap, prepare
         self.compiled = [torch.compile(_entry(shard, rank), **self.options) for rank, shard in enumerate(model.module_shards)]
         self.kinds: set[Hashable] = set()  # kinds of call compiled so far
-        self.cpu_only = all(torch.device(d).type == "cpu" for d in model.devices)
+        self.together = False  # later calls always run the shards at the same time (`run_shards_together`)
         self.stitcher = (
             Stitcher(model, [_entry(shard, rank) for rank, shard in enumerate(model.module_shards)], self.options, unwrap, rewrap)
             if stitch and prepare is not None and Stitcher.applies(model, self.options) else None
@@ -92,7 +94,10 @@ class CompiledSteps:
                 return out
         first = kind not in self.kinds
         started = time.perf_counter()
-        serial = True if first or self.cpu_only else None
+        # A first call compiles, one shard at a time; later calls run the shards at the same time
+        # (`run_shards_together`), else as the call schedule measures faster (schedule.py: a step that computes
+        # little between two collectives makes the threads hand the GIL back and forth; one at a time is faster).
+        serial = True if first else (False if self.together else None)
         # A graph torch.compile fails to make (an internal error at a recompile) runs that frame eagerly, as a
         # failure to compile does without graph breaks allowed: the numbers are the same, only slower.
         with torch._dynamo.config.patch(suppress_errors=not self.options.get("fullgraph", False)):
@@ -108,6 +113,13 @@ class CompiledSteps:
     def keep_one_graph_per_shard(self) -> None:
         """Never stitch: every call runs each shard's own compiled graph in its thread (to compare, or to debug)."""
         self.stitcher = None
+
+    def run_shards_together(self) -> None:
+        """Never stitch, and run every shard's compiled graph on its own thread at the same time as the others on
+        every call after the first (not as the call schedule measures): to compare, or where the weights per
+        collective are too few for the default's choice (stitched_decode.py's `PARALLEL_BYTES`)."""
+        self.stitcher = None
+        self.together = True
 
     def _run(self, rank: int, args: tuple, kwargs: dict) -> Any:
         args = tuple(self.unwrap(a, rank) for a in args)

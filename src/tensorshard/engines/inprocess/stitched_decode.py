@@ -1,4 +1,5 @@
-"""When the fast decoding path runs one stitched graph for all shards, and when it keeps one graph per shard.
+"""When the fast decoding path runs one stitched graph for all shards, each shard's graph at the same time as the
+others', or one `torch.compile` per shard.
 
 CompiledSteps (compiled_steps.py) hands each kind of call (`_kind`: shapes, dtypes, cache lengths) to a `Stitcher`
 first, on CPU slots, with inductor (the default backend and mode):
@@ -8,9 +9,13 @@ first, on CPU slots, with inductor (the default backend and mode):
    comes from, which output is which field) and runs it as it is;
 2. the second call must add no graph: dynamo recompiling there means the step depends on Python state that changes
    per token (a sliding-window cache layer), which one fixed graph cannot follow;
-3. then the shards' graphs are stitched into one (stitched_step.py), and from the third call on that graph,
-   compiled once with inductor, runs every shard's step from the caller's thread: no thread, no hand-off, no
-   dynamo frame evaluation per shard.
+3. then, by the weights a shard reads between two of its collectives (`weight_bytes_per_segment`):
+   - from `PARALLEL_BYTES` on, each shard's graph is compiled on its own with native collectives and every later
+     token runs them on the shards' threads at the same time (parallel_step.py): each core reads its share of the
+     weights, as tensor parallelism promises;
+   - below it, the shards' graphs are stitched into one (stitched_step.py), compiled once with inductor, and every
+     later token runs it from the caller's thread: no thread, no hand-off, no dynamo frame evaluation per shard
+     (a step that computes little between two collectives would spend more in the hand-offs than it saves).
 
 Whatever stops this (a graph break, graphs that differ, an input that cannot be found again, inductor failing on
 the stitched graph) is logged once at INFO with the reason, and that kind runs the per-shard compiled path from
@@ -18,7 +23,8 @@ then on. A stitched graph skips dynamo's guards; what they would have caught is 
 call and its plain arguments (`call_settings`: flags such as ``output_hidden_states`` make another kind), no
 gradient, the model in eval mode, every input's dtype (stitched_step.py), and no module, weight or buffer
 registered on a split model since the stitch (registrations.py; weights changed in place, or replaced, are read
-afresh on every call). Callers in several threads capture one at a time.
+afresh on every call). Callers in several threads capture one at a time. A parallel step whose shard failed is
+dropped (its native group is aborted with it).
 """
 
 from __future__ import annotations
@@ -33,11 +39,18 @@ from torch import nn
 from ...logs import get_logger
 from ...registrations import registrations
 from .boundary import to_device
-from .stitched_step import Capture, StitchError, StitchedStep, locate_inputs, output_fields, stitch
+from .parallel_step import ParallelStep
+from .stitched_step import Capture, StitchError, StitchedStep, locate_inputs, output_fields, segments, stitch
 
 logger = get_logger(__name__)
 
 _CAPTURE_CALLS = 2  # calls of a kind run per shard before stitching: one to capture, one to see nothing recompile
+# Weights a shard reads between two collectives (its parameters' bytes over its step's segments) from which its
+# compiled graph runs on its own thread at the same time as the others' instead of being stitched: a stitched graph
+# does every shard's arithmetic on one core, the parallel one pays a meeting of the threads per collective. Measured
+# on 2 cores (docs/generation.md): SmolLM2-135M's shape at 2 devices (4.4 MiB per segment) decodes faster in
+# parallel, the small Llama of BENCHMARKS.md section 5 (0.7 MiB) stitched.
+PARALLEL_BYTES = 2 << 20
 # torch 2.10's dynamo breaks a shard's decode step into several graphs where 2.13 makes one (seen at the floors,
 # docs/versions.md), so nothing would stitch there: older torch keeps one compiled graph per shard from the start.
 STITCHES = torch.__version__ >= "2.13"
@@ -54,6 +67,8 @@ class Stitcher:
         self.tracing = [torch.compile(entry, backend=self._backend(rank), **trace) for rank, entry in enumerate(entries)]
         self.steps: dict[Hashable, StitchedStep] = {}
         self.refused: set[Hashable] = set()
+        self.parallel: dict[Hashable, int] = {}  # kinds run by a ParallelStep: weight bytes per segment
+        self._retired: list[ParallelStep] = []  # parallel steps dropped (their native groups stay allocated)
         self._calls: dict[Hashable, int] = {}
         self._captures: dict[Hashable, dict[int, list[Capture]]] = {}
         self._now: tuple[Hashable, dict[int, dict]] | None = None  # the kind being captured, each rank's arguments
@@ -120,8 +135,14 @@ class Stitcher:
         try:
             self._one_graph_each(captures)
             if calls == _CAPTURE_CALLS:
-                src = next((r for r, d in enumerate(self.model.devices) if d == self.model.output_device), 0)
-                self.steps[kind] = stitch([captures[r][0] for r in range(len(self.tracing))], self.model.devices, src)
+                ranks = [captures[r][0] for r in range(len(self.tracing))]
+                per_segment = weight_bytes_per_segment(self.model, captures)
+                if per_segment >= PARALLEL_BYTES:
+                    self.steps[kind] = ParallelStep(ranks, len(ranks), self.model.timeout)
+                    self.parallel[kind] = per_segment
+                else:
+                    src = next((r for r, d in enumerate(self.model.devices) if d == self.model.output_device), 0)
+                    self.steps[kind] = stitch(ranks, self.model.devices, src)
                 self.steps[kind].registrations = registrations()
                 del self._captures[kind]
         except StitchError as error:
@@ -171,10 +192,12 @@ class Stitcher:
 
     # -- later calls: the stitched graph -------------------------------------------------------------------------
 
-    def _stitched(self, kind: Hashable, step: StitchedStep, kwargs: dict) -> Any:
+    def _stitched(self, kind: Hashable, step: StitchedStep | ParallelStep, kwargs: dict) -> Any:
         # (No late adapters to adopt, as the engine's call does first: anything registered since the stitch has
         # already dropped this step, `handles`, and the per-shard path adopts it.)
         per_rank = [{k: self.unwrap(v, rank) for k, v in kwargs.items()} for rank in range(len(self.tracing))]
+        if isinstance(step, ParallelStep):
+            return self._parallel(kind, step, kwargs, per_rank)
         with self.model._call_lock:
             if step.compiled is None and not self._compile(kind, step, per_rank):
                 return None
@@ -185,27 +208,75 @@ class Stitcher:
                 return None
         return to_device(out, self.model.output_device)
 
-    def _compile(self, kind: Hashable, step: StitchedStep, per_rank: list[dict]) -> bool:
-        """Compile the stitched graph (before it runs: a failure leaves every cache as it was), logged."""
+    def _parallel(self, kind: Hashable, step: ParallelStep, kwargs: dict, per_rank: list[dict]) -> Any:
+        """Every shard's own compiled graph, each on its thread at the same time (parallel_step.py)."""
+        with self.model._call_lock:
+            if step.compiled is None and not self._compile(kind, step, per_rank):
+                return None
+        try:
+            step.check(per_rank)
+        except StitchError as error:  # raised before the graphs ran: the per-shard path takes this call
+            self._refuse(kind, str(error))
+            return None
+
+        def run(rank: int, args: tuple, shard_kwargs: dict) -> Any:
+            return self.rewrap(step.run(rank, {k: self.unwrap(v, rank) for k, v in shard_kwargs.items()}), shard_kwargs)
+
+        try:
+            return self.model.run_modules((), kwargs, run, serial=False)
+        except BaseException:
+            # A shard failed (its native group is aborted: it cannot serve another call): later calls of this kind
+            # run per shard under torch.compile.
+            self._refuse(kind, "a shard's step failed in the parallel step")
+            raise
+
+    def _compile(self, kind: Hashable, step: StitchedStep | ParallelStep, per_rank: list[dict]) -> bool:
+        """Compile the stitched graph, or each shard's (before it runs: a failure leaves every cache as it was),
+        logged."""
         started = time.perf_counter()
+        what = "the shards' graphs" if isinstance(step, ParallelStep) else "the stitched graph"
         try:
             step.compile(per_rank, config_patches=self.config_patches)
-        except Exception as error:  # inductor failing on the stitched graph: the per-shard path still works
-            self._refuse(kind, f"inductor failed on the stitched graph ({type(error).__name__}: {error})")
+        except Exception as error:  # inductor failing on the graph: the per-shard path still works
+            self._refuse(kind, f"inductor failed on {what} ({type(error).__name__}: {error})")
             return False
-        logger.info(
-            "stitched the decode steps of %s's %d shards into one graph and compiled it in %.1f s "
-            "(every later token runs it from the calling thread)",
-            type(self.model).__name__, len(self.tracing), time.perf_counter() - started,
-        )
+        if isinstance(step, ParallelStep):
+            logger.info(
+                "compiled the decode steps of %s's %d shards in %.1f s; every later token runs each shard's graph on "
+                "its own thread at the same time as the others' (%.1f MiB of weights per shard between two "
+                "collectives; stitched into one graph below %.1f MiB), with %s collectives",
+                type(self.model).__name__, len(self.tracing), time.perf_counter() - started,
+                self.parallel.get(kind, 0) / 2**20, PARALLEL_BYTES / 2**20, "native" if step.native else "Python",
+            )
+        else:
+            logger.info(
+                "stitched the decode steps of %s's %d shards into one graph and compiled it in %.1f s "
+                "(every later token runs it from the calling thread)",
+                type(self.model).__name__, len(self.tracing), time.perf_counter() - started,
+            )
         return True
 
     def _refuse(self, kind: Hashable, why: str) -> None:
         if kind not in self.refused:
             logger.info("decoding %s with one compiled graph per shard, not one stitched graph: %s", type(self.model).__name__, why)
         self.refused.add(kind)
-        self.steps.pop(kind, None)
+        step = self.steps.pop(kind, None)
+        if isinstance(step, ParallelStep):
+            # Kept, not closed: a shard of a failed call may still be leaving a native collective (the engine's
+            # call returns within a grace period), and closing frees the region it reads.
+            self._retired.append(step)
         self._captures.pop(kind, None)
+
+
+def weight_bytes_per_segment(model: nn.Module, captures: dict[int, list[Capture]]) -> int:
+    """The most bytes of weights any shard reads between two of its step's collectives, on average: its parameters
+    and buffers over its graph's segments (collectives + 1)."""
+    most = 0
+    for rank, shard in enumerate(model.module_shards):
+        tensors = {id(t): t for t in list(shard.parameters()) + list(shard.buffers())}
+        collectives = sum(end is not None for _, end in segments(captures[rank][0].graph))
+        most = max(most, sum(t.numel() * t.element_size() for t in tensors.values()) // (collectives + 1))
+    return most
 
 
 def call_settings(leaves: list, spec: Any) -> Hashable:

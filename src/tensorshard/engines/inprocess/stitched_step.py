@@ -118,8 +118,8 @@ def stitch(captures: Sequence[Capture], devices: Sequence[torch.device], src: in
     """One graph computing every shard's step (see the module doc); StitchError where that cannot be proved."""
     if any(torch.device(d).type != "cpu" for d in devices):
         raise StitchError("only CPU slots are stitched (on GPUs each shard's kernels are queued asynchronously)")
-    segments = [_segments(c.graph) for c in captures]
-    _check_alike(segments, captures)
+    cut = [segments(c.graph) for c in captures]
+    _check_alike(cut, captures)
     graph = fx.Graph()
     env: list[dict[fx.Node, fx.Node]] = [{} for _ in captures]
     for rank, capture in enumerate(captures):
@@ -127,11 +127,11 @@ def stitch(captures: Sequence[Capture], devices: Sequence[torch.device], src: in
             env[rank][node] = graph.placeholder(f"s{rank}_{node.name}")
             env[rank][node].meta = dict(node.meta)
     collectives_done: list[tuple[str, int, str]] = []
-    for k in range(len(segments[0])):
+    for k in range(len(cut[0])):
         for rank, capture in enumerate(captures):
-            for node in segments[rank][k][0]:
+            for node in cut[rank][k][0]:
                 env[rank][node] = graph.node_copy(node, lambda n, r=rank: env[r][n])
-        ends = [segments[rank][k][1] for rank in range(len(captures))]
+        ends = [cut[rank][k][1] for rank in range(len(captures))]
         if ends[0] is None:
             break
         pieces = [env[rank][end.args[0]] for rank, end in enumerate(ends)]
@@ -154,11 +154,11 @@ def stitch(captures: Sequence[Capture], devices: Sequence[torch.device], src: in
         capture.last_outputs = None  # (the outputs of the last per-shard run: no longer needed)
     out_node = captures[src].graph.graph.find_nodes(op="output")[0]
     graph.output(fx.map_arg(out_node.args[0], lambda n: env[src][n]))
-    module = fx.GraphModule(nn.Module(), graph)  # (no attributes: graphs holding any are refused, `_segments`)
+    module = fx.GraphModule(nn.Module(), graph)  # (no attributes: graphs holding any are refused, `segments`)
     return StitchedStep(module, [c.sources for c in captures], captures[src], src, collectives_done)
 
 
-def _segments(gm: fx.GraphModule) -> list[tuple[list[fx.Node], fx.Node | None]]:
+def segments(gm: fx.GraphModule) -> list[tuple[list[fx.Node], fx.Node | None]]:
     """The graph's computing nodes cut at its collectives: [(nodes before collective k, collective k)], the last
     segment ending with None (the nodes before the output)."""
     out, run = [], []

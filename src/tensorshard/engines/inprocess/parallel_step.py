@@ -1,0 +1,116 @@
+"""Every shard's decode step compiled on its own and run on its own thread, at the same time as the others.
+
+A stitched step (stitched_step.py) does every shard's arithmetic on the calling thread: right for a small model,
+whose token is dispatch, but a model whose token is reading its weights (SmolLM2-135M: ~540 MB a token) then reads
+all of them on one core, and splitting cannot beat the unsplit model. Here each shard's graph, as dynamo captured
+it (a `Capture`), is compiled with inductor on its own and run on the shard's thread while the other shards run
+theirs: each core reads its device's share of the weights.
+
+    shard 0's thread:  seg0 -> native_all_reduce(a0) -> seg1 -> ... -> native_all_gather(l0) -> out
+    shard 1's thread:  seg0 -> native_all_reduce(a1) -> seg1 -> ... -> native_all_gather(l1)
+
+What keeps the threads from taking turns on the GIL:
+- the collectives: each `tensorshard::threads_*` operator of the captured graph (a rendezvous in Python) becomes
+  the native operator (comm/native/: C++, a barrier and a rank-ordered sum over a buffer the shards share, the
+  GIL released while it waits): the same sums, bit for bit, with no Python per collective. An all-gather whose
+  pieces are not one range per rank in rank order (a fused projection's interleaved heads) keeps the Python one;
+  where the native library is unavailable every collective does (the same numbers, slower);
+- the kernels: inductor's matrix products are aten calls that release the GIL; its own fused kernels and the
+  Python lines of its wrapper between them hold it, a few microseconds each (docs/generation.md has the profile);
+- no dynamo frame per shard and token: the graph is called with its inputs found again as the stitched step finds
+  them (`Capture.sources`), under the same checks (stitched_decode.py).
+
+A failing shard aborts the native group, so the other shards' waits raise at once; the step is then dropped
+(stitched_decode.py) and that kind of call runs per shard under `torch.compile` from then on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from ...comm import thread_ops
+from ...comm.native import ops as native
+from .stitched_step import Capture, StitchError
+
+
+class ParallelStep:
+    """Each shard's captured graph, its collectives native where they can be, compiled on its own; run by
+    `run_modules` (the engine's call: the shards' threads, together)."""
+
+    def __init__(self, captures: Sequence[Capture], world: int, timeout: float) -> None:
+        self.captures = list(captures)
+        self.group = native.ThreadGroup(world, timeout=timeout) if native.available() else None
+        self.modules = [_with_native_collectives(c.graph, rank, self.group) for rank, c in enumerate(self.captures)]
+        self.compiled: list[Callable[..., Any]] | None = None
+        self.dtypes: list[list[torch.dtype]] = []
+        self.registrations = 0  # registrations.py's count when built (stitched_decode.py checks it)
+        self.native = self.group is not None
+
+    def compile(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> None:
+        """Compile every shard's graph with inductor for these inputs' shapes, one after another in this thread
+        (torch.compile is not thread-safe); nothing runs."""
+        inductor = torch._dynamo.lookup_backend("inductor")
+        compiled, dtypes = [], []
+        for module, capture, kwargs in zip(self.modules, self.captures, per_rank_kwargs):
+            inputs = [read(kwargs) for read in capture.sources]
+            compiled.append(inductor(module, inputs, config_patches=config_patches or None))
+            dtypes.append([x.dtype for x in inputs])
+        self.compiled, self.dtypes = compiled, dtypes
+
+    def check(self, per_rank_kwargs: Sequence[dict]) -> None:
+        """StitchError, before anything runs, if an input's dtype changed since `compile` (``split.half()``):
+        inductor's code checks sizes and strides, not dtypes."""
+        for capture, kwargs, dtypes in zip(self.captures, per_rank_kwargs, self.dtypes):
+            if [read(kwargs).dtype for read in capture.sources] != dtypes:
+                raise StitchError("a weight, buffer or cache changed its dtype since the step was compiled")
+
+    def run(self, rank: int, kwargs: dict) -> Any:
+        """Shard `rank`'s step, in its thread (`kwargs`: its own arguments, its cache among them): its output."""
+        capture = self.captures[rank]
+        inputs = [read(kwargs) for read in capture.sources]
+        try:
+            outs = self.compiled[rank](*inputs)
+        except BaseException as error:
+            if self.group is not None:  # the other shards, waiting in a native collective, raise at once
+                self.group.abort(rank, f"{type(error).__name__}: {error}")
+            raise
+        return capture.output_type(**{k: outs[v] if isinstance(v, int) else kwargs[v] for k, v in capture.fields.items()})
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+
+
+def _with_native_collectives(gm: fx.GraphModule, rank: int, group: native.ThreadGroup | None) -> fx.GraphModule:
+    """A copy of `gm` whose Python collectives are the native ones of `group` (kept where they cannot be)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if group is not None and node.op == "call_function" and node.target is thread_ops.all_reduce and not node.kwargs:
+            x, _, where = node.args
+            env[node] = graph.call_function(native.all_reduce, (env[x], group.handle, rank, where))
+        elif group is not None and node.op == "call_function" and node.target is thread_ops.all_gather and not node.kwargs:
+            x, _, dim, layout, where = node.args
+            sizes = _rank_ordered_sizes(thread_ops.partition_of(list(layout)))
+            if sizes is None:
+                env[node] = graph.node_copy(node, env.__getitem__)
+            else:
+                env[node] = graph.call_function(native.all_gather, (env[x], group.handle, rank, dim, sizes, where))
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+        env[node].meta = dict(node.meta)
+    return fx.GraphModule(gm, graph)
+
+
+def _rank_ordered_sizes(partition) -> list[int] | None:
+    """Each rank's piece size when the pieces are one range each, in rank order, covering the whole; else None."""
+    at, sizes = 0, []
+    for ranges in partition.ranges:
+        if len(ranges) != 1 or ranges[0][0] != at:
+            return None
+        sizes.append(ranges[0][1] - ranges[0][0])
+        at = ranges[0][1]
+    return sizes if at == partition.size else None
