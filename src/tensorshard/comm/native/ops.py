@@ -62,10 +62,6 @@ def region_bytes(world: int, slot: int = PROCESS_SLOT) -> int:
     return control + world * words + 2 * world * header + 2 * world * slot
 
 
-all_reduce = None  # set by _register_fakes: torch.ops.tensorshard.native_all_reduce.default
-all_gather = None  # torch.ops.tensorshard.native_all_gather.default
-
-
 class ThreadGroup:
     """A native group whose ranks are threads of this process, over a heap region it owns.
 
@@ -122,7 +118,7 @@ def _close(handle: int) -> None:
 
 def _register_fakes() -> None:
     """Shapes for tracing (FakeTensor) and the counter's reader; once per process."""
-    global _fakes_done, all_reduce, all_gather
+    global _fakes_done
     if _fakes_done:
         return
     with _registered:
@@ -130,8 +126,6 @@ def _register_fakes() -> None:
             return
         torch.library.register_fake("tensorshard::native_all_reduce", _all_reduce_shape)
         torch.library.register_fake("tensorshard::native_all_gather", _all_gather_shape)
-        all_reduce = torch.ops.tensorshard.native_all_reduce.default
-        all_gather = torch.ops.tensorshard.native_all_gather.default
         _fakes_done = True
         for call in _on_load:
             call(NativeCounts())
