@@ -6,6 +6,7 @@ the kind, and a split class built by hand refuses a model of the wrong kind befo
 
 from __future__ import annotations
 
+import copy
 import sys
 from contextlib import contextmanager
 
@@ -117,3 +118,14 @@ def test_the_kind_is_decided_once_per_split(build):
     with kind_calls() as calls:
         tp.tensor_parallel(model, ["cpu", "cpu"], check=False)
     assert calls == [type(model).__name__]
+
+
+def test_a_deep_copy_of_a_split_wrapper_asks_the_kind_of_its_copy_once():
+    split = tp.tensor_parallel(Holder(tiny_llama()), ["cpu", "cpu"], check=False)
+    with kind_calls() as calls:
+        twin = copy.deepcopy(split)
+    assert calls == ["Holder"] and type(twin).__name__ == "WrapperTensorParallel"
+    assert twin._inner[0] == "lms.0" and twin._inner[1] is not split._inner[1]  # the copy's inner model
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(twin.inner_model(ids).logits, split.inner_model(ids).logits)
