@@ -31,8 +31,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: $(VENV)/.installed
 	$(BIN)/python -m tensorshard.demo $(ARGS)
 
+# The files spread over the cores by pytest-xdist (a file's tests stay in one worker: its module fixtures are built
+# once); at most 4 workers, each with its own process pools. ARGS="-n 0": one process, as plain `pytest` runs.
+WORKERS ?= -n auto --maxprocesses=4 --dist loadfile
+
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest $(WORKERS) $(ARGS)
 
 # every `name>=X` of pyproject.toml pinned to X (tests/support/versions.py), so pip installs the floors
 $(FLOORS)/.installed: pyproject.toml Makefile

@@ -8,12 +8,18 @@ tests/ on the path. Child processes get the same path from `support.harness.chil
 The pools (support/harness.py) are gloo process groups of 2, 3 or 4 ranks, spawned once, when a test first
 asks for one, and shared by every folder: engines/torchrun, checkpoint (3 ranks: uneven splits such as
 59/59/58 features) and reliability. Fault tests that end a rank spawn their own.
+
+`make test` runs the files over pytest-xdist's workers (`-n auto --dist loadfile`: a file's tests, and so its
+module-scoped fixtures, stay in one worker); each worker has its own pools, and the docs run once for all of them
+(support/docs.py).
 """
+
+import os
 
 import pytest
 import torch
 
-from support import deprecations
+from support import deprecations, docs
 from support.harness import shared_pool
 
 torch.set_num_threads(1)  # two cores: keep the simulated devices from fighting over threads
@@ -24,6 +30,14 @@ def _no_deprecated_calls():
     """A deprecated API of torch, transformers or peft called by tensorshard, a doc or an example fails the test
     (support/deprecations.py); pytest's warning capture undoes it after the test."""
     deprecations.install()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _docs_folder(tmp_path_factory):
+    """The docs' runs keep their folders in this session's temporary folder; under pytest-xdist, in the one its
+    workers share (each worker's is a folder inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    docs.FOLDER = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 @pytest.fixture
