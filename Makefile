@@ -31,8 +31,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: $(VENV)/.installed
 	$(BIN)/python -m tensorshard.demo $(ARGS)
 
+# test, test-oldest, test-newest: the files spread over the cores by pytest-xdist (a file's tests stay in one worker:
+# its module fixtures are built once); at most 4 workers, each with its own process pools (tests/conftest.py).
+# ARGS="-n 0": one process, as plain `pytest` runs.
+WORKERS ?= -n auto --maxprocesses=4 --dist loadfile
+
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest $(WORKERS) $(ARGS)
 
 # every `name>=X` of pyproject.toml pinned to X (tests/support/versions.py), so pip installs the floors
 $(FLOORS)/.installed: pyproject.toml Makefile
@@ -44,7 +49,7 @@ $(FLOORS)/.installed: pyproject.toml Makefile
 
 test-oldest: $(FLOORS)/.installed
 	$(FLOORS)/bin/python -c '$(VERSIONS)'
-	$(FLOORS)/bin/python -m pytest $(RANGE_TESTS) $(ARGS)
+	$(FLOORS)/bin/python -m pytest $(WORKERS) $(RANGE_TESTS) $(ARGS)
 
 # PIP_CONFIG_FILE=/dev/null: no constraints file, no local wheel index: what a user's pip picks today
 $(NEWEST)/.installed: pyproject.toml Makefile
@@ -55,7 +60,7 @@ $(NEWEST)/.installed: pyproject.toml Makefile
 
 test-newest: $(NEWEST)/.installed
 	$(NEWEST)/bin/python -c '$(VERSIONS)'
-	$(NEWEST)/bin/python -m pytest $(RANGE_TESTS) $(ARGS)
+	$(NEWEST)/bin/python -m pytest $(WORKERS) $(RANGE_TESTS) $(ARGS)
 
 test-extras: $(VENV)/.installed
 	TENSORSHARD_TEST_EXTRAS=1 $(BIN)/python -m pytest tests/packaging $(ARGS)

@@ -134,16 +134,39 @@ def run_captured(name: str) -> tuple[list[str], str]:
     return errors, out.getvalue()
 
 
+# Where the runs keep their working folders: pytest's temporary folder of the session, set by tests/conftest.py; in a
+# `pytest -n N` run, the folder all its workers share (one of them runs the docs, the others read its results).
+FOLDER: Path | None = None
+
+
 @functools.cache
 def docs_runs() -> dict[str, DocRun]:
     """Every file of the docs with Python blocks, run once per test session in one fresh process (keyed by the
-    path relative to the repository), with TENSORSHARD_TIMEOUT=60."""
+    path relative to the repository), with TENSORSHARD_TIMEOUT=60. Under pytest-xdist, once per session for all
+    its workers: the first to ask runs them under a file lock and saves the results; the others wait and read."""
+    from filelock import FileLock  # torch's own dependency
+
+    if FOLDER is None:  # outside a test session
+        root = Path(tempfile.mkdtemp(prefix="tensorshard-docs-"))
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    else:
+        root = FOLDER
+    saved = root / "docs-runs.json"
+    with FileLock(str(root / "docs-runs.lock")):
+        if not saved.exists():
+            found = _run_docs(root / "docs")
+            saved.write_text(json.dumps({name: {"errors": r.errors, "printed": r.printed, "folder": str(r.folder)}
+                                         for name, r in found.items()}))
+    return {name: DocRun(errors=r["errors"], printed=r["printed"], folder=Path(r["folder"]))
+            for name, r in json.loads(saved.read_text()).items()}
+
+
+def _run_docs(base: Path) -> dict[str, DocRun]:
+    """The driver's run of every file, each in a working folder of its own under `base`."""
     names = [str(p.relative_to(ROOT)) for p in DOCS if blocks(p)]
-    base = Path(tempfile.mkdtemp(prefix="tensorshard-docs-"))
-    atexit.register(shutil.rmtree, base, ignore_errors=True)
     folders = {name: base / name.replace("/", "_") for name in names}
     for folder in folders.values():
-        folder.mkdir()
+        folder.mkdir(parents=True)
     env = dict(os.environ, TENSORSHARD_TIMEOUT="60",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
     try:
