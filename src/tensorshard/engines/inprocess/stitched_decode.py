@@ -47,9 +47,10 @@ logger = get_logger(__name__)
 _CAPTURE_CALLS = 2  # calls of a kind run per shard before stitching: one to capture, one to see nothing recompile
 # Weights a shard reads between two collectives (its parameters' bytes over its step's segments) from which its
 # compiled graph runs on its own thread at the same time as the others' instead of being stitched: a stitched graph
-# does every shard's arithmetic on one core, the parallel one pays a meeting of the threads per collective. Measured
-# on 2 cores (docs/generation.md): SmolLM2-135M's shape at 2 devices (4.4 MiB per segment) decodes faster in
-# parallel, the small Llama of BENCHMARKS.md section 5 (0.7 MiB) stitched.
+# does every shard's arithmetic on one core, the parallel one pays a meeting of the threads per collective. Set
+# between SmolLM2-135M's shape at 2 devices (4.3 MiB per segment: half its weights per core is the point of
+# splitting it) and the small Llama of BENCHMARKS.md section 5 (0.7 MiB: stitched was faster on a loaded 2-core
+# machine, docs/generation.md); not yet checked against a quiet machine's timings.
 PARALLEL_BYTES = 2 << 20
 # torch 2.10's dynamo breaks a shard's decode step into several graphs where 2.13 makes one (seen at the floors,
 # docs/versions.md), so nothing would stitch there: older torch keeps one compiled graph per shard from the start.
