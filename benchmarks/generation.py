@@ -1,16 +1,22 @@
 """Greedy decoding per token, in one process: unsplit and split, eager and on the fast path (static cache + compile).
 
-    TORCHINDUCTOR_COMPILE_THREADS=1 python benchmarks/generation.py [--devices 1 2 4 8] [--rounds 5] [--quick]
-        # writes benchmarks/results/generation.json and prints a markdown table (BENCHMARKS.md, section 5)
+    TORCHINDUCTOR_COMPILE_THREADS=1 python benchmarks/generation.py [--model small|smollm] [--devices 1 2 4 8]
+        [--rounds 5] [--quick]
+        # writes benchmarks/results/generation.json (generation-smollm.json for --model smollm) and prints a
+        # markdown table (BENCHMARKS.md, section 5)
 
-The model is scaling.py's "small" Llama (hidden 256, 8 layers, 8 heads over 4 KV heads, vocabulary 2048): the regime
-GPU decoding lives in, where a token is Python and dispatch, not arithmetic. Batch 1, a 16-token prompt, 32 new
-tokens, greedy, one intra-op thread per device. What is timed, per generated token (the whole `generate` call / 32,
-its prefill included):
+Two models (benchmarks/suite/decoding_models.py): "small", a Llama of hidden 256 and 8 layers, the regime GPU
+decoding lives in, where a token is Python and dispatch, not arithmetic; "smollm", SmolLM2-135M's shape with random
+weights, where a token reads ~540 MB of weights (bound by memory bandwidth, the regime tensor parallelism is for).
+Batch 1, a 16-token prompt, 32 new tokens, greedy, one intra-op thread per device. What is timed, per generated token
+(the whole `generate` call / 32, its prefill included):
 
 - unsplit eager: `model.generate(...)` with the dynamic cache;
 - unsplit fast: transformers' own fast path, `cache_implementation="static"` with its compile forced on CPU
-  (`CompileConfig._compile_all_devices`; transformers compiles by itself only on GPUs);
+  (`CompileConfig._compile_all_devices`; transformers compiles by itself only on GPUs), one intra-op thread;
+- unsplit fast, N threads: the same on a copy of the model compiled and run under `torch.set_num_threads(N)`, for
+  each device count N > 1: the split rows use N cores, so the unsplit model gets them too (inductor's kernels are
+  built for the thread count of their compile, hence a copy of their own);
 - split default: `tp.tensor_parallel(model, ["cpu"] * n).generate(...)` with the dynamic cache;
 - split fast: the same split model with `cache_implementation="static"`: on CPU slots, after two tokens, every
   shard's step stitched into one compiled graph run from the calling thread, or, for a model that reads enough
@@ -39,14 +45,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # suite/
 
-RESULTS = Path(__file__).resolve().parent / "results" / "generation.json"
-SMALL = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4)
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+from suite.decoding_models import DESCRIPTIONS, build  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def results_file(model: str) -> Path:
+    """Where a run on `model` writes its JSON: generation.json for the small Llama, as before the other models."""
+    return RESULTS / ("generation.json" if model == "small" else f"generation-{model}.json")
 
 
 def variants(model, devices: list[int]):
-    """name -> a function that runs one greedy generate, for the unsplit model and each split."""
+    """name -> (the model to call, generate's extra arguments, intra-op threads), for the unsplit model and each
+    split."""
     import torch
     from transformers import CompileConfig
 
@@ -55,47 +68,51 @@ def variants(model, devices: list[int]):
 
     compile_anywhere = CompileConfig()
     compile_anywhere._compile_all_devices = True  # transformers' own switch for compiling off-GPU
-    out = {
-        "unsplit eager": (model, {}),
-        "unsplit fast": (model, {"cache_implementation": "static", "compile_config": compile_anywhere}),
-    }
+    fast = {"cache_implementation": "static", "compile_config": compile_anywhere}
+    out = {"unsplit eager": (model, {}, 1), "unsplit fast": (model, fast, 1)}
+    for n in sorted({n for n in devices if n > 1}):  # a copy: its graphs are compiled for n threads
+        out[f"unsplit fast {n} threads"] = (copy.deepcopy(model), fast, n)
     for n in devices:
         split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n)
-        out[f"split {n} default"] = (split, {})
-        out[f"split {n} fast"] = (split, {"cache_implementation": "static"})
+        out[f"split {n} default"] = (split, {}, 1)
+        out[f"split {n} fast"] = (split, {"cache_implementation": "static"}, 1)
         if n > 1:
             per_shard = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n)
             compiled_call(per_shard, None).keep_one_graph_per_shard()
-            out[f"split {n} fast per shard"] = (per_shard, {"cache_implementation": "static"})
+            out[f"split {n} fast per shard"] = (per_shard, {"cache_implementation": "static"}, 1)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(DESCRIPTIONS), default="small",
+                        help="small: dispatch-bound Llama; smollm: SmolLM2-135M's shape (weights-bound)")
     parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="a tiny model, 2 devices, 2 rounds: checks that it runs")
     args = parser.parse_args()
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.set_num_threads(1)
     if args.quick:
-        args.devices, args.rounds, args.new_tokens = [2], 2, 8
-    torch.manual_seed(0)
-    config = LlamaConfig(**(TINY if args.quick else SMALL))
-    model = LlamaForCausalLM(config).eval()
-    ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+        args.model, args.devices, args.rounds, args.new_tokens = "tiny", [2], 2, 8
+    model = build(args.model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     new = args.new_tokens
     runs = variants(model, args.devices)
     reference = None
     first, wall, cpu, same = {}, {k: [] for k in runs}, {k: [] for k in runs}, {}
 
     def generate(name):
-        m, kwargs = runs[name]
-        with torch.no_grad():
-            return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+        m, kwargs, threads = runs[name]
+        torch.set_num_threads(threads)
+        try:
+            with torch.no_grad():
+                return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, **kwargs)
+        finally:
+            torch.set_num_threads(1)
 
     for name in runs:  # the untimed first call: compiles where the variant compiles
         started = time.perf_counter()
@@ -118,11 +135,11 @@ def main() -> None:
     result = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_at_start": os.getloadavg()[0],
         "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "model": "tiny" if args.quick else "small", "new_tokens": new, "rounds": args.rounds, "rows": rows,
+        "model": args.model, "new_tokens": new, "rounds": args.rounds, "rows": rows,
     }
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        results_file(args.model).write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
 
 
@@ -131,7 +148,8 @@ def table(result: dict) -> str:
     eager, fast = rows["unsplit eager"]["ms_per_token"], rows["unsplit fast"]["ms_per_token"]
     lines = [
         f"{result['date']}, {result['cores']} cores, load {result['load_at_start']:.1f} at the start, torch {result['torch']}, "
-        f"{result['model']} Llama, {result['new_tokens']} new tokens, medians of {result['rounds']} rounds",
+        f"{DESCRIPTIONS.get(result['model'], result['model'])}, {result['new_tokens']} new tokens, "
+        f"medians of {result['rounds']} rounds; split rows: one intra-op thread per device",
         "",
         "| variant | ms/token | x unsplit eager | x unsplit fast | CPU ms/token | first call (s) | tokens |",
         "|---|---|---|---|---|---|---|",

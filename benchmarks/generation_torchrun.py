@@ -3,13 +3,18 @@ path and on the fast path (static cache + compiled decode step), with the first 
 
     python benchmarks/generation_torchrun.py                 # small Llama, 2 ranks, 32 new tokens, 5 rounds
     python benchmarks/generation_torchrun.py --ranks 2 4     # more rank counts
+    python benchmarks/generation_torchrun.py --model smollm  # SmolLM2-135M's shape, random weights (weights-bound)
     python benchmarks/generation_torchrun.py --quick         # a tiny Llama, 1 round: a check that it runs
 
-Rows, all `generate(prompt, do_sample=False)` on the same random Llama (seed 0, batch 1, prompt of 16 tokens):
+Rows, all `generate(prompt, do_sample=False)` on the same random Llama (seed 0, batch 1, prompt of 16 tokens; the
+models are benchmarks/suite/decoding_models.py's):
 
 - unsplit eager: one process, transformers' default (dynamic cache, no compile)
 - unsplit fast: one process, `cache_implementation="static"` and transformers' compiled decode step, forced on
-  CPU (`CompileConfig._compile_all_devices = True`: transformers compiles by itself on CUDA only)
+  CPU (`CompileConfig._compile_all_devices = True`: transformers compiles by itself on CUDA only), one intra-op
+  thread
+- unsplit fast, N threads: the same process alone with N intra-op threads (`torch.set_num_threads(N)` before its
+  compile), for each rank count N: the N ranks use N cores, so the unsplit model gets them too
 - split default: `tp.parallelize` over N gloo ranks (torchrun), dynamic cache, no compile
 - split fast: the same model, `cache_implementation="static"`: the engine compiles the decode step itself
   (engines/torchrun/decoding.py), collectives inside the graph (the native C++ operators of comm/native/;
@@ -37,14 +42,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))  # suite/
 
+from suite.decoding_models import DESCRIPTIONS, MODELS, build  # noqa: E402
 from suite.scaling_torchrun import run_script  # noqa: E402
-
-MODELS = {
-    "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=4),
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),
-}
 
 
 # --- inside a job (one process, or every rank of a torchrun job) ------------------------------------------
@@ -64,20 +63,11 @@ class _StepClock:
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
-def _build(name: str):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**MODELS[name], max_position_embeddings=2048, tie_word_embeddings=False)
-    return LlamaForCausalLM(config).eval()
-
-
 def _job(args) -> None:
     import torch
     from transformers import LogitsProcessorList
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     split = args.split
     if split:
         import torch.distributed as dist
@@ -86,11 +76,11 @@ def _job(args) -> None:
         import tensorshard as tp
 
         dist.init_process_group("gloo")
-        model = tp.parallelize(_build(args.model), init_device_mesh("cpu", (dist.get_world_size(),)))
+        model = tp.parallelize(build(args.model), init_device_mesh("cpu", (dist.get_world_size(),)))
     else:
         from transformers import CompileConfig
 
-        model = _build(args.model)
+        model = build(args.model)
     prompt = torch.randint(0, MODELS[args.model]["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1))
     fast = dict(cache_implementation="static")
     if not split:
@@ -136,19 +126,20 @@ def _job(args) -> None:
 # --- the launcher ---------------------------------------------------------------------------------------
 
 
-def _run(model: str, ranks: int, *, new: int, prompt: int, rounds: int, timeout: float) -> dict:
-    """One job (`ranks` 0: the unsplit model in one process); its result."""
+def _run(model: str, ranks: int, *, new: int, prompt: int, rounds: int, timeout: float, threads: int = 1) -> dict:
+    """One job (`ranks` 0: the unsplit model in one process, with `threads` intra-op threads); its result."""
     args = ["--job", "--model", model, "--new", str(new), "--prompt", str(prompt), "--rounds", str(rounds)]
-    args += ["--split"] if ranks else []
+    args += ["--split"] if ranks else ["--threads", str(threads)]
     return run_script(HERE, args, ranks=ranks, timeout=timeout, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
 
 
-def _table(model: str, unsplit: dict, split: dict[int, dict], new: int) -> str:
+def _table(model: str, unsplit: dict, split: dict[int, dict], new: int, threaded: dict[int, dict] | None = None) -> str:
+    """The markdown table: the unsplit rows (one thread, and the fast path at each N of `threaded`), then the split."""
     eager, fast = unsplit["default_s"], unsplit["fast_s"]
     reference = unsplit["tokens"]["default"]
     lines = [
-        f"Llama {model!r} ({MODELS[model]}), batch 1, greedy, {new} new tokens; per token (decode steps only), "
-        "ratios against the unsplit fast path and unsplit eager",
+        f"{DESCRIPTIONS[model]}, batch 1, greedy, {new} new tokens; per token (decode steps only), "
+        "ratios against the unsplit fast path and unsplit eager; one intra-op thread per process unless said",
         "",
         "| run | per token | vs unsplit fast | vs unsplit eager | first call (compile) | tokens as unsplit |",
         "|---|---:|---:|---:|---:|---|",
@@ -156,6 +147,10 @@ def _table(model: str, unsplit: dict, split: dict[int, dict], new: int) -> str:
         f"| unsplit fast (static + compile, forced on CPU) | {fast * 1e3:.2f} ms | 1.00x | {fast / eager:.2f}x | "
         f"{unsplit['first_call_s']:.1f} s | {_same(unsplit['tokens']['fast'], reference)} |",
     ]
+    for threads, r in sorted((threaded or {}).items()):
+        s = r["fast_s"]
+        lines.append(f"| unsplit fast, {threads} intra-op threads | {s * 1e3:.2f} ms | {s / fast:.2f}x | {s / eager:.2f}x | "
+                     f"{r['first_call_s']:.1f} s | {_same(r['tokens']['fast'], reference)} |")
     for ranks, r in sorted(split.items()):
         for path, label in (("default", "split default"), ("fast", "split fast (static + compile)")):
             first = f"{r['first_call_s']:.1f} s" if path == "fast" else ""
@@ -181,6 +176,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.job:
@@ -192,12 +188,13 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}", flush=True)
     settings = dict(new=args.new, prompt=args.prompt, rounds=args.rounds, timeout=args.timeout)
     unsplit = _run(args.model, 0, **settings)
+    threaded = {n: _run(args.model, 0, threads=n, **settings) for n in sorted(set(args.ranks)) if n > 1}
     split = {n: _run(args.model, n, **settings) for n in args.ranks}
-    print(_table(args.model, unsplit, split, args.new))
+    print(_table(args.model, unsplit, split, args.new, threaded))
     print(f"load average after: {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"unsplit": unsplit, "split": split}, f, indent=1)
+            json.dump({"unsplit": unsplit, "unsplit_threads": threaded, "split": split}, f, indent=1)
 
 
 if __name__ == "__main__":

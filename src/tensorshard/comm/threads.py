@@ -173,14 +173,19 @@ class ThreadComm(Comm):
             return x
         return functions.assemble(self.shard, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)[0]
 
-    @_not_compiled
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
         dim %= x.dim()
         self._check_size("split", where, x, dim, partition.size, "the whole dimension")
         if not (torch.is_grad_enabled() and x.requires_grad):
-            return partition.take(x, dim, self.rank)  # no communication without a backward pass
+            # No communication without a backward pass: a slice, traced into a compiled graph as it is (the fast
+            # decoding path of a model with per-head inputs, BLOOM's ALiBi, keeps one graph per shard)
+            return partition.take(x, dim, self.rank)
+        return self._split(x, dim, partition, where=where)
+
+    @_not_compiled
+    def _split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.group.own_graphs:
             return functions.split(self.shard, where, partition, dim, x)[0]
         run = lambda c, *xs: functions.split(c, where, partition, dim, *xs)  # noqa: E731

@@ -66,6 +66,13 @@ class LocalValues:
     def __iter__(self):
         return iter(shared_of(self))
 
+    @property
+    def __dict__(self) -> dict[str, Any]:
+        # torch.compile reads a plain object's fields from its __dict__ (dynamo's generic getattr), which without
+        # this would be the shared object's: a split Phi-3 compiled with every device's head count the unsplit
+        # model's. A snapshot: its fields as this module reads them (writing to it reaches nothing; write the field)
+        return {**vars(shared_of(self)), **local_values(self)}
+
     def __eq__(self, other: Any) -> bool:
         return shared_of(self) == (shared_of(other) if type(other) is LocalValues else other)
 

@@ -94,3 +94,27 @@ def test_copies_keep_the_local_values():
     set_local_path(holder.twin, "config.n_embd", 24)  # a nested view for one module; the object stays as it was
     assert holder.twin.config.n_embd == 24 and local_values(holder.twin.config) == {"n_embd": 24}
     assert shared_of(holder.twin.config).n_embd == 48 and shared.n_embd == 48
+
+
+class HeadCount(nn.Module):
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, x):
+        return x * self.config.n_head * self.config.scale
+
+
+def test_torch_compile_reads_the_views_own_value():
+    """Dynamo reads a plain object's fields from its ``__dict__``: the view's holds the local values (it was the
+    shared object's, so a compiled split Phi-3 sliced its q|k|v with the unsplit head count), and a shared field
+    written after the compile is seen (dynamo's guards read the field again through the view)."""
+    shared = Config()
+    module = HeadCount(shared)
+    set_local_path(module, "config.n_head", 3)
+    assert vars(module.config)["n_head"] == 3 and vars(module.config)["n_embd"] == 48
+    compiled = torch.compile(module, backend="eager", fullgraph=True)
+    x = torch.ones(2)
+    assert torch.equal(compiled(x), torch.full((2,), 3.0))
+    shared.scale = 0.5
+    assert torch.equal(compiled(x), torch.full((2,), 1.5))
