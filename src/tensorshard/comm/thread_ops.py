@@ -122,3 +122,80 @@ torch.library.register_fake("tensorshard::threads_all_gather", _all_gather_shape
 
 all_reduce = torch.ops.tensorshard.threads_all_reduce.default
 all_gather = torch.ops.tensorshard.threads_all_gather.default
+
+
+# --- the raw collectives as operators, for compiled calls that build an autograd graph ----------------------------
+#
+# A compiled training step (torch.compile of a split model: engines/inprocess/compiled_shards.py) traces comm/
+# functions.py's autograd nodes themselves, over `TracedCollectives` (comm/traced_collectives.py), whose raw
+# collectives are these operators: the forward and the backward of each node become graph nodes (aot_autograd
+# splits them), each calling the shard's raw collective (`OneShard`) with the phase it runs in, so
+# count_collectives() sees the eager path's collectives, forward and backward. The backward rules stay those of
+# comm/functions.py; nothing here differentiates.
+
+
+class _Shard(Protocol):
+    rank: int
+
+    def reduce(self, xs, *, op: str, where: str, phase: str) -> list[torch.Tensor]: ...
+
+    def gather(self, xs, dim: int, partition: Partition, *, op: str, where: str, phase: str) -> list[torch.Tensor]: ...
+
+    def gather_into_one(self, xs, dim: int, partition: Partition, *, where: str) -> list[torch.Tensor]: ...
+
+
+def _shard(handle: int) -> _Shard:
+    return _comm(handle).shard  # type: ignore[attr-defined]  (ThreadComm.shard: its OneShard)
+
+
+def _reduce(x: torch.Tensor, comm: int, op: str, where: str, phase: str) -> torch.Tensor:
+    return _own(_shard(comm).reduce([x.contiguous()], op=op, where=where, phase=phase)[0], x)
+
+
+def _gather(x: torch.Tensor, comm: int, dim: int, layout: list[int], op: str, where: str, phase: str) -> torch.Tensor:
+    return _own(_shard(comm).gather([x.contiguous()], dim, partition_of(layout), op=op, where=where, phase=phase)[0], x)
+
+
+def _assemble(x: torch.Tensor, comm: int, dim: int, layout: list[int], where: str) -> torch.Tensor:
+    return _own(_shard(comm).gather_into_one([x], dim, partition_of(layout), where=where)[0], x)
+
+
+def _all_reduce_max(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
+    return _own(_comm(comm).all_reduce_max(x, where=where), x)  # type: ignore[attr-defined]
+
+
+def _reduce_shape(x: torch.Tensor, comm: int, op: str, where: str, phase: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _gather_shape(x: torch.Tensor, comm: int, dim: int, layout: list[int], op: str, where: str, phase: str) -> torch.Tensor:
+    return _all_gather_shape(x, comm, dim, layout, where)
+
+
+def _assemble_shape(x: torch.Tensor, comm: int, dim: int, layout: list[int], where: str) -> torch.Tensor:
+    return _all_gather_shape(x, comm, dim, layout, where)
+
+
+def _all_reduce_max_shape(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_library.define("threads_reduce(Tensor x, int comm, str op, str where, str phase) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.define(
+    "threads_gather(Tensor x, int comm, int dim, int[] layout, str op, str where, str phase) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS
+)
+_library.define("threads_assemble(Tensor x, int comm, int dim, int[] layout, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.define("threads_all_reduce_max(Tensor x, int comm, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+for _name, _impl, _fake in (
+    ("threads_reduce", _reduce, _reduce_shape),
+    ("threads_gather", _gather, _gather_shape),
+    ("threads_assemble", _assemble, _assemble_shape),
+    ("threads_all_reduce_max", _all_reduce_max, _all_reduce_max_shape),
+):
+    _library.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tensorshard::{_name}", _fake, lib=_library)
+
+reduce = torch.ops.tensorshard.threads_reduce.default
+gather = torch.ops.tensorshard.threads_gather.default
+assemble = torch.ops.tensorshard.threads_assemble.default
+all_reduce_max = torch.ops.tensorshard.threads_all_reduce_max.default

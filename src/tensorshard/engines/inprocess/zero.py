@@ -246,7 +246,19 @@ class _ZeroState:
         module.register_forward_pre_hook(lambda mod, args: self._gather_scope(scope, rank, every(), WHERE), prepend=True)
         module.register_forward_hook(lambda mod, args, out: self._release_scope(scope, rank, every()), always_call=True)
 
+    def gather_everything(self, rank: int) -> object:
+        """Gather shard `rank`'s partitioned parameters now (a compiled forward is about to run: its hooks do
+        nothing, engines/inprocess/compiled_shards.py); returns the scope to `release`."""
+        scope = object()
+        self._gather_scope(scope, rank, list(range(len(self.partitions))), WHERE)
+        return scope
+
+    def release(self, scope: object, rank: int) -> None:
+        self._release_scope(scope, rank, list(range(len(self.partitions))))
+
     def _gather_scope(self, scope: object, rank: int, indices: list[int], where: str) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced: the engine gathered before the compiled forward (gather_everything)
         if not indices or self.gathered[rank].intersection(indices):
             return  # nothing partitioned yet, or gathered by an enclosing scope
         owners = [self.slots[rank][i] for i in indices]
@@ -264,6 +276,8 @@ class _ZeroState:
         self.gathered[rank].update(indices)
 
     def _release_scope(self, scope: object, rank: int, indices: list[int]) -> None:
+        if torch.compiler.is_compiling():
+            return
         slices = self.saved[rank].pop(scope, None)
         if slices is None:
             return
