@@ -143,6 +143,8 @@ class _Shard(Protocol):
 
     def gather_into_one(self, xs, dim: int, partition: Partition, *, where: str) -> list[torch.Tensor]: ...
 
+    def reduce_holders(self, xs, groups: list[list[int]], *, where: str) -> list[torch.Tensor]: ...
+
 
 def _shard(handle: int) -> _Shard:
     return _comm(handle).shard  # type: ignore[attr-defined]  (ThreadComm.shard: its OneShard)
@@ -158,6 +160,23 @@ def _gather(x: torch.Tensor, comm: int, dim: int, layout: list[int], op: str, wh
 
 def _assemble(x: torch.Tensor, comm: int, dim: int, layout: list[int], where: str) -> torch.Tensor:
     return _own(_shard(comm).gather_into_one([x], dim, partition_of(layout), where=where)[0], x)
+
+
+def groups_of(flat: list[int]) -> list[list[int]]:
+    """[count, then per group its length and ranks] -> the groups (`tie`'s holders of a parameter)."""
+    groups, at = [], 1
+    for _ in range(flat[0]):
+        groups.append(list(flat[at + 1 : at + 1 + flat[at]]))
+        at += 1 + flat[at]
+    return groups
+
+
+def _reduce_holders(x: torch.Tensor, comm: int, groups: list[int], where: str) -> torch.Tensor:
+    return _own(_shard(comm).reduce_holders([x.contiguous()], groups_of(groups), where=where)[0], x)
+
+
+def _reduce_holders_shape(x: torch.Tensor, comm: int, groups: list[int], where: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _all_reduce_max(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
@@ -186,11 +205,13 @@ _library.define(
 )
 _library.define("threads_assemble(Tensor x, int comm, int dim, int[] layout, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
 _library.define("threads_all_reduce_max(Tensor x, int comm, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.define("threads_reduce_holders(Tensor x, int comm, int[] groups, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
 for _name, _impl, _fake in (
     ("threads_reduce", _reduce, _reduce_shape),
     ("threads_gather", _gather, _gather_shape),
     ("threads_assemble", _assemble, _assemble_shape),
     ("threads_all_reduce_max", _all_reduce_max, _all_reduce_max_shape),
+    ("threads_reduce_holders", _reduce_holders, _reduce_holders_shape),
 ):
     _library.impl(_name, _impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"tensorshard::{_name}", _fake, lib=_library)
@@ -199,3 +220,4 @@ reduce = torch.ops.tensorshard.threads_reduce.default
 gather = torch.ops.tensorshard.threads_gather.default
 assemble = torch.ops.tensorshard.threads_assemble.default
 all_reduce_max = torch.ops.tensorshard.threads_all_reduce_max.default
+reduce_holders = torch.ops.tensorshard.threads_reduce_holders.default

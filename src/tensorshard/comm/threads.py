@@ -220,8 +220,13 @@ class ThreadComm(Comm):
         run = lambda c, *xs: functions.split(c, where, partition, dim, *xs)  # noqa: E731
         return self._spanning("split", where, x, run, _signature(x))
 
-    @_not_compiled
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
+        if self._traced_with_grad() and x.requires_grad:
+            return functions.tie(self.traced, where, groups, x)[0]
+        return self._tie(x, groups, where=where)
+
+    @_not_compiled
+    def _tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
         if self.group.own_graphs:

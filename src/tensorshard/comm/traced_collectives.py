@@ -42,7 +42,5 @@ class TracedCollectives(Collectives):
         return [thread_ops.assemble(xs[0], self.handle, dim, thread_ops.layout_of(partition), where)]
 
     def reduce_holders(self, xs, groups, *, where):
-        raise NotImplementedError(
-            f"{where}: KV heads replicated over devices (fewer KV heads than devices) inside a compiled training step; "
-            "compile with at most as many devices as KV heads, or train this model eagerly"
-        )
+        flat = [len(groups)] + [n for ranks in groups for n in (len(ranks), *ranks)]
+        return [thread_ops.reduce_holders(xs[0], self.handle, flat, where)]
