@@ -129,3 +129,48 @@ def test_big_models_are_checked_on_an_empty_meta_copy(name, monkeypatch):
     else:
         assert rel_err(tp.tensor_parallel(model, ["cpu"] * 2, plan=plan)(x), ref(x)) < 1e-5
     assert traced and all(p.is_meta for p in traced[0].parameters())
+
+
+class _Attention(torch.nn.Module):
+    """A hand-written attention (PyTorch's TP tutorial's shape): q, k, v reshaped into heads by `heads`, the model's
+    whole head count (`self.n_heads`), or by -1."""
+
+    def __init__(self, heads, dim: int = 64, n_heads: int = 4) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.heads = n_heads, dim // n_heads, heads
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape  # noqa: N806
+        count = self.n_heads if self.heads == "n_heads" else -1
+        q, k, v = (w(x).view(B, T, count, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_dim)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+_ATTENTION_PLAN = {"w[qkv]": tp.ColwiseParallel(), "wo": tp.RowwiseParallel()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_heads_made_with_the_whole_head_count_are_refused_at_split_time(world):
+    """Issue 40: accepted before, the first call raised `shape '[2, 8, 4, 16]' is invalid for input of size 512`
+    from the model's own code."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Attention("n_heads"))
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        tp.tensor_parallel(model, ["cpu"] * world, plan={f"0.{k}": v for k, v in _ATTENTION_PLAN.items()})
+    message = str(info.value)
+    assert "'0.wq' and '0.wo'" in message and "in 0 (_Attention), view(" in message, message  # module and op
+    assert "into 4 heads of 16: the model's whole head count" in message
+    assert "tp.Heads(num_heads=4" in message and "view(..., -1, 16)" in message  # the two fixes
+    assert_unchanged(model, before)
+
+
+def test_the_same_attention_reshaped_with_minus_one_is_accepted_and_exact(gen):
+    torch.manual_seed(0)
+    ref = _Attention("-1")
+    split = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, plan=_ATTENTION_PLAN)
+    assert all(split.splits[f"{w}.weight"] is not None for w in ("wq", "wk", "wv", "wo"))
+    x = torch.randn(2, 8, 64, generator=gen)
+    assert rel_err(split(x), ref(x)) < 1e-5

@@ -270,6 +270,13 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
                 report(name, f"in {_module(module, poison.where)}, {_op(poison.reason)}: a split model cannot "
                        "compute that from each device's slice", _fix(name, readers.get(name)))
             continue
+        mixed = classes[lo[classes] != hi[classes]]
+        if mixed.numel():  # 1
+            op = _culprit(fs, holders, roots, int(mixed[0]))
+            report(name, f"{_module(module, op)} combines output features of {name} that the plan puts on "
+                   f"different devices ({_show(columns[name])}), before its row-parallel partner reads them",
+                   _fix(name, readers.get(name)))
+            continue
         fixed = _fixed_count(trace, roots, classes, heads)
         if fixed is not None:  # 1: heads made with the model's whole head count
             local = ", ".join(str(columns[name].local_size(r)) for r in range(sharded.world_size))
@@ -280,13 +287,6 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
                    f"add a tp.Heads(num_heads={fixed.count}, attrs={{'<head count attribute>': 'heads'}}) entry for "
                    f"{fixed.where!r} so each device reads its own head count, or reshape with -1 for the heads "
                    f"(view(..., -1, {fixed.head_dim}))")
-            continue
-        mixed = classes[lo[classes] != hi[classes]]
-        if mixed.numel():  # 1
-            op = _culprit(fs, holders, roots, int(mixed[0]))
-            report(name, f"{_module(module, op)} combines output features of {name} that the plan puts on "
-                   f"different devices ({_show(columns[name])}), before its row-parallel partner reads them",
-                   _fix(name, readers.get(name)))
     needer, needed = fs.needs()  # 1: grouped key/value heads
     for a, b in zip(needer.tolist(), needed.tolist()):
         if lo[a] == hi[a] and lo[b] == hi[b] and lo[a] & ~lo[b] and int(owner[a]) >= 0:
