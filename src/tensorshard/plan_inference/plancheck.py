@@ -48,6 +48,7 @@ from ..plans.sharding import ShardedModel, shard_plan
 from ..plans.validate import column_readers
 from ..styles import ChannelParallel, ColwiseParallel, Replicate, RowwiseParallel, ShardParams
 from ..styles.attention_heads import AttentionHeads
+from ..styles.heads import Heads
 from .evidence import Trace
 from .features import FeatureSet, Ids, compact
 from .groups import row_labels
@@ -256,7 +257,7 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
                    f"make {name!r} RowwiseParallel() as the partner of {source!r}, or gather {source!r} "
                    "(gather_output=True)", partners=[source] if source else [])
     sliced = _sliced_per_head(sharded)
-    heads = [n for n, ms in sharded.modules.items() if isinstance(ms.style, AttentionHeads)]
+    heads = [n for n, ms in sharded.modules.items() if isinstance(ms.style, Heads)]  # each device: its own count
     for i, name in enumerate(names):
         if sliced and sharded.modules[name].heads is not None:
             continue  # its heads meet per-head inputs the plan slices itself (see _sliced_per_head)
