@@ -16,8 +16,9 @@ operators whose autograd is comm/functions.py's (comm/traced_collectives.py): th
 backward collectives, so a compiled training step runs the eager path's collectives (2 + 2 per block) and its
 numbers.
 
-The first call after compiling runs the shards one at a time, and its backward pass too (torch.compile is not
-thread-safe); later calls run them as the engine would. Reading and setting the compiler of a thread uses
+The first calls after compiling run the shards one at a time, and their backward passes too (torch.compile is
+not thread-safe); later calls run them as the engine would (a recompile then, for an input of a new shape, takes
+dynamo's compile lock in its thread). Reading and setting the compiler of a thread uses
 dynamo's `get_eval_frame_callback` / `set_eval_frame`: where a torch release lacks them, `compile()` on a split
 model says so.
 """
@@ -25,13 +26,14 @@ model says so.
 from __future__ import annotations
 
 import threading
-import types
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ...logs import get_logger
+from .compiled_steps import _entry as own_code  # `shard(...)` under a code object of its own
+from .views import root_of
 
 logger = get_logger(__name__)
 
@@ -72,7 +74,7 @@ def run_compiled(model: nn.Module, compiler: Any, call: Callable[..., Any], args
     seen = model.__dict__.setdefault("_compilers_seen", set())
     if id(compiler) not in seen:
         seen.add(id(compiler))
-        start_warmup(model)
+        start_warmup(root_of(model))
     try:
         return call(*args, **kwargs)
     finally:
@@ -88,7 +90,7 @@ def shard_call(model: nn.Module, compiler: Any) -> Callable[[int, tuple, dict], 
         shard = shards[rank]
         entry = entries.get(id(shard))
         if entry is None or entry[0] is not shard:
-            entry = entries[id(shard)] = (shard, _entry(shard, rank))
+            entry = entries[id(shard)] = (shard, own_code(shard, rank))
         zero = model.__dict__.get("_zero")  # ZeRO-3: gathered outside the graph (its hooks do nothing traced)
         scope = zero.gather_everything(rank) if zero is not None else None
         prior = _set_compiler(compiler)
@@ -127,13 +129,3 @@ def take_warmup(model: nn.Module) -> bool:
     if left:
         model.__dict__["_compile_warmup"] = left - 1
     return bool(left)
-
-
-def _entry(shard: nn.Module, rank: int) -> Callable[..., Any]:
-    """`shard(...)` under a code object of its own (compiled_steps.py does the same for decoding)."""
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        return shard(*args, **kwargs)
-
-    code = step.__code__.replace(co_name=f"shard{rank}_forward_{id(shard):x}")
-    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
