@@ -13,8 +13,9 @@ sums, the same counters), so a compiled graph holds the whole forward and calls 
 collectives. `comm` is a small integer naming the shard's `ThreadComm` (`handle`); `layout` is the `Partition`
 flattened to integers, which a traced graph can carry as a constant.
 
-Only calls that build no autograd graph take this route (decoding, evaluation): a compiled training step keeps the
-collectives' autograd functions, each a graph break, as before.
+These take calls that build no autograd graph (decoding, evaluation); a compiled call that does (training) runs
+comm/functions.py's autograd nodes over the raw collectives as operators, defined at the end of this file
+(comm/traced_collectives.py).
 """
 
 from __future__ import annotations

@@ -74,7 +74,9 @@ def unsplit(llama):
     return runs
 
 
-@pytest.mark.parametrize("how, devices", [("torch.compile", 2), ("split.compile", 3), ("blocks", 2)])
+@pytest.mark.parametrize(
+    "how, devices", [("torch.compile", 2), pytest.param("split.compile", 3, marks=pytest.mark.slow), ("blocks", 2)]
+)
 def test_compiled_training_matches_the_unsplit_model(llama, unsplit, how, devices):
     split = tp.tensor_parallel(copy.deepcopy(llama), ["cpu"] * devices)  # training: ZeRO-3 on, as by default
     ids = _batch()
@@ -91,7 +93,7 @@ def test_compiled_training_matches_the_unsplit_model(llama, unsplit, how, device
         assert eager.backward == {"all_reduce": 2 * 2 + 1}
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_no_grad_forward_of_a_causal_lm_equals_the_unsplit_model(llama, backend):
     """The regression of issue 40: the first shard traced, the others eager, took different paths at the
     vocabulary-parallel head (`collective #6 of this call differs between shards`)."""
