@@ -102,7 +102,8 @@ def sliced_cross_entropy(
     (`GroupReductions` of a process group, or an in-process shard's ThreadComm) sums and maxes over."""
 
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
-    if bad.any():  # F.cross_entropy refuses these; here no slice would hold them and the loss would be wrong
+    # (not while torch.compile traces: a branch on values breaks the graph; the eager call checks them)
+    if not torch.compiler.is_compiling() and bad.any():  # F.cross_entropy refuses these; here no slice would hold them and the loss would be wrong
         raise ValueError(
             f"target holds class {int(target[bad][0])}, outside the vocabulary 0..{vocab - 1} (and not ignore_index="
             f"{ignore_index}): fix the labels, or mark the positions to skip with {ignore_index}"

@@ -129,3 +129,72 @@ def test_big_models_are_checked_on_an_empty_meta_copy(name, monkeypatch):
     else:
         assert rel_err(tp.tensor_parallel(model, ["cpu"] * 2, plan=plan)(x), ref(x)) < 1e-5
     assert traced and all(p.is_meta for p in traced[0].parameters())
+
+
+N_HEADS, HEAD_DIM = 4, 16  # the model's sizes, as a script's constants
+
+
+class _Attention(torch.nn.Module):
+    """A hand-written attention (PyTorch's TP tutorial's shape): q, k and v reshaped into heads by a count:
+    N_HEADS, the script's constant (`heads="constant"`), or -1."""
+
+    def __init__(self, heads: str) -> None:
+        super().__init__()
+        self.n_heads, self.count = N_HEADS, N_HEADS if heads == "constant" else -1
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(64, 64, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape  # noqa: N806
+        q, k, v = (w(x).view(B, T, self.count, HEAD_DIM).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads, T, head_dim)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class _AttentionByHeadCount(_Attention):
+    """The issue's code: `view(B, T, self.n_heads, head_dim)`."""
+
+    def forward(self, x):
+        B, T, _ = x.shape  # noqa: N806
+        q, k, v = (w(x).view(B, T, self.n_heads, HEAD_DIM).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+_ATTENTION_PLAN = {"attn.w[qkv]": tp.ColwiseParallel(), "attn.wo": tp.RowwiseParallel()}
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, heads: str) -> None:
+        super().__init__()
+        self.attn = _AttentionByHeadCount(heads) if heads == "n_heads" else _Attention(heads)
+
+    def forward(self, x):
+        return x + self.attn(x)
+
+
+@pytest.mark.parametrize("world", [2, 4])  # (4 heads over 3 devices would cut a head: refused for that first)
+@pytest.mark.parametrize("heads", ["n_heads", "constant"])
+def test_heads_made_with_the_whole_head_count_are_refused_at_split_time(heads, world):
+    """Issue 40: accepted before, the first call raised `shape '[2, 8, 4, 16]' is invalid for input of size 512`
+    from the model's own code. `self.n_heads` is read in the forward's source (plans/validate.py); a count that
+    comes from anywhere else shows in the traced reshape itself (plan_inference/head_counts.py)."""
+    torch.manual_seed(0)
+    model = _Block(heads)
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        tp.tensor_parallel(model, ["cpu"] * world, plan=_ATTENTION_PLAN)
+    message = str(info.value)
+    assert "attn (_Attention" in message and "tp.Heads(num_heads=4" in message, message  # the module, the fix
+    if heads == "constant":
+        assert "'attn.wq' and 'attn.wo'" in message and "view(2, 5, 4, 16) reshapes" in message  # the pair, the op
+        assert "into 4 heads of 16: the model's whole head count" in message and "view(..., -1, 16)" in message
+    assert_unchanged(model, before)
+
+
+def test_the_same_attention_reshaped_with_minus_one_is_accepted_and_exact(gen):
+    torch.manual_seed(0)
+    ref = _Block("-1")
+    split = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, plan=_ATTENTION_PLAN)
+    assert all(split.splits[f"attn.{w}.weight"] is not None for w in ("wq", "wk", "wv", "wo"))
+    x = torch.randn(2, 8, 64, generator=gen)
+    assert rel_err(split(x), ref(x)) < 1e-5

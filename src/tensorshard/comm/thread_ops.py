@@ -13,8 +13,9 @@ sums, the same counters), so a compiled graph holds the whole forward and calls 
 collectives. `comm` is a small integer naming the shard's `ThreadComm` (`handle`); `layout` is the `Partition`
 flattened to integers, which a traced graph can carry as a constant.
 
-Only calls that build no autograd graph take this route (decoding, evaluation): a compiled training step keeps the
-collectives' autograd functions, each a graph break, as before.
+These take calls that build no autograd graph (decoding, evaluation); a compiled call that does (training) runs
+comm/functions.py's autograd nodes over the raw collectives as operators, defined at the end of this file
+(comm/traced_collectives.py).
 """
 
 from __future__ import annotations
@@ -122,3 +123,102 @@ torch.library.register_fake("tensorshard::threads_all_gather", _all_gather_shape
 
 all_reduce = torch.ops.tensorshard.threads_all_reduce.default
 all_gather = torch.ops.tensorshard.threads_all_gather.default
+
+
+# --- the raw collectives as operators, for compiled calls that build an autograd graph ----------------------------
+#
+# A compiled training step (torch.compile of a split model: engines/inprocess/compiled_shards.py) traces comm/
+# functions.py's autograd nodes themselves, over `TracedCollectives` (comm/traced_collectives.py), whose raw
+# collectives are these operators: the forward and the backward of each node become graph nodes (aot_autograd
+# splits them), each calling the shard's raw collective (`OneShard`) with the phase it runs in, so
+# count_collectives() sees the eager path's collectives, forward and backward. The backward rules stay those of
+# comm/functions.py; nothing here differentiates.
+
+
+class _Shard(Protocol):
+    rank: int
+
+    def reduce(self, xs, *, op: str, where: str, phase: str) -> list[torch.Tensor]: ...
+
+    def gather(self, xs, dim: int, partition: Partition, *, op: str, where: str, phase: str) -> list[torch.Tensor]: ...
+
+    def gather_into_one(self, xs, dim: int, partition: Partition, *, where: str) -> list[torch.Tensor]: ...
+
+    def reduce_holders(self, xs, groups: list[list[int]], *, where: str) -> list[torch.Tensor]: ...
+
+
+def _shard(handle: int) -> _Shard:
+    return _comm(handle).shard  # type: ignore[attr-defined]  (ThreadComm.shard: its OneShard)
+
+
+def _reduce(x: torch.Tensor, comm: int, op: str, where: str, phase: str) -> torch.Tensor:
+    return _own(_shard(comm).reduce([x.contiguous()], op=op, where=where, phase=phase)[0], x)
+
+
+def _gather(x: torch.Tensor, comm: int, dim: int, layout: list[int], op: str, where: str, phase: str) -> torch.Tensor:
+    return _own(_shard(comm).gather([x.contiguous()], dim, partition_of(layout), op=op, where=where, phase=phase)[0], x)
+
+
+def _assemble(x: torch.Tensor, comm: int, dim: int, layout: list[int], where: str) -> torch.Tensor:
+    return _own(_shard(comm).gather_into_one([x], dim, partition_of(layout), where=where)[0], x)
+
+
+def groups_of(flat: list[int]) -> list[list[int]]:
+    """[count, then per group its length and ranks] -> the groups (`tie`'s holders of a parameter)."""
+    groups, at = [], 1
+    for _ in range(flat[0]):
+        groups.append(list(flat[at + 1 : at + 1 + flat[at]]))
+        at += 1 + flat[at]
+    return groups
+
+
+def _reduce_holders(x: torch.Tensor, comm: int, groups: list[int], where: str) -> torch.Tensor:
+    return _own(_shard(comm).reduce_holders([x.contiguous()], groups_of(groups), where=where)[0], x)
+
+
+def _reduce_holders_shape(x: torch.Tensor, comm: int, groups: list[int], where: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _all_reduce_max(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
+    return _own(_comm(comm).all_reduce_max(x, where=where), x)  # type: ignore[attr-defined]
+
+
+def _reduce_shape(x: torch.Tensor, comm: int, op: str, where: str, phase: str) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _gather_shape(x: torch.Tensor, comm: int, dim: int, layout: list[int], op: str, where: str, phase: str) -> torch.Tensor:
+    return _all_gather_shape(x, comm, dim, layout, where)
+
+
+def _assemble_shape(x: torch.Tensor, comm: int, dim: int, layout: list[int], where: str) -> torch.Tensor:
+    return _all_gather_shape(x, comm, dim, layout, where)
+
+
+def _all_reduce_max_shape(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_library.define("threads_reduce(Tensor x, int comm, str op, str where, str phase) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.define(
+    "threads_gather(Tensor x, int comm, int dim, int[] layout, str op, str where, str phase) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS
+)
+_library.define("threads_assemble(Tensor x, int comm, int dim, int[] layout, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.define("threads_all_reduce_max(Tensor x, int comm, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.define("threads_reduce_holders(Tensor x, int comm, int[] groups, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+for _name, _impl, _fake in (
+    ("threads_reduce", _reduce, _reduce_shape),
+    ("threads_gather", _gather, _gather_shape),
+    ("threads_assemble", _assemble, _assemble_shape),
+    ("threads_all_reduce_max", _all_reduce_max, _all_reduce_max_shape),
+    ("threads_reduce_holders", _reduce_holders, _reduce_holders_shape),
+):
+    _library.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tensorshard::{_name}", _fake, lib=_library)
+
+reduce = torch.ops.tensorshard.threads_reduce.default
+gather = torch.ops.tensorshard.threads_gather.default
+assemble = torch.ops.tensorshard.threads_assemble.default
+all_reduce_max = torch.ops.tensorshard.threads_all_reduce_max.default
+reduce_holders = torch.ops.tensorshard.threads_reduce_holders.default

@@ -33,6 +33,7 @@ from .partial_grads import PartialGrads
 from .reduce import copies, native_collectives, nbytes as _nbytes, signature as _signature, sum_to_all
 from .rendezvous import CollectiveAborted, ThreadGroup
 from .thread_collectives import AllShards, OneShard
+from .traced_collectives import TracedCollectives
 
 __all__ = ["CollectiveAborted", "ThreadComm", "ThreadGroup", "copies", "native_collectives", "sum_to_all"]
 
@@ -54,6 +55,8 @@ class ThreadComm(Comm):
         self.shard = OneShard(group, rank)  # this shard's own nodes (each shard owning its graph)
         self._all_shards = AllShards(group.devices)  # one node for every shard (shards sharing a device)
         self.handle = thread_ops.handle_of(self)  # its name in compiled graphs (comm/thread_ops.py)
+        # while torch.compile traces a call that builds an autograd graph: comm/functions.py's nodes over these
+        self.traced = TracedCollectives(self.handle, rank, group.world_size)
 
     def _exchange(self, op: str, where: str, x: Any, compute: Callable[[list[Any]], list[Any]], signature: Any) -> Any:
         return self.group.exchange(self.rank, op, where, x, compute, signature)
@@ -71,9 +74,16 @@ class ThreadComm(Comm):
                 "or output is not laid out as the plan says; check its blocks and Heads entry."
             )
 
+    def _traced_with_grad(self) -> bool:
+        """torch.compile is tracing a call that builds an autograd graph, on shards that own their graphs: the
+        collectives are comm/functions.py's nodes over graph operators (comm/traced_collectives.py)."""
+        return torch.compiler.is_compiling() and self.world_size > 1 and torch.is_grad_enabled() and self.group.own_graphs
+
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
             return thread_ops.all_reduce(x, self.handle, where)  # one operator inside the graph
+        if self._traced_with_grad():
+            return functions.all_reduce(self.traced, where, x)[0]
         return self.eager_all_reduce(x, where=where)
 
     @_not_compiled
@@ -88,6 +98,14 @@ class ThreadComm(Comm):
         # Identity in forward: only needed when a gradient will flow back through x (traced as such when compiled).
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
+        if self._traced_with_grad():
+            # q, k and v (gate and up) reading one tensor share one node, as below: remembered on the tensor,
+            # which dynamo traces (the dictionary below is keyed by id(), which it cannot)
+            hit = getattr(x, "_tensorshard_parallel_copy", None)
+            if hit is not None:
+                return hit
+            y = x._tensorshard_parallel_copy = functions.copy_to_parallel(self.traced, where, x)[0]
+            return y
         return self._copy_to_parallel(x, where=where)
 
     @_not_compiled
@@ -114,6 +132,8 @@ class ThreadComm(Comm):
         """While torch.compile traces a call without gradients: the all-gather as one operator of its graph."""
         if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
             return thread_ops.all_gather(x, self.handle, dim % x.dim(), thread_ops.layout_of(partition), where)
+        if self._traced_with_grad():
+            return functions.all_gather(self.traced, where, partition, self._slice_dim("all_gather", where, x, dim, partition), x)[0]
         return None
 
     def _slice_dim(self, op: str, where: str, x: torch.Tensor, dim: int, partition: Partition) -> int:
@@ -133,9 +153,14 @@ class ThreadComm(Comm):
         run = lambda c, *xs: functions.all_gather(c, where, partition, dim, *xs)  # noqa: E731
         return self._spanning("all_gather", where, x, run, _signature(x, dim))
 
-    @_not_compiled
     def all_reduce_max(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         """The elementwise max over the shards, each getting its own copy; no gradient (a loss's stability shift)."""
+        if torch.compiler.is_compiling() and self.world_size > 1:
+            return thread_ops.all_reduce_max(x.detach(), self.handle, where)  # one operator inside the graph
+        return self._all_reduce_max(x, where=where)
+
+    @_not_compiled
+    def _all_reduce_max(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x.detach().clone()
         devices = self.group.devices
@@ -164,6 +189,8 @@ class ThreadComm(Comm):
         """The all-gather of a result no shard changes afterwards (a model's output): every shard gets a view
         of one whole tensor, each having copied its slice into it (comm/thread_collectives.py). Shards that own their
         graphs only: the caller checks `group.own_graphs`. Compiled, every shard gets a whole copy instead."""
+        if self._traced_with_grad():
+            return functions.assemble(self.traced, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)[0]
         traced = self._traced_gather(x, dim, partition, where)
         return traced if traced is not None else self._assemble(x, dim, partition, where=where)
 
@@ -174,6 +201,14 @@ class ThreadComm(Comm):
         return functions.assemble(self.shard, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)[0]
 
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
+        if self._traced_with_grad() and x.requires_grad:
+            dim %= x.dim()
+            self._check_size("split", where, x, dim, partition.size, "the whole dimension")
+            return functions.split(self.traced, where, partition, dim, x)[0]
+        return self._split(x, dim, partition, where=where)
+
+    @_not_compiled
+    def _split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
         dim %= x.dim()
@@ -191,8 +226,13 @@ class ThreadComm(Comm):
         run = lambda c, *xs: functions.split(c, where, partition, dim, *xs)  # noqa: E731
         return self._spanning("split", where, x, run, _signature(x))
 
-    @_not_compiled
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
+        if self._traced_with_grad() and x.requires_grad:
+            return functions.tie(self.traced, where, groups, x)[0]
+        return self._tie(x, groups, where=where)
+
+    @_not_compiled
+    def _tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
         if self.group.own_graphs:

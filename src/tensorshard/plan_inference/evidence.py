@@ -70,3 +70,4 @@ class Trace:
     syncs: list[Sync] = field(default_factory=list)
     split_outputs: dict[str, list[Ids | None]] = field(default_factory=dict)  # module -> shadow per output
     channels: dict[str, Ids] = field(default_factory=dict)  # channel-wise module -> ids of the channels it got
+    fixed_counts: list = field(default_factory=list)  # head_counts.FixedCount: reshapes by an explicit head count

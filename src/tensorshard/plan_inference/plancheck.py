@@ -48,6 +48,7 @@ from ..plans.sharding import ShardedModel, shard_plan
 from ..plans.validate import column_readers
 from ..styles import ChannelParallel, ColwiseParallel, Replicate, RowwiseParallel, ShardParams
 from ..styles.attention_heads import AttentionHeads
+from ..styles.heads import Heads
 from .evidence import Trace
 from .features import FeatureSet, Ids, compact
 from .groups import row_labels
@@ -256,6 +257,7 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
                    f"make {name!r} RowwiseParallel() as the partner of {source!r}, or gather {source!r} "
                    "(gather_output=True)", partners=[source] if source else [])
     sliced = _sliced_per_head(sharded)
+    heads = [n for n, ms in sharded.modules.items() if isinstance(ms.style, Heads)]  # each device: its own count
     for i, name in enumerate(names):
         if sliced and sharded.modules[name].heads is not None:
             continue  # its heads meet per-head inputs the plan slices itself (see _sliced_per_head)
@@ -275,6 +277,17 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
             report(name, f"{_module(module, op)} combines output features of {name} that the plan puts on "
                    f"different devices ({_show(columns[name])}), before its row-parallel partner reads them",
                    _fix(name, readers.get(name)))
+            continue
+        fixed = _fixed_count(trace, roots, classes, heads)
+        if fixed is not None:  # 1: heads made with the model's whole head count
+            local = ", ".join(str(columns[name].local_size(r)) for r in range(sharded.world_size))
+            report(name, f"in {_module(module, fixed.where)}, {fixed.op} reshapes the split output features of "
+                   f"{name} into {fixed.count} heads of {fixed.head_dim}: the model's whole head count, while each "
+                   f"device holds only its own heads' features ({local} of {columns[name].size}), so the first call "
+                   "fails in the model's own code",
+                   f"add a tp.Heads(num_heads={fixed.count}, attrs={{'<head count attribute>': 'heads'}}) entry for "
+                   f"{fixed.where!r} so each device reads its own head count, or reshape with -1 for the heads "
+                   f"(view(..., -1, {fixed.head_dim}))")
     needer, needed = fs.needs()  # 1: grouped key/value heads
     for a, b in zip(needer.tolist(), needed.tolist()):
         if lo[a] == hi[a] and lo[b] == hi[b] and lo[a] & ~lo[b] and int(owner[a]) >= 0:
@@ -313,6 +326,26 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
                        f"{source} splits, but the plan runs it whole, so it would get a slice of its channels",
                        f"add {name!r}: tp.ChannelParallel() to the plan")
     return list(problems.values())
+
+
+@dataclass
+class _FixedCountFound:
+    op: str
+    where: str
+    count: int
+    head_dim: int
+
+
+def _fixed_count(trace: Trace, roots: Ids, classes: Ids, heads: list[str]) -> _FixedCountFound | None:
+    """The first reshape of features in `classes` into heads by an explicit count (head_counts.py) that no Heads
+    entry covers (a Heads entry gives each device its own count through its attrs)."""
+    for found in trace.fixed_counts:
+        if any(found.where == h or found.where.startswith(h + ".") or not h for h in heads):
+            continue
+        if bool(torch.isin(roots[found.ids], classes).any()):
+            shape = ", ".join(str(s) for s in found.shape)
+            return _FixedCountFound(f"view({shape})", found.where, found.count, found.head_dim)
+    return None
 
 
 def _sliced_per_head(sharded: ShardedModel) -> bool:

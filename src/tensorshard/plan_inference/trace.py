@@ -75,5 +75,5 @@ def trace_model(
             tracer.poison(s, "reaches the model's output", kind="output")
     return Trace(
         tracer.fs, roles.layers, tracer.poisons, roles.captures, roles.call_order, (args, kwargs), tracer.syncs,
-        roles.split_outputs, roles.channels,
+        roles.split_outputs, roles.channels, tracer.fixed_counts,
     )

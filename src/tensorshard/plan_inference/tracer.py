@@ -27,6 +27,7 @@ from .collapses import Collapses
 from .evidence import Poison, Sync
 from .features import FeatureSet, Ids, compact
 from .gradient_sources import GradientSources
+from .head_counts import FixedCount, note as note_head_count
 from .layer_roles import LayerRoles
 from .oprules import Call, IDENTITY, NO_TRACK, Rules, STRUCTURAL, tensors_of
 
@@ -53,6 +54,7 @@ class Tracer(TorchFunctionMode):
         self._derived: dict[int, torch.Tensor] = {}  # tensors derived from the model's inputs by shape ops
         self.poisons: list[Poison] = []
         self.syncs: list[Sync] = []
+        self.fixed_counts: list[FixedCount] = []  # reshapes of split features by an explicit head count
         self.collapses = Collapses(self)
         self.sources = GradientSources(self, model)
         self.roles = LayerRoles(self, model, fixed, capture=capture, columns=columns)
@@ -112,6 +114,8 @@ class Tracer(TorchFunctionMode):
             self.suspended += 1
             try:
                 self.fs.op = f"{name} in {self.where()}"
+                if len(tracked) == 1 and args and self.shadow(args[0]) is not None:
+                    note_head_count(name, args, out, self.shadow(args[0]), self.where(), self.fixed_counts)
                 self.rules.apply(Call(func, name, args, kwargs, out))
                 self.sources.meet(name, leaves, tracked)
                 self._collapsed(name, out)

@@ -52,6 +52,7 @@ from ..shared_config import guard as guard_configurations
 from ..split_report import report_split
 from .boundary import gather_outputs, replicate_inputs, to_device
 from .build import build_shards, consume
+from . import compiled_shards
 from .copies import deep_copy, refuse_pickle
 from .grad_norm import clip_grad_norm_
 from .package_names import PackageNames
@@ -59,7 +60,7 @@ from .schedule import Schedule
 from .shard_attributes import record_per_device
 from .shard_backward import ShardGraphs, join_outputs
 from .unsplit_state import is_unsplit, load_unsplit
-from .views import follow_root, make_view
+from .views import follow_root, make_view, root_of
 from .workers import ThreadState, WorkerPool
 from .zero import choose_params, shard_replicated
 
@@ -217,6 +218,35 @@ class TensorParallel(PackageNames, nn.Module):
 
     # -- running -----------------------------------------------------------------------------------------
 
+    @torch.compiler.disable(recursive=False)  # a frame dynamo skips: the shards are compiled in their threads
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # torch.compile(split), or compiled code calling it: the compiler dynamo set for this thread, taken off
+        # here, before any other frame starts (one would be traced); compiled_shards.py runs the shards under it.
+        swap = compiled_shards.set_compiler
+        compiler = swap(None) if swap is not None else None  # (a builtin: no frame of its own)
+        if compiler is None or compiler is False:
+            if swap is not None:
+                swap(compiler)
+            return super().__call__(*args, **kwargs)
+        try:
+            return compiled_shards.run_compiled(self, compiler, super().__call__, args, kwargs)
+        finally:
+            swap(compiler)
+
+    @torch.compiler.disable(recursive=False)  # what split.compile() compiles: as __call__ (compiled_shards.py)
+    def _compiled_call(self, *args: Any, **kwargs: Any) -> Any:
+        swap = compiled_shards.set_compiler
+        compiler = swap(None)
+        try:
+            return compiled_shards.run_compiled(self, compiler, self._call_impl, args, kwargs)
+        finally:
+            swap(compiler)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch.compile every shard's forward (on a view, such as a block: that part of every shard), with
+        `torch.compile`'s options; the collectives are inside the graphs (compiled_shards.py)."""
+        compiled_shards.compile_split(self, root_of(self), args, kwargs)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.run_modules(args, kwargs)
 
@@ -229,7 +259,12 @@ class TensorParallel(PackageNames, nn.Module):
         _check_loaded(self)
         adopt_late_modules("inprocess", self)  # LoRA added after splitting follows the split (late_modules.py)
         shards, devices, group = self.module_shards, self._placement, self._group
+        compiler = compiled_shards.compiler_of_the_call() if module is None else None
         call = module if module is not None else (lambda rank, a, kw: shards[rank](*a, **kw))
+        if compiler is not None:
+            call = compiled_shards.shard_call(self, compiler)  # each shard compiled in its thread
+        if compiled_shards.take_warmup(root_of(self)):
+            serial = True  # compiling: one shard at a time
         if len(shards) == 1:
             args, kwargs = to_device((args, kwargs), devices[0])
             with _as_rank(0):
@@ -243,7 +278,7 @@ class TensorParallel(PackageNames, nn.Module):
             )
         state = ThreadState.capture()
         src = next((r for r, d in enumerate(devices) if d == self.output_device), 0)
-        graphs = ShardGraphs(self, src) if group.own_graphs else None
+        graphs = ShardGraphs(self, src, serial=bool(serial)) if group.own_graphs else None
         per_rank_inputs = replicate_inputs((args, kwargs), devices, graphs.leaf_copies if graphs else None)
         dropout = self._dropout if self.training else None
         if dropout is not None:

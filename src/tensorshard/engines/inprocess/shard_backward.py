@@ -39,8 +39,9 @@ _BACKWARD_STATE = ThreadState(grad=False, inference=False, autocast=())  # as in
 class ShardGraphs:
     """What one forward call leaves for its backward pass: each shard's input leaves and output roots."""
 
-    def __init__(self, model: nn.Module, inline: int) -> None:
+    def __init__(self, model: nn.Module, inline: int, *, serial: bool = False) -> None:
         self.model = model
+        self.serial = serial  # the backward passes one at a time, as the forward ran (a compiling call)
         self.inline = inline  # the shard whose backward the boundary node runs itself (on the output device)
         self.inputs: list[torch.Tensor] = []  # the caller's tensors that need a gradient
         self.leaves: list[list[torch.Tensor]] | None = [[] for _ in model._placement]  # rank -> its copies
@@ -97,7 +98,7 @@ class ShardGraphs:
                     leaf.grad = None
                 return got
 
-        results = model._run_shards("backward", run, inline=self.inline)
+        results = model._run_shards("backward", run, inline=self.inline, serial=self.serial)
         if not keep:
             self.release()
         return [None if g is None else g.to(x.device) for g, x in zip(results[self.inline], self.inputs)]

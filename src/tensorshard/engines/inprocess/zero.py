@@ -229,6 +229,7 @@ class _ZeroState:
         self.gathered: list[set[int]] = [set() for _ in slots]  # rank -> indices of the parameters gathered now
         self.saved: list[dict[object, list[nn.Parameter]]] = [{} for _ in slots]  # rank -> scope -> its slices
         self.viewed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules views run, hooked (hook_view)
+        self.outside = [False] * len(slots)  # rank -> gathered around a compiled forward (gather_everything)
 
     def hook(self, module: nn.Module, rank: int, indices: list[int], where: str, *, first: bool = False) -> None:
         scope = object()  # a module may hold several scopes (split time, added later, a view's)
@@ -246,7 +247,21 @@ class _ZeroState:
         module.register_forward_pre_hook(lambda mod, args: self._gather_scope(scope, rank, every(), WHERE), prepend=True)
         module.register_forward_hook(lambda mod, args, out: self._release_scope(scope, rank, every()), always_call=True)
 
+    def gather_everything(self, rank: int) -> object:
+        """Gather shard `rank`'s partitioned parameters now (a compiled forward is about to run: its hooks do
+        nothing, engines/inprocess/compiled_shards.py); returns the scope to `release`."""
+        scope = object()
+        self._gather_scope(scope, rank, list(range(len(self.partitions))), WHERE)
+        self.outside[rank] = True
+        return scope
+
+    def release(self, scope: object, rank: int) -> None:
+        self.outside[rank] = False
+        self._release_scope(scope, rank, list(range(len(self.partitions))))
+
     def _gather_scope(self, scope: object, rank: int, indices: list[int], where: str) -> None:
+        if self.outside[rank]:
+            return  # gathered around a compiled forward (gather_everything): nothing for its trace to do
         if not indices or self.gathered[rank].intersection(indices):
             return  # nothing partitioned yet, or gathered by an enclosing scope
         owners = [self.slots[rank][i] for i in indices]
@@ -264,6 +279,8 @@ class _ZeroState:
         self.gathered[rank].update(indices)
 
     def _release_scope(self, scope: object, rank: int, indices: list[int]) -> None:
+        if self.outside[rank]:
+            return
         slices = self.saved[rank].pop(scope, None)
         if slices is None:
             return
