@@ -201,14 +201,6 @@ class ThreadComm(Comm):
         return functions.assemble(self.shard, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)[0]
 
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
-        if self._traced_with_grad() and x.requires_grad:
-            dim %= x.dim()
-            self._check_size("split", where, x, dim, partition.size, "the whole dimension")
-            return functions.split(self.traced, where, partition, dim, x)[0]
-        return self._split(x, dim, partition, where=where)
-
-    @_not_compiled
-    def _split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
         dim %= x.dim()
@@ -217,6 +209,8 @@ class ThreadComm(Comm):
             # No communication without a backward pass: a slice, traced into a compiled graph as it is (the fast
             # decoding path of a model with per-head inputs, BLOOM's ALiBi, keeps one graph per shard)
             return partition.take(x, dim, self.rank)
+        if self._traced_with_grad():
+            return functions.split(self.traced, where, partition, dim, x)[0]
         return self._split(x, dim, partition, where=where)
 
     @_not_compiled
