@@ -76,12 +76,18 @@ def smollm2_folder() -> Path:
 
 
 def load_smollm2(device: str | torch.device = "cpu"):
-    """(model, tokenizer) from the packaged GGUF file, as a float32 transformers LlamaForCausalLM."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: optional heavy dependency (the [hf] extra)
+    """(model, tokenizer) from the packaged GGUF file, as a float32 transformers LlamaForCausalLM. Its
+    `generate(..., cache_implementation="static")` compiles the decode step on any device: transformers' own fast
+    path, which transformers switches on by itself on GPUs only (`CompileConfig._compile_all_devices`), so that the
+    demo compares the split model's compiled decoding with the unsplit model's compiled decoding."""
+    # deferred: optional heavy dependency (the [hf] extra)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, CompileConfig
 
     folder = smollm2_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model.generation_config.compile_config = CompileConfig()
+    model.generation_config.compile_config._compile_all_devices = True
     return model.to(device).eval(), tokenizer
 
 
@@ -122,16 +128,9 @@ def answer_fast(model, ids: torch.Tensor, max_new_tokens: int, run: Run) -> None
     """The answer through `generate(..., cache_implementation="static")`, the call transformers users make for fast
     decoding: the decode step compiled (a split model: every shard's, on CPU slots stitched into one graph). The
     first call compiles (its time, compile and one answer, is `compile_s`); the second, timed, reuses the graphs.
-    The unsplit model takes transformers' own fast path, whose compile transformers switches on for GPUs only:
-    forced on here (`CompileConfig._compile_all_devices`), so the split model is compared with a compiled one."""
-    from transformers import CompileConfig  # deferred: optional heavy dependency (the [hf] extra)
-
+    The unsplit model takes transformers' own fast path (compiled on CPU too: `load_smollm2`)."""
     ids = ids.to(model.device)
     fast = dict(max_new_tokens=max_new_tokens, do_sample=False, cache_implementation="static")
-    if not hasattr(model, "module_shards"):
-        config = CompileConfig()
-        config._compile_all_devices = True
-        fast["compile_config"] = config
     with torch.no_grad():
         start = time.perf_counter()
         model.generate(ids, **fast)
