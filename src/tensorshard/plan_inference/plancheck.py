@@ -49,6 +49,7 @@ from ..plans.validate import column_readers
 from ..styles import ChannelParallel, ColwiseParallel, Replicate, RowwiseParallel, ShardParams
 from ..styles.attention_heads import AttentionHeads
 from ..styles.heads import Heads
+from ..styles.per_device import PerDeviceValues
 from .evidence import Trace
 from .features import FeatureSet, Ids, compact
 from .groups import row_labels
@@ -257,7 +258,8 @@ def _problems(module: nn.Module, sharded: ShardedModel, trace: Trace, columns: d
                    f"make {name!r} RowwiseParallel() as the partner of {source!r}, or gather {source!r} "
                    "(gather_output=True)", partners=[source] if source else [])
     sliced = _sliced_per_head(sharded)
-    heads = [n for n, ms in sharded.modules.items() if isinstance(ms.style, Heads)]  # each device: its own count
+    # each device reads its own count there: a Heads entry's attrs, or per-device values (compat's attribute rules)
+    heads = [n for n, ms in sharded.modules.items() if isinstance(ms.style, (Heads, PerDeviceValues))]
     for i, name in enumerate(names):
         if sliced and sharded.modules[name].heads is not None:
             continue  # its heads meet per-head inputs the plan slices itself (see _sliced_per_head)
@@ -338,7 +340,7 @@ class _FixedCountFound:
 
 def _fixed_count(trace: Trace, roots: Ids, classes: Ids, heads: list[str]) -> _FixedCountFound | None:
     """The first reshape of features in `classes` into heads by an explicit count (head_counts.py) that no Heads
-    entry covers (a Heads entry gives each device its own count through its attrs)."""
+    entry or per-device values cover (either gives each device its own count)."""
     for found in trace.fixed_counts:
         if any(found.where == h or found.where.startswith(h + ".") or not h for h in heads):
             continue

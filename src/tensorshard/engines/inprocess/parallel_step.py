@@ -91,14 +91,14 @@ def _with_native_collectives(gm: fx.GraphModule, rank: int, group: native.Thread
     for node in gm.graph.nodes:
         if group is not None and node.op == "call_function" and node.target is thread_ops.all_reduce and not node.kwargs:
             x, _, where = node.args
-            env[node] = graph.call_function(native.all_reduce, (env[x], group.handle, rank, where))
+            env[node] = graph.call_function(torch.ops.tensorshard.native_all_reduce.default, (env[x], group.handle, rank, where))
         elif group is not None and node.op == "call_function" and node.target is thread_ops.all_gather and not node.kwargs:
             x, _, dim, layout, where = node.args
             sizes = _rank_ordered_sizes(thread_ops.partition_of(list(layout)))
             if sizes is None:
                 env[node] = graph.node_copy(node, env.__getitem__)
             else:
-                env[node] = graph.call_function(native.all_gather, (env[x], group.handle, rank, dim, sizes, where))
+                env[node] = graph.call_function(torch.ops.tensorshard.native_all_gather.default, (env[x], group.handle, rank, dim, sizes, where))
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
         env[node].meta = dict(node.meta)
