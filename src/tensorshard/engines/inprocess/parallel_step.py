@@ -71,13 +71,13 @@ class ParallelStep:
         """Shard `rank`'s step, in its thread (`kwargs`: its own arguments, its cache among them): its output."""
         capture = self.captures[rank]
         inputs = [read(kwargs) for read in capture.sources]
-        try:
-            outs = self.compiled[rank](*inputs)
-        except BaseException as error:
-            if self.group is not None:  # the other shards, waiting in a native collective, raise at once
-                self.group.abort(rank, f"{type(error).__name__}: {error}")
-            raise
+        outs = self.compiled[rank](*inputs)
         return capture.output_type(**{k: outs[v] if isinstance(v, int) else kwargs[v] for k, v in capture.fields.items()})
+
+    def abort(self, rank: int, error: BaseException) -> None:
+        """Shard `rank` failed in its step: the other shards, waiting in a native collective, raise at once."""
+        if self.group is not None:
+            self.group.abort(rank, f"{type(error).__name__}: {error}")
 
     def close(self) -> None:
         if self.group is not None:

@@ -221,7 +221,11 @@ class Stitcher:
             return None
 
         def run(rank: int, args: tuple, shard_kwargs: dict) -> Any:
-            return self.rewrap(step.run(rank, {k: self.unwrap(v, rank) for k, v in shard_kwargs.items()}), shard_kwargs)
+            try:
+                return self.rewrap(step.run(rank, {k: self.unwrap(v, rank) for k, v in shard_kwargs.items()}), shard_kwargs)
+            except BaseException as error:  # the other shards may be waiting for this one in a native collective
+                step.abort(rank, error)
+                raise
 
         try:
             return self.model.run_modules((), kwargs, run, serial=False)
