@@ -126,7 +126,8 @@ def answer(model, ids: torch.Tensor, max_new_tokens: int, run: Run) -> None:
 
 def answer_fast(model, ids: torch.Tensor, max_new_tokens: int, run: Run) -> None:
     """The answer through `generate(..., cache_implementation="static")`, the call transformers users make for fast
-    decoding: the decode step compiled (a split model: every shard's, on CPU slots stitched into one graph). The
+    decoding: the decode step compiled (a split model: every shard's; on CPU slots SmolLM2's shards then run their
+    graphs on their own threads at the same time, docs/generation.md). The
     first call compiles (its time, compile and one answer, is `compile_s`); the second, timed, reuses the graphs.
     The unsplit model takes transformers' own fast path (compiled on CPU too: `load_smollm2`)."""
     ids = ids.to(model.device)
@@ -206,7 +207,8 @@ def run_demo(model, tokenizer, *, prompt: str, devices: list[list[str]], max_new
         if fast and len(runs) == 1:
             answer_fast(split, ids, max_new_tokens, run)
             same = torch.equal(run.fast_tokens, ref.tokens)
-            how = "on CPU stitched into one graph" if all(d == "cpu" for d in device_ids) else "one graph per device"
+            how = ("on CPU slots each shard's graph on its own thread, at the same time as the others'"
+                   if all(d == "cpu" for d in device_ids) else "one graph per device")
             out(
                 f"  fast path (cache_implementation=\"static\": the shards' decode steps compiled, {how}): "
                 f"{_rate(run)} tokens/s{_against(run, ref)}; first call {run.compile_s:.0f} s (the compile); "
