@@ -49,7 +49,7 @@ WARMUP = 2  # calls run one shard at a time after compiling (a first call, then 
 
 def supported() -> bool:
     """Whether this torch lets the engine hand a thread's compiler to the shards' threads."""
-    return callable(_get_compiler) and callable(_set_compiler)
+    return set_compiler is not None
 
 
 def require_support() -> None:
