@@ -95,12 +95,15 @@ def missing_rank_task() -> dict:
     rank 1's next collective raises at once, naming rank 0's failure (the group is out of step for good)."""
     handle, rank = _native_group(2)
     began = time.monotonic()
+    if rank == 1:
+        time.sleep(4)
+    return _outcome(began, lambda: torch.ops.tensorshard.native_all_reduce(torch.ones(4), handle, rank, "late" if rank else "alone"))
+
+
+def _outcome(began: float, collective) -> dict:
+    """What `collective()` ended with (its error's message, or "finished") and the seconds since `began`."""
     try:
-        if rank == 0:
-            torch.ops.tensorshard.native_all_reduce(torch.ones(4), handle, rank, "alone")
-        else:
-            time.sleep(4)
-            torch.ops.tensorshard.native_all_reduce(torch.ones(4), handle, rank, "late")
+        collective()
     except RuntimeError as e:
         return {"message": str(e), "seconds": time.monotonic() - began}
     return {"message": "finished", "seconds": time.monotonic() - began}
@@ -123,11 +126,7 @@ def reported_failure_task() -> dict:
         time.sleep(0.5)
         guard.report(ValueError("bad batch on rank 1"), "the compiled decode step")
         return {"message": "reported", "seconds": time.monotonic() - began}
-    try:
-        torch.ops.tensorshard.native_all_reduce(torch.ones(4), handle, rank, "waiting")
-    except RuntimeError as e:
-        return {"message": str(e), "seconds": time.monotonic() - began}
-    return {"message": "finished", "seconds": time.monotonic() - began}
+    return _outcome(began, lambda: torch.ops.tensorshard.native_all_reduce(torch.ones(4), handle, rank, "waiting"))
 
 
 def test_a_failure_reported_by_a_rank_stops_a_peer_waiting_in_a_native_collective(pool2):
