@@ -23,6 +23,7 @@ from tensorshard.engines.inprocess.stitched_decode import STITCHES
 from tensorshard.integrations.transformers.fast_decode import compiled_call
 from tensorshard.integrations.transformers.cache import rank_caches
 from support.hf_configs import tiny_config, tiny_model
+from support.helpers import log_messages
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -358,3 +359,19 @@ def test_shards_run_together_over_3_devices():
     steps.compiled = [lambda *a, rank=rank, **k: meet(rank, *a, **k) for rank in range(3)]
     assert torch.equal(_greedy(split, _ids(), cache_implementation="static", compile_config=config), _greedy(model, _ids()))
     assert all(threads) and len(set().union(*threads)) == 3, threads
+
+
+def test_reduce_overhead_on_cpu_slots_compiles_without_cuda_graphs_and_says_so_once():
+    """transformers' default CompileConfig asks for mode="reduce-overhead" (CUDA graphs): on CPU slots the shards'
+    steps compile with inductor's default mode (and stay stitchable), logged once per model and options, not per
+    generate (engines/inprocess/cuda_graph_mode.py; on GPUs: tests/gpu/test_gpu_decoding.py)."""
+    split = tp.tensor_parallel(tiny_model("llama"), ["cpu", "cpu"])
+    messages, stop = log_messages("tensorshard.engines.inprocess.cuda_graph_mode", logging.INFO)
+    try:
+        steps = compiled_call(split, CompileConfig(mode="reduce-overhead"))  # (nothing compiles before a call)
+        again = compiled_call(split, CompileConfig(mode="reduce-overhead"))
+    finally:
+        stop()
+    assert again is steps and "mode" not in steps.options and "options" not in steps.options, steps.options
+    assert (steps.stitcher is not None) == STITCHES  # the CPU fast path as with the default options
+    assert len(messages) == 1 and "CPU slots do not have" in messages[0], messages

@@ -9,8 +9,9 @@ eagerly, every later token through the compiled call. A split model answers the 
   removes, on CPU slots as on GPUs;
 - what to compile: not the split model's call (threads and a rendezvous: nothing a compiler can trace), but each
   shard's forward, once, with the collectives kept inside the graphs (engines/inprocess/compiled_steps.py,
-  comm/thread_ops.py). The compile options are `generation_config.compile_config`'s, except that
-  `mode="reduce-overhead"` (CUDA graphs, transformers' default) is replaced by inductor's default mode. On CPU
+  comm/thread_ops.py). The compile options are `generation_config.compile_config`'s; `mode="reduce-overhead"`
+  (CUDA graphs, transformers' default) captures each GPU shard's step in CUDA graphs cut at its collectives, and
+  on CPU slots only is replaced by inductor's default mode, logged (engines/inprocess/cuda_graph_mode.py). On CPU
   slots the shards' graphs are then stitched into one graph run from the calling thread
   (engines/inprocess/stitched_decode.py; `compiled_call(model, None).keep_one_graph_per_shard()` opts out).
 
@@ -29,6 +30,7 @@ from transformers.cache_utils import Cache
 
 from ...logs import get_logger
 from ...engines.inprocess.compiled_steps import CompiledSteps
+from ...engines.inprocess.cuda_graph_mode import decode_options
 from .cache import ShardedCache, rank_caches
 
 logger = get_logger(__name__)
@@ -50,10 +52,11 @@ def wants_compiled_decode(model_kwargs: dict, generation_config) -> bool:
 
 def compiled_call(model, compile_config) -> CompiledSteps:
     """The compiled steps of `model` for these options (made once, kept on the model)."""
-    options = _options(model, compile_config)
-    key = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    asked = _options(model, compile_config)
+    key = tuple(sorted((k, repr(v)) for k, v in asked.items()))
     kept = model.__dict__.setdefault(_STEPS, {})
     if key not in kept:
+        options = decode_options(asked, model.devices, model_name=type(model).__name__)  # (logs a replaced mode once)
         kept[key] = CompiledSteps(model, options, unwrap=_own_cache, rewrap=_dispatcher_back, prepare=model.split_call)
     return kept[key]
 
@@ -64,10 +67,6 @@ def _options(model, compile_config) -> dict[str, Any]:
     options = {k: v for k, v in options.items() if not k.startswith("_")}
     options.setdefault("fullgraph", False)
     options.setdefault("dynamic", False)
-    if options.get("mode") == "reduce-overhead":
-        # CUDA graphs (transformers' default mode): a replayed graph would skip the collectives' calls into the
-        # engine's rendezvous, so their operators are kept out of graphs anyway; inductor's default mode instead.
-        options["mode"] = None
     return {k: v for k, v in options.items() if not (k in ("mode", "options") and v is None)}
 
 
