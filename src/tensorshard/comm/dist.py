@@ -31,9 +31,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from ..partition import Partition
-from . import dist_ops, functions
+from . import dist_ops, functions, graph_collectives
 from .dist_guard import guard_for
 from .dtensor import as_dtensor, mesh_device
 from .functions import Gathered
@@ -62,6 +63,7 @@ class DistComm(Comm):
         self.mesh = mesh
         self.group = mesh.get_group()
         self.group_name = self.group.group_name  # how traced code names it (comm/dist_ops.py)
+        self.backend = str(dist.get_backend(self.group))  # (read while tracing: comm/graph_collectives.py)
         self.rank = mesh.get_local_rank()
         self.world_size = mesh.size()
         self.guard = guard_for(self.group)
@@ -95,7 +97,9 @@ class DistComm(Comm):
     # ops: the graph holds the call, and the per-call bookkeeping below (Python dicts keyed by storage
     # addresses) is skipped: a traced column layer reduces its own input gradient, still exact. A call without
     # autograd on CPU ranks of one host (a compiled decode step) takes the native collectives instead
-    # (comm/native/: C++, no Python per collective) once transport.connect_native has set guard.native.
+    # (comm/native/: C++, no Python per collective) once transport.connect_native has set guard.native; one on
+    # CUDA ranks of an NCCL group, inside the decode step's wrapper, takes torch's functional collectives, which
+    # CUDA graphs capture (comm/graph_collectives.py).
 
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
@@ -104,6 +108,8 @@ class DistComm(Comm):
             native = self._native(x)
             if native is not None:
                 return torch.ops.tensorshard.native_all_reduce.default(x, native, self.rank, where)
+            if graph_collectives.applies(x, self.backend):  # NCCL inside the CUDA graphs of a decode step
+                return graph_collectives.all_reduce(x, self.group_name, where)
             return dist_ops.all_reduce(x, self.group_name, where)
         return functions.all_reduce(self.raw, where, x)[0]
 
@@ -159,7 +165,10 @@ class DistComm(Comm):
         piece = x.movedim(dim, 0)
         if piece.shape[0] < longest:
             piece = torch.cat([piece, piece.new_zeros((longest - piece.shape[0], *piece.shape[1:]))])
-        stacked = dist_ops.all_gather(piece, self.group_name, self.world_size, self.rank, where)  # (world * longest, ..)
+        if graph_collectives.applies(piece, self.backend):  # NCCL inside the CUDA graphs of a decode step
+            stacked = graph_collectives.all_gather(piece, self.group_name, self.world_size, where)
+        else:
+            stacked = dist_ops.all_gather(piece, self.group_name, self.world_size, self.rank, where)  # (world * longest, ..)
         pieces = [stacked.narrow(0, r * longest, n).movedim(0, dim) for r, n in enumerate(sizes)]
         return partition.assemble(pieces, dim)
 

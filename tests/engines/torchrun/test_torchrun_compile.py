@@ -194,3 +194,44 @@ def test_a_compiled_training_step_gives_the_eager_gradients(pool2):
         # traced code keeps no per-call state: every column layer reduces its own input gradient (q, k, v, gate,
         # up: 5 per layer, and lm_head) where eager shares one per input (2 per layer, and lm_head)
         assert eager[1] == {"all_reduce": 2 * 2 + 1} and compiled[1] == {"all_reduce": 2 * 5 + 1}
+
+
+def capturable_collectives_task() -> dict:
+    """The decode step with torch's functional collectives (comm/graph_collectives.py), which CUDA graphs capture
+    on NCCL; here on gloo (they run there too), with the native ones off, to check the wiring and the counting
+    on CPUs. Dynamo and aot_autograd only ("aot_eager"): what is checked is the graph, not inductor's code."""
+    from transformers import CompileConfig
+
+    from tensorshard.comm import graph_collectives
+
+    _fresh_dynamo()
+    ref, model = _split_pair()
+    guard = model.tensorshard.comm.guard
+    guard.native_asked, guard.native = True, None  # the native collectives off: the traced ones decide
+    graph_collectives.DEVICE_TYPES, graph_collectives.BACKENDS = ("cpu",), ("gloo",)
+    ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    static = dict(cache_implementation="static", compile_config=CompileConfig(backend="aot_eager"))
+    try:
+        with torch.no_grad():
+            expected = ref.generate(ids, **settings)
+            first = model.generate(ids, **static, **settings)
+            with tp.count_collectives() as counted, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                second = model.generate(ids, **static, **settings)
+            with tp.count_collectives() as eager:
+                model.generate(ids, **static, disable_compile=True, **settings)
+    finally:
+        graph_collectives.DEVICE_TYPES, graph_collectives.BACKENDS = ("cuda",), ("nccl",)
+    called = sorted({e.name for e in prof.events() if e.name.startswith(("tensorshard::", "_c10d_functional::"))})
+    return {"tokens": [first.tolist(), second.tolist()], "expected": expected.tolist(), "called": called,
+            "counts": [counted.counts, eager.counts], "bytes": [counted.bytes, eager.bytes]}
+
+
+def test_the_decode_step_with_capturable_collectives_gives_the_unsplit_tokens_and_counts_them(pool2):
+    for out in pool2.run(capturable_collectives_task, timeout=INDUCTOR_TASK):
+        assert out["tokens"] == [out["expected"]] * 2
+        # every collective of the step is a functional one (no guarded Python operator), and counted as the eager
+        # step's: the same kinds, counts and bytes (the prefill runs eagerly in both)
+        assert "_c10d_functional::all_reduce" in out["called"] and "_c10d_functional::all_gather_into_tensor" in out["called"]
+        assert not [name for name in out["called"] if name.startswith("tensorshard::")], out["called"]
+        assert out["counts"][0] == out["counts"][1] and out["bytes"][0] == out["bytes"][1], out

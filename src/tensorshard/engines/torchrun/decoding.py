@@ -21,7 +21,10 @@ device. The last condition is what a split model lifts: its shards decode faster
 The compiled step runs the model and its collectives as one graph; the engine's host-side work stays outside it
 (engine.py). Before its first call, the ranks agree on the native collectives (comm/transport.connect_native):
 where every rank is a CPU process of this host and loaded them, the graph calls those C++ operators
-(comm/native/) and no collective enters Python; elsewhere it calls comm/dist_ops.py's Python operators.
+(comm/native/) and no collective enters Python; where every rank is a GPU of an NCCL group, the step traces
+torch's functional collectives, which `mode="reduce-overhead"` (transformers' default on CUDA) captures in its CUDA
+graphs with the rest of the step, gpt-fast's way (comm/graph_collectives.py: the step's collectives are noted as
+it traces and counted per call here); elsewhere it calls comm/dist_ops.py's Python operators.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...comm.graph_collectives import capturing_decode, report as report_collectives
 from ...comm.transport import connect_native
 from ...logs import get_logger
 
@@ -99,16 +103,23 @@ def _logging_compiles(model: nn.Module, compiled_call: Callable, guard) -> Calla
 
 def _logged(model: nn.Module, compiled: Callable, compile_config, guard) -> Callable:
     name = type(model).__name__
+    collectives: dict[str, list] = {}  # per kind of step (_describe_step): the capturable collectives it traced
 
     def call(*args, **kwargs):
         connect_native(guard)  # once: every rank reaches the compiled step at the same point
         before = compiled_graphs()
         began = time.perf_counter()
         try:
-            out = compiled(*args, **kwargs)
+            with capturing_decode() as traced:  # on CUDA ranks of an NCCL group: collectives CUDA graphs capture
+                out = compiled(*args, **kwargs)
         except BaseException as e:
             guard.report(e, f"the compiled decode step of {name}")
             raise
+        # A replayed CUDA graph runs no Python: its collectives, noted while the step traced, are counted here.
+        step = _describe_step(model, kwargs)
+        if compiled_graphs() != before and traced:
+            collectives[step] = traced
+        report_collectives(collectives.get(step, ()))
         if compiled_graphs() != before and _rank0():
             options = compile_config.to_dict()
             logger.info(
