@@ -4,6 +4,8 @@
         [--rounds 5] [--skip "per shard"] [--quick]
         # writes benchmarks/results/generation.json (generation-smollm.json for --model smollm) and prints a
         # markdown table (BENCHMARKS.md, section 5)
+    python benchmarks/generation.py --device cuda --model smollm --devices 1 2 --rounds 3
+        # the same on GPUs (cuda:0 .. cuda:N-1; N at most the visible GPUs): generation-smollm-cuda.json
 
 Two models (benchmarks/suite/decoding_models.py): "small", a Llama of hidden 256 and 8 layers, the regime GPU
 decoding lives in, where a token is Python and dispatch, not arithmetic; "smollm", SmolLM2-135M's shape with random
@@ -24,6 +26,13 @@ Batch 1, a 16-token prompt, 32 new tokens, greedy, one intra-op thread per devic
   (engines/inprocess/stitched_decode.py chooses; its log line says which);
 - split fast per shard: the fast path as it was before stitching, each shard's own compiled graph in its thread
   (`keep_one_graph_per_shard`), on a copy of the split model.
+
+With `--device cuda` the rows are the GPU's: unsplit eager and unsplit fast on cuda:0 (transformers' own fast path
+there: static cache + `CompileConfig()`, whose mode is "reduce-overhead", CUDA graphs), and per device count N split
+over cuda:0 .. cuda:N-1: default, fast (static cache, each shard compiled, no CUDA graphs), and fast with CUDA graphs
+(`CompileConfig(mode="reduce-overhead")`: each shard's step captured in CUDA graphs cut at its collectives,
+engines/inprocess/cuda_graph_mode.py). The N-thread and per-shard rows are CPU rows, left out; wall times are
+taken after `torch.cuda.synchronize()`.
 
 Every variant runs in one process, in interleaved rounds (the same conditions for all), after one untimed call
 that compiles (its time is reported as "first call"). Wall time is the median over the rounds; CPU time is the
@@ -52,9 +61,40 @@ from suite.decoding_models import DESCRIPTIONS, build  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def results_file(model: str) -> Path:
-    """Where a run on `model` writes its JSON: generation.json for the small Llama, as before the other models."""
-    return RESULTS / ("generation.json" if model == "small" else f"generation-{model}.json")
+def results_file(model: str, device: str = "cpu") -> Path:
+    """Where a run on `model` writes its JSON: generation.json for the small Llama, as before the other models;
+    a GPU run's name ends in -cuda."""
+    stem = "generation" if model == "small" else f"generation-{model}"
+    return RESULTS / (f"{stem}.json" if device == "cpu" else f"{stem}-{device}.json")
+
+
+def device_problem(device: str, devices: list[int], gpus: int) -> str | None:
+    """Why `--device`/`--devices` cannot run with `gpus` visible GPUs (None: they can)."""
+    if device != "cuda":
+        return None
+    if gpus == 0:
+        return "--device cuda: no GPU is visible here (torch.cuda.is_available() is False); run it on a CUDA machine"
+    if max(devices) > gpus:
+        return (f"--devices {' '.join(map(str, devices))}: the split rows need as many GPUs as devices (one GPU "
+                f"appears once in a device list) and {gpus} is visible; pass --devices up to {gpus}")
+    return None
+
+
+def cuda_variants(model, devices: list[int]):
+    """The `--device cuda` rows (see the module doc): name -> (model, generate's extra arguments, threads)."""
+    from transformers import CompileConfig
+
+    import tensorshard as tp
+
+    graphs = {"cache_implementation": "static", "compile_config": CompileConfig(mode="reduce-overhead")}
+    out = {"unsplit eager": (copy.deepcopy(model).to("cuda:0"), {}, 1)}
+    out["unsplit fast"] = (out["unsplit eager"][0], {"cache_implementation": "static", "compile_config": CompileConfig()}, 1)
+    for n in devices:
+        split = tp.tensor_parallel(copy.deepcopy(model), [f"cuda:{i}" for i in range(n)])
+        out[f"split {n} default"] = (split, {}, 1)
+        out[f"split {n} fast"] = (split, {"cache_implementation": "static"}, 1)
+        out[f"split {n} fast CUDA graphs"] = (split, graphs, 1)
+    return out
 
 
 def variants(model, devices: list[int]):
@@ -83,7 +123,7 @@ def variants(model, devices: list[int]):
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(DESCRIPTIONS), default="small",
                         help="small: dispatch-bound Llama; smollm: SmolLM2-135M's shape (weights-bound)")
@@ -94,16 +134,25 @@ def main() -> None:
     parser.add_argument("--skip", nargs="+", default=[], metavar="WORDS",
                         help='leave out the variants whose name contains any of these, e.g. --skip "per shard" (each '
                              "compiled variant costs minutes of compile on the smollm shape)")
-    args = parser.parse_args()
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: CPU slots (the default); cuda: the GPU rows (--devices N: cuda:0 .. cuda:N-1)")
+    args = parser.parse_args(argv)
     import torch
 
+    if args.quick:  # (on GPUs: 2 devices where 2 are visible, else 1)
+        args.model, args.rounds, args.new_tokens = "tiny", 2, 8
+        args.devices = [2] if args.device == "cpu" else [max(1, min(2, torch.cuda.device_count()))]
+    problem = device_problem(args.device, args.devices, torch.cuda.device_count())
+    if problem is not None:
+        parser.error(problem)
+
     torch.set_num_threads(1)
-    if args.quick:
-        args.model, args.devices, args.rounds, args.new_tokens = "tiny", [2], 2, 8
     model = build(args.model)
+    cuda = args.device == "cuda"
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     new = args.new_tokens
-    runs = {name: run for name, run in variants(model, args.devices).items()
+    every = cuda_variants(model, args.devices) if cuda else variants(model, args.devices)
+    runs = {name: run for name, run in every.items()
             if name in ("unsplit eager", "unsplit fast") or not any(word in name for word in args.skip)}
     reference = None
     first, wall, cpu, same = {}, {k: [] for k in runs}, {k: [] for k in runs}, {}
@@ -113,8 +162,12 @@ def main() -> None:
         torch.set_num_threads(threads)
         try:
             with torch.no_grad():
-                return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, **kwargs)
+                x = ids.to(m.device)
+                out = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, **kwargs)
+                if cuda:
+                    torch.cuda.synchronize()
+                return out.cpu()
         finally:
             torch.set_num_threads(1)
 
@@ -140,10 +193,11 @@ def main() -> None:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "load_at_start": os.getloadavg()[0],
         "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
         "model": args.model, "new_tokens": new, "rounds": args.rounds, "rows": rows,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
     }
     if not args.quick:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        results_file(args.model).write_text(json.dumps(result, indent=2) + "\n")
+        results_file(args.model, args.device).write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
 
 
@@ -151,7 +205,7 @@ def table(result: dict) -> str:
     rows = result["rows"]
     eager, fast = rows["unsplit eager"]["ms_per_token"], rows["unsplit fast"]["ms_per_token"]
     lines = [
-        f"{result['date']}, {result['cores']} cores, load {result['load_at_start']:.1f} at the start, torch {result['torch']}, "
+        f"{result['date']}, {result.get('device', 'cpu')}, {result['cores']} cores, load {result['load_at_start']:.1f} at the start, torch {result['torch']}, "
         f"{DESCRIPTIONS.get(result['model'], result['model'])}, {result['new_tokens']} new tokens, "
         f"medians of {result['rounds']} rounds; split rows: one intra-op thread per device",
         "",

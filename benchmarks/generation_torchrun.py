@@ -5,6 +5,7 @@ path and on the fast path (static cache + compiled decode step), with the first 
     python benchmarks/generation_torchrun.py --ranks 2 4     # more rank counts
     python benchmarks/generation_torchrun.py --model smollm  # SmolLM2-135M's shape, random weights (weights-bound)
     python benchmarks/generation_torchrun.py --quick         # a tiny Llama, 1 round: a check that it runs
+    python benchmarks/generation_torchrun.py --device cuda --model smollm --ranks 2   # GPUs: one per rank, NCCL
 
 Rows, all `generate(prompt, do_sample=False)` on the same random Llama (seed 0, batch 1, prompt of 16 tokens; the
 models are benchmarks/suite/decoding_models.py's):
@@ -20,6 +21,11 @@ models are benchmarks/suite/decoding_models.py's):
   (engines/torchrun/decoding.py), collectives inside the graph (the native C++ operators of comm/native/;
   with TENSORSHARD_NATIVE=0, comm/dist_ops.py's Python operators, as before them; benchmarks/decode_collectives.py
   compares the two in one job)
+
+With `--device cuda` every process runs on its GPU (rank r on cuda:r, an NCCL group; ranks at most the visible
+GPUs: NCCL refuses two ranks on one GPU) and the fast rows are transformers' CUDA path: static cache and
+`CompileConfig()` (mode "reduce-overhead": the decode step captured in CUDA graphs, its collectives inside them as
+NCCL calls, comm/graph_collectives.py). The N-thread rows are CPU rows, left out.
 
 Per token: the decode steps only, the median gap between consecutive tokens of one generate() (a logits
 processor notes the time of each), then the median over rounds; split rows take the slowest rank's (a barrier
@@ -67,23 +73,29 @@ def _job(args) -> None:
     import torch
     from transformers import LogitsProcessorList
 
+    from transformers import CompileConfig
+
     torch.set_num_threads(args.threads)
-    split = args.split
+    split, cuda = args.split, args.device == "cuda"
     if split:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         import tensorshard as tp
 
-        dist.init_process_group("gloo")
-        model = tp.parallelize(build(args.model), init_device_mesh("cpu", (dist.get_world_size(),)))
-    else:
-        from transformers import CompileConfig
-
+        dist.init_process_group("nccl" if cuda else "gloo")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         model = build(args.model)
+        model = tp.parallelize(model.cuda() if cuda else model, init_device_mesh(args.device, (dist.get_world_size(),)))
+    else:
+        model = build(args.model).to(args.device)
     prompt = torch.randint(0, MODELS[args.model]["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1))
+    prompt = prompt.to(args.device)
     fast = dict(cache_implementation="static")
-    if not split:
+    if cuda:
+        fast["compile_config"] = CompileConfig()  # mode "reduce-overhead": CUDA graphs, as transformers on CUDA
+    elif not split:
         config = CompileConfig()
         config._compile_all_devices = True  # transformers' fast path, which it takes by itself on CUDA only
         fast["compile_config"] = config
@@ -98,9 +110,11 @@ def _job(args) -> None:
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=args.new, do_sample=False, pad_token_id=0,
                                  logits_processor=LogitsProcessorList([clock]), **extra)
+        if cuda:
+            torch.cuda.synchronize()
         took, step = time.perf_counter() - began, statistics.median(clock.intervals())
         if split:  # the slowest rank's times
-            slowest = torch.tensor([took, step], dtype=torch.float64)
+            slowest = torch.tensor([took, step], dtype=torch.float64, device=args.device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             took, step = slowest.tolist()
         return took, step, out[0, args.prompt:].tolist()
@@ -126,25 +140,29 @@ def _job(args) -> None:
 # --- the launcher ---------------------------------------------------------------------------------------
 
 
-def _run(model: str, ranks: int, *, new: int, prompt: int, rounds: int, timeout: float, threads: int = 1) -> dict:
+def _run(model: str, ranks: int, *, new: int, prompt: int, rounds: int, timeout: float, threads: int = 1,
+         device: str = "cpu") -> dict:
     """One job (`ranks` 0: the unsplit model in one process, with `threads` intra-op threads); its result."""
     args = ["--job", "--model", model, "--new", str(new), "--prompt", str(prompt), "--rounds", str(rounds)]
+    args += ["--device", device]
     args += ["--split"] if ranks else ["--threads", str(threads)]
     return run_script(HERE, args, ranks=ranks, timeout=timeout, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
 
 
-def _table(model: str, unsplit: dict, split: dict[int, dict], new: int, threaded: dict[int, dict] | None = None) -> str:
+def _table(model: str, unsplit: dict, split: dict[int, dict], new: int, threaded: dict[int, dict] | None = None,
+           device: str = "cpu") -> str:
     """The markdown table: the unsplit rows (one thread, and the fast path at each N of `threaded`), then the split."""
     eager, fast = unsplit["default_s"], unsplit["fast_s"]
     reference = unsplit["tokens"]["default"]
+    how = "forced on CPU" if device == "cpu" else "CUDA graphs"
     lines = [
-        f"{DESCRIPTIONS[model]}, batch 1, greedy, {new} new tokens; per token (decode steps only), "
+        f"{DESCRIPTIONS[model]}, batch 1, greedy, {new} new tokens, on {device}; per token (decode steps only), "
         "ratios against the unsplit fast path and unsplit eager; one intra-op thread per process unless said",
         "",
         "| run | per token | vs unsplit fast | vs unsplit eager | first call (compile) | tokens as unsplit |",
         "|---|---:|---:|---:|---:|---|",
         f"| unsplit eager | {eager * 1e3:.2f} ms | {eager / fast:.2f}x | 1.00x | | yes |",
-        f"| unsplit fast (static + compile, forced on CPU) | {fast * 1e3:.2f} ms | 1.00x | {fast / eager:.2f}x | "
+        f"| unsplit fast (static + compile, {how}) | {fast * 1e3:.2f} ms | 1.00x | {fast / eager:.2f}x | "
         f"{unsplit['first_call_s']:.1f} s | {_same(unsplit['tokens']['fast'], reference)} |",
     ]
     for threads, r in sorted((threaded or {}).items()):
@@ -164,7 +182,19 @@ def _same(tokens: list, reference: list) -> str:
     return "yes" if tokens == reference else "NO"
 
 
-def main() -> None:
+def gpu_problem(device: str, ranks: list[int], gpus: int) -> str | None:
+    """Why `--device`/`--ranks` cannot run with `gpus` visible GPUs (None: they can)."""
+    if device != "cuda":
+        return None
+    if gpus == 0:
+        return "--device cuda: no GPU is visible here (torch.cuda.is_available() is False); run it on a CUDA machine"
+    if max(ranks) > gpus:
+        return (f"--ranks {' '.join(map(str, ranks))}: each rank needs a GPU of its own (NCCL refuses two ranks on one "
+                f"GPU) and {gpus} is visible; pass --ranks up to {gpus}")
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[2], help="rank counts of the split rows")
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
@@ -174,23 +204,31 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny Llama, 4 new tokens, 1 round: a check that it runs")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per job")
     parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo ranks) or cuda (NCCL ranks)")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.job:
         return _job(args)
     if args.quick:
         args.model, args.new, args.prompt, args.rounds = "tiny", 4, 6, 1
     if args.new < 3:
         parser.error(f"--new {args.new}: per-token times need at least 3 new tokens (2 decode steps)")
+    if args.device == "cuda":
+        import torch
+
+        problem = gpu_problem(args.device, args.ranks, torch.cuda.device_count())
+        if problem is not None:
+            parser.error(problem)
     print(f"load average before: {os.getloadavg()}", flush=True)
-    settings = dict(new=args.new, prompt=args.prompt, rounds=args.rounds, timeout=args.timeout)
+    settings = dict(new=args.new, prompt=args.prompt, rounds=args.rounds, timeout=args.timeout, device=args.device)
     unsplit = _run(args.model, 0, **settings)
-    threaded = {n: _run(args.model, 0, threads=n, **settings) for n in sorted(set(args.ranks)) if n > 1}
+    threaded = {n: _run(args.model, 0, threads=n, **settings) for n in sorted(set(args.ranks))
+                if n > 1 and args.device == "cpu"}
     split = {n: _run(args.model, n, **settings) for n in args.ranks}
-    print(_table(args.model, unsplit, split, args.new, threaded))
+    print(_table(args.model, unsplit, split, args.new, threaded, device=args.device))
     print(f"load average after: {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:

@@ -142,3 +142,43 @@ def test_gpu_section_reports_ratios_and_memory_and_replaces_itself():
     once = gpu.replace_section(page, body)
     assert once.index(gpu.TITLE) < once.index("## The run") and "## 3. Speed on CPU\n\ntimes\n" in once
     assert gpu.replace_section(once, body) == once  # measured again: the section is replaced, not added
+
+
+# --- benchmarks/generation.py --device cuda (measured on a CUDA machine; here its refusals) -------------------
+
+
+def _generation_bench():
+    spec = importlib.util.spec_from_file_location("generation_bench", ROOT / "benchmarks" / "generation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generation_on_gpus_needs_one_gpu_per_device_of_a_split_row():
+    problem = _generation_bench().device_problem
+    assert problem("cpu", [1, 2, 4, 8], 0) is None and problem("cuda", [1, 2], 2) is None
+    assert "no GPU is visible here" in problem("cuda", [1], 0)
+    assert problem("cuda", [1, 2, 4, 8], 1) == (
+        "--devices 1 2 4 8: the split rows need as many GPUs as devices (one GPU appears once in a device list) "
+        "and 1 is visible; pass --devices up to 1")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says where no GPU is visible")
+def test_generation_on_gpus_says_it_needs_a_gpu_before_building_anything(capsys):
+    with pytest.raises(SystemExit):
+        _generation_bench().main(["--device", "cuda", "--quick"])
+    assert "--device cuda: no GPU is visible here" in capsys.readouterr().err
+
+
+def test_a_gpu_run_writes_its_own_results_file():
+    results = _generation_bench().results_file
+    assert results("smollm", "cuda").name == "generation-smollm-cuda.json" and results("small").name == "generation.json"
+
+
+def test_torchrun_generation_on_gpus_needs_one_gpu_per_rank():
+    spec = importlib.util.spec_from_file_location("generation_torchrun_bench", ROOT / "benchmarks" / "generation_torchrun.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.gpu_problem("cpu", [2, 4], 0) is None and module.gpu_problem("cuda", [2], 2) is None
+    assert "no GPU is visible here" in module.gpu_problem("cuda", [1], 0)
+    assert "each rank needs a GPU of its own" in module.gpu_problem("cuda", [2], 1)
