@@ -74,8 +74,17 @@ DEVICE_TYPES, BACKENDS = ("cuda",), ("nccl",)
 
 def applies(x: torch.Tensor, backend: str) -> bool:
     """Trace this collective of `x`, on a group of `backend` ("nccl", "gloo"), as a capturable one?"""
-    return (_capturing and x.device.type in DEVICE_TYPES and backend in BACKENDS
+    return (_capturing and x.device.type in DEVICE_TYPES and backend_of(backend, x.device.type) in BACKENDS
             and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def backend_of(backend: str, device_type: str) -> str:
+    """The backend a group uses for tensors of `device_type`: `backend` itself ("nccl"), or its entry for that device
+    type in a group of several ("cpu:gloo,cuda:nccl", torch's default when init_process_group is given none)."""
+    if ":" not in backend:
+        return backend
+    pairs = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    return pairs.get(device_type, "")
 
 
 def all_reduce(x: torch.Tensor, group_name: str, where: str) -> torch.Tensor:

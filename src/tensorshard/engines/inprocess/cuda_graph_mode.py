@@ -22,7 +22,10 @@ in worker i); inductor keeps its CUDA graph trees per thread and device and seri
 (torch/_inductor/cudagraph_trees.py: `graph_capture_lock`, thread-local capture mode), so every shard records
 its graphs once, at its second call of a kind, and replays them after; a replay releases the GIL, so the
 shards' graphs run at the same time. A split model called from another thread records shard 0's graphs anew
-for that thread (more GPU memory, the same tokens).
+for that thread (more GPU memory, the same tokens). Not yet run on a GPU, and the least sure part: the trees learn
+that a new step began from a counter of the whole process (dynamo's `GenerationTracker`), so each shard's trees
+also see the other shards enter their steps; they all enter before the first collective completes, so each token
+should follow the one pattern recorded (tests/gpu/test_gpu_decoding.py checks tokens and launches per token).
 
 On CPU slots only there is no CUDA graph to capture: the mode is replaced by inductor's default, and said so.
 Where this torch has no `graph_partition` option, inductor would capture no graph of a step with collectives at
