@@ -86,7 +86,3 @@ def decode_options(options: dict[str, Any], devices: Sequence[Any], *, model_nam
     inductor = {**torch._inductor.list_mode_options(GRAPH_MODE), **(rest.get("options") or {}), "graph_partition": True}
     return {**rest, "options": inductor}
 
-
-def uses_cuda_graphs(options: dict[str, Any]) -> bool:
-    """Whether compile options (as `decode_options` returns them) capture CUDA graphs."""
-    return options.get("mode") in (GRAPH_MODE, "max-autotune") or bool((options.get("options") or {}).get("triton.cudagraphs"))
