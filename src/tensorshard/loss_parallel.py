@@ -25,7 +25,7 @@ from torch.autograd import Function
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor, Shard
 
-from .comm import functions
+from .comm import dist_ops, functions
 from .comm.counter import record
 from .comm.process_group import RankCollectives, all_reduce_copy
 
@@ -77,12 +77,17 @@ class GroupReductions:
 
     def __init__(self, group) -> None:
         self.group = group
+        self.group_name = group.group_name  # how a compiled graph names it (comm/dist_ops.py)
         self.raw = RankCollectives.of(group)
 
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return dist_ops.all_reduce(x, self.group_name, where)
         return functions.all_reduce(self.raw, where, x)[0]
 
     def all_reduce_max(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return dist_ops.all_reduce_max(x.detach(), self.group_name, where)
         record("all_reduce", x.numel() * x.element_size(), "forward", where)
         return all_reduce_copy(x, self.group, op=dist.ReduceOp.MAX)
 

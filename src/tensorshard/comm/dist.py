@@ -22,7 +22,10 @@ it instead: no node of its own, and the gather's backward becomes a reduce-scatt
 
 Parameters whose gradients are partial sums (`partial_grads`: norms running on sequence shards) go through
 comm/grad_bucket.py: one all-reduce per backward pass for all of them. While torch.compile traces, the
-collectives are comm/dist_ops.py's operators instead. Every collective is reported to `comm/counter.record` once.
+collectives are comm/dist_ops.py's operators instead, with the same sharing: the traced copy_to_parallel is
+remembered on the tensor it copies (an attribute dynamo traces, where the dictionaries above are keyed by storage
+addresses it cannot read), and a gathered sequence read by column layers is claimed through `claim_sequence`.
+Every collective is reported to `comm/counter.record` once.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .functions import Gathered
 from .grad_bucket import DeferGrad, PartialGradBucket
 from .interface import Comm
 from .process_group import RankCollectives, check_even
+from .thread_ops import layout_of
 from .transport import connect
 
 if TYPE_CHECKING:
@@ -78,6 +82,9 @@ class DistComm(Comm):
         self._parallel: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._gathered: dict[tuple, tuple[torch.Tensor, Gathered]] = {}
         self._left_split: set[str] = set()  # all_gather sites that return the local slice (leave_split)
+        # while torch.compile traces: the latest gathered sequence (gather_sequence's output and its input), for a
+        # view of it read by column layers (dynamo keeps a tensor's attributes, not those of its `_base`)
+        self._traced_gathered: tuple[torch.Tensor, torch.Tensor, int, str] | None = None
 
     # -- per-call state ----------------------------------------------------------------------------------
 
@@ -91,15 +98,19 @@ class DistComm(Comm):
         if self._depth == 0:
             self._parallel, self._gathered = {}, {}  # release the call's tensors
 
+    def end_traced_call(self) -> None:
+        """The end of a root call that torch.compile traced: forget its gathered sequence."""
+        self._traced_gathered = None
+
     # -- the collectives -----------------------------------------------------------------------------------
 
     # While torch.compile traces (torch.compiler.is_compiling()), every collective is one of comm/dist_ops.py's
-    # ops: the graph holds the call, and the per-call bookkeeping below (Python dicts keyed by storage
-    # addresses) is skipped: a traced column layer reduces its own input gradient, still exact. A call without
-    # autograd on CPU ranks of one host (a compiled decode step) takes the native collectives instead
-    # (comm/native/: C++, no Python per collective) once transport.connect_native has set guard.native; one on
-    # CUDA ranks of an NCCL group, inside the decode step's wrapper, takes torch's functional collectives, which
-    # CUDA graphs capture (comm/graph_collectives.py).
+    # ops: the graph holds the call. The per-call bookkeeping below (Python dicts keyed by storage addresses)
+    # becomes attributes of the traced tensors (`_traced_copy`). A call without autograd on CPU ranks of one
+    # host (a compiled decode step) takes the native collectives instead (comm/native/: C++, no Python per
+    # collective) once transport.connect_native has set guard.native; one on CUDA ranks of an NCCL group, inside
+    # the decode step's wrapper, takes torch's functional collectives, which CUDA graphs capture
+    # (comm/graph_collectives.py).
 
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
@@ -117,7 +128,7 @@ class DistComm(Comm):
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
         if torch.compiler.is_compiling():
-            return dist_ops.copy_to_parallel(x, self.group_name, where)
+            return self._traced_copy(x, where)
         key = _alias_key(x)
         if self._depth:
             hit = self._parallel.get(key)
@@ -134,6 +145,37 @@ class DistComm(Comm):
         if self._depth:
             self._parallel[key] = (x, y)
         return y
+
+    def _traced_copy(self, x: torch.Tensor, where: str) -> torch.Tensor:
+        """copy_to_parallel while torch.compile traces: one node per input tensor as in eager (q, k and v, gate and
+        up share one backward all-reduce), remembered on the tensor; a gathered sequence (or a view of it) is
+        claimed instead, its column layers' partial gradients reduce-scattered (one collective, as in eager)."""
+        hit = getattr(x, "_tensorshard_parallel_copy", None)
+        if hit is not None:
+            return hit
+        gathered = getattr(x, "_tensorshard_gathered", None)
+        if gathered is not None:
+            shard, dim, gather_where = gathered
+            y = dist_ops.claim_sequence(x, shard, self.group_name, self.rank, self.world_size, dim, gather_where)
+        elif self._whole_view_of_gathered(x):
+            # a view of the whole gathered sequence (transformers' `hidden_states[:, slice(0, None)]` before the
+            # head): claimed as the sequence itself. A view of part of it (fewer tokens) falls to the plain copy
+            # below: its all-reduce and the gather's own backward give the same gradient, one collective other
+            # than eager's reduce-scatter.
+            _, shard, dim, gather_where = self._traced_gathered
+            self._traced_gathered = None  # released: the slot holds a tensor of the graph
+            y = dist_ops.claim_sequence(x, shard, self.group_name, self.rank, self.world_size, dim, gather_where)
+        else:
+            y = dist_ops.copy_to_parallel(x, self.group_name, where)
+        x._tensorshard_parallel_copy = y
+        return y
+
+    def _whole_view_of_gathered(self, x: torch.Tensor) -> bool:
+        """`x` is a view of all of the latest traced gather_sequence's output (same shape and strides)."""
+        gathered = self._traced_gathered
+        if gathered is None or x._base is None or x._base is not gathered[0]:
+            return False
+        return tuple(x.shape) == tuple(gathered[0].shape) and x.stride() == gathered[0].stride()
 
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or where in self._left_split:
@@ -195,13 +237,16 @@ class DistComm(Comm):
             return x
         if not (torch.is_grad_enabled() and x.requires_grad):
             return partition.take(x, dim, self.rank)  # no communication without a backward pass
-        _refuse_traced("split", where)
+        if torch.compiler.is_compiling():
+            dim = dim % x.dim()
+            return dist_ops.split(x, self.group_name, self.rank, self.world_size, dim, layout_of(partition), where)
         return functions.split(self.raw, where, partition, dim, x)[0]
 
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not groups or not (torch.is_grad_enabled() and x.requires_grad):
             return x
-        _refuse_traced("tie", where)
+        if torch.compiler.is_compiling():
+            return dist_ops.tie(x, self.group_name, self.rank, self.world_size, dist_ops.flat_groups(groups), where)
         return functions.tie(self.raw, where, groups, x)[0]
 
     # -- sequence parallelism --------------------------------------------------------------------------------
@@ -209,14 +254,22 @@ class DistComm(Comm):
     def reduce_scatter(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
-        dim = _sequence_dim("reduce_scatter", x, dim, where)
+        dim = dim % x.dim()
         check_even(x, dim, self.world_size, where)
+        if torch.compiler.is_compiling():
+            return dist_ops.reduce_scatter(x, self.group_name, self.rank, self.world_size, dim, where)
         return functions.reduce_scatter(self.raw, where, dim, x)[0]
 
     def gather_sequence(self, x: torch.Tensor, dim: int, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
-        dim = _sequence_dim("gather_sequence", x, dim, where)
+        dim = dim % x.dim()
+        if torch.compiler.is_compiling():
+            y = dist_ops.gather_sequence(x, self.group_name, self.rank, self.world_size, dim, where)
+            if torch.is_grad_enabled() and x.requires_grad:
+                y._tensorshard_gathered = (x, dim, where)  # column layers reading it claim it (_traced_copy)
+                self._traced_gathered = (y, x, dim, where)
+            return y
         if not (torch.is_grad_enabled() and x.requires_grad):
             return self.raw.gather_even((x,), dim, where=where, phase="forward")[0]
         state = Gathered()
@@ -228,13 +281,25 @@ class DistComm(Comm):
     def partial_grads(self, module, names, *, where: str = "") -> None:
         self.partial.update((id(module), name) for name in names)
 
-    def defer_grad(self, local: torch.Tensor, param, *, on_the_spot: bool = False, where: str = "") -> torch.Tensor:
+    def deferred_slot(self, owner, table_name: str, name: str) -> int:
+        """The number that names the parameter `owner.<table_name>[name]` (whose gradient is partial) and this
+        comm's bucket in compiled graphs (comm/dist_ops.py's `defer_grad`); the engine asks once per parameter."""
+        return dist_ops.deferred_slot(self.bucket, owner, table_name, name)
+
+    def defer_grad(self, local: torch.Tensor, param, *, on_the_spot: bool = False, slot: int = 0,
+                   where: str = "") -> torch.Tensor:
         """The local view of a parameter whose gradient is a partial sum over the group: summed in the
         end-of-backward bucket, or with `on_the_spot` (FSDP2, which reads a module's gradients right after
-        its backward) by its own all-reduce during backward."""
+        its backward) by its own all-reduce during backward. Traced, the bucket is reached through `slot`
+        (`deferred_slot`)."""
         if self.world_size == 1 or not (torch.is_grad_enabled() and local.requires_grad):
             return local
-        _refuse_traced("partial gradients", where)
+        if torch.compiler.is_compiling():
+            if on_the_spot:
+                return dist_ops.copy_to_parallel(local, self.group_name, where)
+            if not slot:
+                _refuse_traced("partial gradients without a slot (deferred_slot)", where)
+            return dist_ops.defer_grad(local, slot, where)
         if on_the_spot:
             return functions.copy_to_parallel(self.raw, where, local)[0]  # unbucketed: all-reduced on the spot
         return DeferGrad.apply(local, self.bucket, param)
@@ -245,17 +310,10 @@ class DistComm(Comm):
         return as_dtensor(x, dim % x.dim(), partition, self.mesh, where=where)
 
 
-def _sequence_dim(kind: str, x: torch.Tensor, dim: int, where: str) -> int:
-    """`dim` of `x` as a non-negative index, for a sequence-parallel collective (which refuses to be traced)."""
-    _refuse_traced(kind, where)
-    return dim % x.dim()
-
-
 def _refuse_traced(kind: str, where: str) -> None:
     """Collectives that comm/dist_ops.py does not provide (here: with autograd on) refuse to be traced."""
     if torch.compiler.is_compiling():
         raise NotImplementedError(
-            f"{where or 'a module'}: the {kind} collective cannot be compiled yet (torch.compile of a parallelized "
-            "model covers all_reduce, all_gather and copy_to_parallel, and split/tie without autograd). Compile "
-            "under torch.no_grad() with a plan without sequence parallelism, or run this model without torch.compile"
+            f"{where or 'a module'}: {kind} cannot be compiled. Parallelize the model with tensorshard.parallelize "
+            "(which sets up every partial gradient), or run this model without torch.compile"
         )

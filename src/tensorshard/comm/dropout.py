@@ -33,11 +33,21 @@ What is intercepted (a `TorchFunctionMode` in each shard's thread, only for trai
 that has some dropout): `F.dropout`, `F.dropout1d/2d/3d` and `torch.dropout` (so every `nn.Dropout`), and
 `scaled_dot_product_attention` with `dropout_p > 0`, computed by its reference math with the mask above.
 Alpha dropout is left to PyTorch.
+
+Compiled (torch.compile of a model parallelized under torchrun, in training): the mode is entered inside the traced
+call and dynamo traces it; each dropout becomes `tensorshard::dropout_mask`, an operator that draws the very mask
+above when the graph runs (the same fingerprints, all-gather, keys and record), its call number fixed when traced,
+after one `tensorshard::dropout_seed` that starts the call's record (its output feeds every mask: the graph cannot
+run a mask first). So a compiled step draws the eager step's masks, equal on every rank for a replicated
+activation, independent for a split one. A block recomputed in a compiled backward (activation checkpointing inside
+the graph) would draw new keys: not supported there.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from collections import defaultdict, deque
 from typing import Any
 
@@ -143,6 +153,9 @@ class ShardDropout:
         self._replayed: list[dict[tuple, int]] = [{} for _ in range(self.world)]
         self._generators: dict[int, torch.Generator] = {}  # per shard: CPU slots share a device, not a generator
         self._active: list[tuple[nn.Module, _DropoutMode] | None] = [None] * self.world
+        self.in_call = False  # the engine's eager wrapper began this call's record (see dropout_seed)
+        self.handle = next(_handles)  # how compiled graphs name it (dropout_seed, dropout_mask below)
+        _owners[self.handle] = self
 
     def begin_forward(self) -> DropoutRecord:
         """A new training call: its seed, drawn from torch's default generator (< 2**52: exact as a float)."""
@@ -171,6 +184,8 @@ class ShardDropout:
 
     def _enter(self, shard: int):
         def hook(module, args):
+            if torch.compiler.is_compiling():
+                return  # a traced call enters the mode itself (module docstring)
             if self._active[shard] is None and self._recent and self.peers.in_backward(shard):
                 mode = self.mode(shard)
                 mode.__enter__()
@@ -189,13 +204,14 @@ class ShardDropout:
 
     # -- one dropout ----------------------------------------------------------------------------------------
 
-    def key(self, shard: int, x: torch.Tensor) -> int:
-        """The key of this dropout of `x`: a new one in forward, the recorded one when recomputed in backward."""
+    def key(self, shard: int, x: torch.Tensor, n: int | None = None) -> int:
+        """The key of this dropout of `x` (the call's `n`-th, else the next): a new one in forward, the recorded
+        one when recomputed in backward."""
         fingerprint = _fingerprint(x)
         if self.peers is not None and self.peers.in_backward(shard):
             return self._replay(shard, fingerprint, x)
-        record, n = self.record, self._count[shard]
-        self._count[shard] += 1
+        record, n = self.record, self._count[shard] if n is None else n
+        self._count[shard] = n + 1
         replicated = True
         if self.peers is not None:
             replicated, record.seed = self.peers.agree(shard, n, fingerprint, record.seed)
@@ -215,12 +231,12 @@ class ShardDropout:
         self._replayed[shard][fingerprint] = i + 1
         return keys[i % len(keys)]
 
-    def keep_mask(self, shard: int, x: torch.Tensor, p: float, shape: tuple[int, ...]) -> torch.Tensor:
+    def keep_mask(self, shard: int, x: torch.Tensor, p: float, shape: tuple[int, ...], n: int | None = None) -> torch.Tensor:
         """1/(1-p) where kept, 0 where dropped: drawn from this dropout's own generator."""
         g = self._generators.get(shard)
         if g is None or g.device != x.device:
             g = self._generators[shard] = torch.Generator(device=x.device)
-        g.manual_seed(self.key(shard, x))
+        g.manual_seed(self.key(shard, x, n))
         mask = torch.empty(shape, dtype=x.dtype, device=x.device)
         if p >= 1:
             return mask.zero_()
@@ -233,6 +249,16 @@ class _DropoutMode(TorchFunctionMode):
     def __init__(self, owner: ShardDropout, shard: int) -> None:
         super().__init__()
         self.owner, self.shard = owner, shard
+        self.seed: torch.Tensor | None = None  # traced: the call's dropout_seed
+        self.n = 0  # traced: dropouts so far in the call
+
+    def _mask(self, x: torch.Tensor, p: float, shape: tuple[int, ...]) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return self.owner.keep_mask(self.shard, x, p, shape)
+        if self.seed is None:
+            self.seed = torch.ops.tensorshard.dropout_seed(x.detach(), self.owner.handle)
+        self.n += 1
+        return torch.ops.tensorshard.dropout_mask(x.detach(), self.seed, self.owner.handle, self.n - 1, p, list(shape))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -252,7 +278,7 @@ class _DropoutMode(TorchFunctionMode):
             batched = x.dim() == dims + 2  # (N, C, *spatial); else unbatched (C, *spatial)
             lead = 2 if batched else 1
             shape = tuple(x.shape[:lead]) + (1,) * (x.dim() - lead)
-        mask = self.owner.keep_mask(self.shard, x, p, shape)
+        mask = self._mask(x, p, shape)
         return x.mul_(mask) if inplace else x * mask
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -270,7 +296,7 @@ class _DropoutMode(TorchFunctionMode):
             scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
         blind = torch.isneginf(scores).all(dim=-1, keepdim=True)  # a query row that may see no key (padding)
         weights = torch.softmax(scores.masked_fill(blind, 0.0), dim=-1).masked_fill(blind, 0.0)  # 0 there, as SDPA
-        weights = weights * self.owner.keep_mask(self.shard, weights, dropout_p, tuple(weights.shape))
+        weights = weights * self._mask(weights, dropout_p, tuple(weights.shape))
         return weights @ value
 
 
@@ -288,3 +314,44 @@ def _sdpa_dropout(args, kwargs) -> float:
     if "dropout_p" in kwargs:
         return float(kwargs["dropout_p"])
     return float(args[4]) if len(args) > 4 else 0.0
+
+
+# --- the compiled graph's operators (module docstring) -----------------------------------------------------------
+
+_owners: "weakref.WeakValueDictionary[int, ShardDropout]" = weakref.WeakValueDictionary()
+_handles = itertools.count(1)
+
+
+def _owner(handle: int) -> ShardDropout:
+    owner = _owners.get(handle)
+    if owner is None:
+        raise RuntimeError(f"a compiled graph drew dropout masks for a model that no longer exists (handle {handle}); "
+                           "compile the parallelized model again")
+    return owner
+
+
+@torch.library.custom_op("tensorshard::dropout_seed", mutates_args=())
+def dropout_seed(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """Starts a training call's dropout record (its seed from torch's default generator, as in eager), unless the
+    engine's eager wrapper around a compiled forward began it (`in_call`); the seed, which every dropout_mask of the
+    call reads (`x`: the first dropout's input, for the device)."""
+    owner = _owner(handle)
+    record = owner.record if owner.in_call and owner.record is not None else owner.begin_forward()
+    return torch.tensor(record.seed, dtype=torch.int64, device=x.device)
+
+
+@dropout_seed.register_fake
+def _(x, handle):
+    return torch.empty((), dtype=torch.int64, device=x.device)
+
+
+@torch.library.custom_op("tensorshard::dropout_mask", mutates_args=())
+def dropout_mask(x: torch.Tensor, seed: torch.Tensor, handle: int, n: int, p: float, shape: list[int]) -> torch.Tensor:
+    """The keep mask of the call's `n`-th dropout of `x` (ShardDropout.keep_mask); `seed` orders it after
+    dropout_seed."""
+    return _owner(handle).keep_mask(0, x, p, tuple(shape), n)
+
+
+@dropout_mask.register_fake
+def _(x, seed, handle, n, p, shape):
+    return x.new_empty(shape)

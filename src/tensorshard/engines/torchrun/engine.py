@@ -285,13 +285,17 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
 
     def forward(*args, **kwargs):
         if torch.compiler.is_compiling():
-            # What torch.compile traces (docs/torchrun.md, "Compiled decoding"): the model's own computation
-            # and its collectives only. The host-side work (the input check, adopting late adapters, moving
-            # inputs, failure reports) is not part of a graph. Dropout in training needs masks the ranks agree
-            # on, drawn on the host: that call runs eagerly (a graph break; fullgraph=True refuses it).
-            if dropout is not None and root.training:
-                return untraced(*args, **kwargs)
-            return inner(*args, **kwargs)
+            # What torch.compile traces (docs/torchrun.md, "Compiled decoding"; docs/compile.md): the model's own
+            # computation and its collectives only. The host-side work (the input check, adopting late adapters,
+            # moving inputs, failure reports) is not part of a graph. Dropout in training draws the eager masks
+            # through operators of the graph (comm/dropout.py).
+            try:
+                if dropout is not None and root.training:
+                    with dropout.mode():
+                        return inner(*args, **kwargs)
+                return inner(*args, **kwargs)
+            finally:
+                comm.end_traced_call()
         return eager(*args, **kwargs)
 
     def eager(*args, **kwargs):
@@ -305,8 +309,12 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
                 check_same_inputs(_named_inputs(signature, args, kwargs), comm.group, where=type(root).__name__)
             if dropout is not None and root.training and outermost["depth"] == 1:
                 dropout.begin_forward()
-                with dropout.mode():
-                    return inner(*args, **kwargs)
+                dropout.in_call = True  # a compiled model forward inside draws from this record (comm/dropout.py)
+                try:
+                    with dropout.mode():
+                        return inner(*args, **kwargs)
+                finally:
+                    dropout.in_call = False
             return inner(*args, **kwargs)
         except BaseException as e:
             comm.guard.report(e, where)
@@ -315,7 +323,6 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
             outermost["depth"] -= 1
             comm.end_call()
 
-    untraced = torch.compiler.disable(eager)
     wrap_forward(root, forward)
 
 

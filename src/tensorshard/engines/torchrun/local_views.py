@@ -47,7 +47,9 @@ def swap_wrapper_views(root: nn.Module, state, names=None) -> None:
 def _wrap(around: nn.Module, entries: list[tuple[nn.Module, str, str, Layout]], state) -> None:
     comm, mesh = state.comm, state.mesh
     table_of = {"param": "_parameters", "buffer": "_buffers"}
+    # a parameter with a partial gradient also gets the number naming it in compiled graphs (comm.deferred_slot)
     entries = [(owner, table_of[kind], name, layout, (id(owner), name) in comm.partial) for owner, kind, name, layout in entries]
+    entries = [(*e[:4], comm.deferred_slot(e[0], e[1], e[2]) if e[4] else 0) for e in entries]
     inner = around.forward
 
     def forward(*args, **kwargs):
@@ -55,7 +57,7 @@ def _wrap(around: nn.Module, entries: list[tuple[nn.Module, str, str, Layout]], 
         # autograd's link (a forward entered without it may turn it on inside: activation checkpointing, say)
         grad = torch.is_grad_enabled() or around.training
         saved = []
-        for owner, table_name, name, layout, partial in entries:
+        for owner, table_name, name, layout, slot in entries:
             table = getattr(owner, table_name)
             t = table.get(name)
             if not isinstance(t, DTensor) or (not torch.compiler.is_compiling() and t.device_mesh != mesh):
@@ -66,10 +68,10 @@ def _wrap(around: nn.Module, entries: list[tuple[nn.Module, str, str, Layout]], 
             # to_local() makes a Parameter view per call, which costs a module call in decoding as much as the
             # rest of this wrapper
             local = layout.view(to_local(t) if grad else t._local_tensor)
-            if partial:
+            if slot:  # a partial gradient
                 # FSDP2 reads a managed module's gradients right after its backward: reduce on the spot.
                 on_the_spot = getattr(owner, "_is_fsdp_managed_module", False)
-                local = comm.defer_grad(local, t, on_the_spot=on_the_spot, where=f"{type(owner).__name__}.{name}")
+                local = comm.defer_grad(local, t, on_the_spot=on_the_spot, slot=slot, where=f"{type(owner).__name__}.{name}")
             saved.append((table, name, t))
             table[name] = local
         try:

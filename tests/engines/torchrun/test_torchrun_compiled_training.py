@@ -1,0 +1,120 @@
+"""Compiled training under torchrun: `torch.compile(model)` of a parallelized transformers Llama trains with the
+unsplit model's losses, no more graph breaks than the unsplit model compiled the same way, and the eager step's
+collectives (comm/dist_ops.py): the default plan, a sequence-parallel one (norm gradients in the bucket), 3 ranks
+(KV heads replicated, their gradients tied), and dropout (the eager step's masks).
+
+aot_eager traces what inductor would compile (the graphs with their autograd) without generating code, which
+costs minutes per graph on these loaded cores.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tensorshard as tp
+from support import tiny_llama
+from support.harness import world_mesh
+
+pytestmark = pytest.mark.timeout(600)
+TASK = 540  # seconds a task may take: it compiles the unsplit and the split model
+STEPS, BATCH, SEQ = 3, 2, 12  # 12 tokens: sequence shards even over 2 and 3 ranks
+
+
+def _graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _sequence_parallel_plan() -> tp.Plan:
+    """Sequence parallelism between the blocks; the head gathers its logits (the loss is the model's own)."""
+    return tiny_llama.plan() | {
+        "model.layers.0": tp.SequenceParallel(input="whole"),  # the residual stream is split from here on
+        "model.layers.*.input_layernorm": tp.SequenceParallel(output="gathered"),
+        "model.layers.*.post_attention_layernorm": tp.SequenceParallel(output="gathered"),
+        "model.layers.*.self_attn.o_proj": tp.RowwiseToSequence(blocks=("q",)),
+        "model.layers.*.mlp.down_proj": tp.RowwiseToSequence(),
+        "model.norm": tp.SequenceParallel(output="gathered"),
+    }
+
+
+def _train(model, batches, *, compiled: bool, labels: bool, seed: int = 0) -> dict:
+    """STEPS AdamW steps on `batches`: the losses, the graph breaks, the graphs compiled and each step's counted
+    collectives. With `labels`, the model computes its loss (under torchrun from vocabulary slices:
+    integrations/causal_lm_loss.py), else the step does from the logits."""
+    step = torch.compile(model, backend="aot_eager") if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(seed)  # the dropout masks' call seeds (comm/dropout.py)
+    breaks, graphs, losses, counts = _graph_breaks(), _graphs(), [], []
+    for ids in batches:
+        with tp.count_collectives() as forward:
+            if labels:
+                loss = step(ids, labels=ids).loss
+            else:
+                logits = step(ids).logits
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, tiny_llama.VOCAB), ids[:, 1:].reshape(-1))
+        with tp.count_collectives() as backward:
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        counts.append([forward.counts, backward.counts])
+    return {"losses": losses, "graph_breaks": _graph_breaks() - breaks, "graphs": _graphs() - graphs, "counts": counts}
+
+
+def compiled_training_task(plan_name: str, dropout: float, labels: bool = True) -> dict:
+    torch._dynamo.reset()
+    ref = tiny_llama.build().train()
+    for module in ref.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = dropout  # on the heads: each rank draws its own mask (split activations)
+    plan = _sequence_parallel_plan() if plan_name == "sequence" else tiny_llama.plan()
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, tiny_llama.VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+    def split():
+        return tp.parallelize(copy.deepcopy(ref), world_mesh(), plan=plan, check_inputs=0)
+
+    out = {"compiled": _train(split(), batches, compiled=True, labels=labels),
+           "eager": _train(split(), batches, compiled=False, labels=labels)}
+    if not dropout:  # the unsplit model draws other masks: compared only without dropout
+        out["unsplit"] = _train(copy.deepcopy(ref), batches, compiled=True, labels=labels)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])  # 3 ranks: 4 query heads as 2/1/1, the 2 KV heads replicated (tied)
+@pytest.mark.parametrize("plan_name", ["default", "sequence"])
+def test_compiled_training_gives_the_unsplit_losses_with_the_eager_collectives(pool2, pool3, world, plan_name):
+    for out in (pool2 if world == 2 else pool3).run(compiled_training_task, plan_name, 0.0, timeout=TASK):
+        compiled, eager, unsplit = out["compiled"], out["eager"], out["unsplit"]
+        for split, single in zip(compiled["losses"], unsplit["losses"]):
+            assert abs(split - single) <= 1e-5 * abs(single)  # fp32, 3 AdamW steps
+        assert compiled["graph_breaks"] <= unsplit["graph_breaks"]
+        # one graph, as unsplit (its backward compiled with it): the engine's host-side wrapper around the model's
+        # forward (the lazily gathered logits of integrations/lazy_logits.py) runs eagerly around it
+        assert compiled["graphs"] == unsplit["graphs"] == 1
+        # every step, compiled or not, runs the same collectives (the first compiles, the later replay)
+        assert compiled["counts"] == eager["counts"]
+        backward = eager["counts"][0][1]
+        tie = {"all_reduce": 2 * 2} if world == 3 else {}  # k and v weight gradients summed over their holders
+        if plan_name == "default":
+            # q, k and v (gate and up) share one input-gradient all-reduce: 2 per layer, and lm_head
+            assert backward == {"all_reduce": 2 * 2 + 1 + tie.get("all_reduce", 0)}
+        else:
+            # each norm's gathered output claimed by column layers: its gradient reduce-scattered; o_proj and
+            # down_proj's reduce-scatters gathered back; the norm weights' partial gradients in one bucket
+            assert backward == {"reduce_scatter": 2 * 2 + 1, "all_gather": 2 * 2 + 1,
+                                "all_reduce": 1 + 1 + tie.get("all_reduce", 0)}
+
+
+@pytest.mark.parametrize("labels", [False, True])  # without: the whole call traced; with: the model's forward
+def test_compiled_dropout_draws_the_eager_masks(pool2, labels):
+    for out in pool2.run(compiled_training_task, "default", 0.2, labels, timeout=TASK):
+        compiled, eager = out["compiled"], out["eager"]
+        for traced, ran in zip(compiled["losses"], eager["losses"]):
+            assert abs(traced - ran) <= 1e-5 * abs(ran)  # the same masks; without them the losses differ by ~1e-2
+        assert compiled["graph_breaks"] == 0 and compiled["graphs"] == 1
+        assert compiled["counts"] == eager["counts"]  # each dropout's small all-gather (ranks agree on its key) too
