@@ -1,8 +1,9 @@
 """A training step compiled against the same step eager, for the unsplit model and for the model split in one
-process: does torch.compile pay on a split model as it pays on an unsplit one?
+process or under torchrun: does torch.compile pay on a split model as it pays on an unsplit one?
 
     python benchmarks/compiled_training.py [--devices 2] [--rounds 5] [--steps 3] [--backend inductor] [--quick]
                                                         # writes benchmarks/results/compiled_training.json
+    python benchmarks/compiled_training.py --torchrun   # also the torchrun rows (--devices gloo ranks)
 
 Model: BENCHMARKS.md's small Llama (hidden 256, 8 layers, 8 query heads over 4 KV heads, vocabulary 2048;
 suite/scaling_torchrun.py's "small"), a (4, 128) token batch, one intra-op thread per device (--quick: the tiny
@@ -13,9 +14,13 @@ engines/inprocess/compiled_shards.py). Each compiled variant first runs two unti
 backward graphs); then the variants take turns, `--steps` timed steps each per round, so every variant sees the
 same machine; medians over the rounds.
 
-Reported: each variant's step time (wall) and CPU time (all threads of the process), the compiled/eager ratio of
-the unsplit model and of the split one, and their quotient: the target is that the split model's ratio is within
-10% of the unsplit model's (quotient <= 1.10). Wall times need idle cores: run it alone, `uptime` near 0, and
+With `--torchrun`, two more variants run in a torchrun job of `--devices` gloo ranks (one intra-op thread each):
+`tp.parallelize` of the same model, eager and `torch.compile(model)` (the collectives as graph operators:
+comm/dist_ops.py), interleaved the same way; a step's time is the slowest rank's (a barrier before each round).
+
+Reported: each variant's step time (wall) and CPU time (all threads of the process; under torchrun rank 0's), the
+compiled/eager ratio of the unsplit model and of the split one, and their quotient: the target is that the split
+model's ratio is within 10% of the unsplit model's (quotient <= 1.10). Wall times need idle cores: run it alone, `uptime` near 0, and
 compare runs by their `load_average` fields.
 """
 
@@ -75,6 +80,42 @@ class Variant:
         self.cpu.append((time.process_time() - cpu) / steps)
 
 
+def _torchrun_job(args) -> None:
+    """One rank of the torchrun job: the split model eager and compiled, interleaved; rank 0 writes the result."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tensorshard as tp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    _, model, ids = build(args.quick)
+    eager = tp.parallelize(copy.deepcopy(model), mesh)
+    compiled = tp.parallelize(copy.deepcopy(model), mesh)
+    variants = [Variant("torchrun split eager", eager, eager, ids),
+                Variant("torchrun split compiled", compiled, torch.compile(compiled, backend=args.backend), ids)]
+    compile_seconds = {}
+    for v in variants:
+        dist.barrier()
+        started = time.perf_counter()
+        v.step()
+        v.step()
+        compile_seconds[v.name] = round(time.perf_counter() - started, 2)
+    for _ in range(args.rounds):
+        for v in variants:
+            dist.barrier()
+            v.timed(args.steps)
+    slowest = torch.tensor([statistics.median(v.wall) for v in variants], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if dist.get_rank() == 0:
+        result = {"step_wall_s": {v.name: t for v, t in zip(variants, slowest.tolist())},
+                  "step_cpu_s": {v.name: statistics.median(v.cpu) for v in variants},
+                  "warmup_two_steps_s": compile_seconds, "losses": {v.name: v.losses for v in variants}}
+        Path(args.out).write_text(json.dumps(result) + "\n")
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, default=2)
@@ -83,7 +124,11 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--quick", action="store_true", help="the tiny Llama: checks that it runs")
     parser.add_argument("--out", default=str(BENCH / "results" / "compiled_training.json"))
+    parser.add_argument("--torchrun", action="store_true", help="also the split model under torchrun")
+    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.job:
+        return _torchrun_job(args)
     torch.set_num_threads(1)
 
     import tensorshard as tp
@@ -124,11 +169,30 @@ def main() -> None:
             abs(a - b) <= 1e-4 * abs(b) for v in variants[1:] for a, b in zip(v.losses, variants[0].losses)
         ),
     }
-    for v in variants:
-        print(f"{v.name:18s} step {wall[v.name] * 1e3:8.1f} ms wall, {cpu[v.name] * 1e3:8.1f} ms CPU; "
-              f"first two steps {compile_seconds[v.name]:.1f} s")
+    if args.torchrun:
+        from suite.scaling_torchrun import run_script
+
+        job = ["--job", "--rounds", str(args.rounds), "--steps", str(args.steps), "--backend", args.backend]
+        ran = run_script(Path(__file__).resolve(), job + (["--quick"] if args.quick else []), ranks=args.devices,
+                         timeout=3600, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+        torchrun_ratio = ran["step_wall_s"]["torchrun split compiled"] / ran["step_wall_s"]["torchrun split eager"]
+        wall.update(ran["step_wall_s"])
+        cpu.update(ran["step_cpu_s"])
+        compile_seconds.update(ran["warmup_two_steps_s"])
+        result.update(step_wall_s=wall, step_cpu_s=cpu, warmup_two_steps_s=compile_seconds,
+                      torchrun_split_compiled_over_eager=torchrun_ratio,
+                      torchrun_ratio_over_unsplit_ratio=torchrun_ratio / unsplit_ratio,
+                      torchrun_same_losses=all(abs(a - b) <= 1e-4 * abs(b) for losses in ran["losses"].values()
+                                               for a, b in zip(losses, variants[0].losses)),
+                      load_average_after_torchrun=os.getloadavg())
+    for name in wall:
+        print(f"{name:24s} step {wall[name] * 1e3:8.1f} ms wall, {cpu[name] * 1e3:8.1f} ms CPU; "
+              f"first two steps {compile_seconds[name]:.1f} s")
     print(f"compiled/eager: unsplit {unsplit_ratio:.3f}, split {split_ratio:.3f} "
           f"(split / unsplit {split_ratio / unsplit_ratio:.3f}; target <= 1.10); load average {os.getloadavg()}")
+    if args.torchrun:
+        print(f"compiled/eager under torchrun: {result['torchrun_split_compiled_over_eager']:.3f} "
+              f"(/ unsplit {result['torchrun_ratio_over_unsplit_ratio']:.3f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
