@@ -12,6 +12,7 @@ implementation (shapes only) and a backward that follows comm/interface.py's con
 autograd nodes use (comm/functions.py's `*_backward`, called here with this rank's one gradient):
 
     all_reduce        backward: identity
+    all_reduce_max    no gradient (a vocabulary-parallel loss's stability shift)
     all_gather        backward: this rank's block of the gradient
     copy_to_parallel  forward: a copy (an op may not return its input)   backward: all_reduce
     split             forward: this rank's slice                          backward: gather (counted as eager's Split)
