@@ -66,56 +66,72 @@ def _train(model, batches, *, compiled: bool, labels: bool, seed: int = 0) -> di
     return {"losses": losses, "graph_breaks": _graph_breaks() - breaks, "graphs": _graphs() - graphs, "counts": counts}
 
 
-def compiled_training_task(plan_name: str, dropout: float, labels: bool = True) -> dict:
+def _setup(dropout: float):
     torch._dynamo.reset()
     ref = tiny_llama.build().train()
     for module in ref.modules():
         if hasattr(module, "attention_dropout"):
             module.attention_dropout = dropout  # on the heads: each rank draws its own mask (split activations)
-    plan = _sequence_parallel_plan() if plan_name == "sequence" else tiny_llama.plan()
     gen = torch.Generator().manual_seed(5)
-    batches = [torch.randint(0, tiny_llama.VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+    return ref, [torch.randint(0, tiny_llama.VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
+
+
+def _compiled_and_eager(ref, batches, plan, labels: bool) -> dict:
     def split():
         return tp.parallelize(copy.deepcopy(ref), world_mesh(), plan=plan, check_inputs=0)
 
-    out = {"compiled": _train(split(), batches, compiled=True, labels=labels),
-           "eager": _train(split(), batches, compiled=False, labels=labels)}
-    if not dropout:  # the unsplit model draws other masks: compared only without dropout
-        out["unsplit"] = _train(copy.deepcopy(ref), batches, compiled=True, labels=labels)
+    return {"compiled": _train(split(), batches, compiled=True, labels=labels),
+            "eager": _train(split(), batches, compiled=False, labels=labels)}
+
+
+def compiled_training_task() -> dict:
+    """The unsplit model compiled, and the split one compiled and eager with each plan (one task: one unsplit
+    compile)."""
+    ref, batches = _setup(0.0)
+    out = {name: _compiled_and_eager(ref, batches, plan, labels=True)
+           for name, plan in (("default", tiny_llama.plan()), ("sequence", _sequence_parallel_plan()))}
+    out["unsplit"] = _train(copy.deepcopy(ref), batches, compiled=True, labels=True)
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])  # 3 ranks: 4 query heads as 2/1/1, the 2 KV heads replicated (tied)
-@pytest.mark.parametrize("plan_name", ["default", "sequence"])
-def test_compiled_training_gives_the_unsplit_losses_with_the_eager_collectives(pool2, pool3, world, plan_name):
-    for out in (pool2 if world == 2 else pool3).run(compiled_training_task, plan_name, 0.0, timeout=TASK):
-        compiled, eager, unsplit = out["compiled"], out["eager"], out["unsplit"]
-        for split, single in zip(compiled["losses"], unsplit["losses"]):
-            assert abs(split - single) <= 1e-5 * abs(single)  # fp32, 3 AdamW steps
-        assert compiled["graph_breaks"] <= unsplit["graph_breaks"]
-        # one graph, as unsplit (its backward compiled with it): the engine's host-side wrapper around the model's
-        # forward (the lazily gathered logits of integrations/lazy_logits.py) runs eagerly around it
-        assert compiled["graphs"] == unsplit["graphs"] == 1
-        # every step, compiled or not, runs the same collectives (the first compiles, the later replay)
-        assert compiled["counts"] == eager["counts"]
-        backward = eager["counts"][0][1]
-        tie = {"all_reduce": 2 * 2} if world == 3 else {}  # k and v weight gradients summed over their holders
-        if plan_name == "default":
-            # q, k and v (gate and up) share one input-gradient all-reduce: 2 per layer, and lm_head
-            assert backward == {"all_reduce": 2 * 2 + 1 + tie.get("all_reduce", 0)}
-        else:
-            # each norm's gathered output claimed by column layers: its gradient reduce-scattered; o_proj and
-            # down_proj's reduce-scatters gathered back; the norm weights' partial gradients in one bucket
-            # (the split at layer 0's input gathered back too)
-            assert backward == {"reduce_scatter": 2 * 2 + 1, "all_gather": 2 * 2 + 1,
-                                "all_reduce": 1 + tie.get("all_reduce", 0)}
+def test_compiled_training_gives_the_unsplit_losses_with_the_eager_collectives(pool2, pool3, world):
+    for out in (pool2 if world == 2 else pool3).run(compiled_training_task, timeout=TASK):
+        unsplit = out["unsplit"]
+        for plan_name in ("default", "sequence"):
+            compiled, eager = out[plan_name]["compiled"], out[plan_name]["eager"]
+            for split, single in zip(compiled["losses"], unsplit["losses"]):
+                assert abs(split - single) <= 1e-5 * abs(single), plan_name  # fp32, 3 AdamW steps
+            assert compiled["graph_breaks"] <= unsplit["graph_breaks"], plan_name
+            # one graph, as unsplit (its backward compiled with it): the engine's host-side wrapper around the
+            # model's forward (the lazily gathered logits of integrations/lazy_logits.py) runs eagerly around it
+            assert compiled["graphs"] == unsplit["graphs"] == 1, plan_name
+            # every step, compiled or not, runs the same collectives (the first compiles, the later replay)
+            assert compiled["counts"] == eager["counts"], plan_name
+            backward = eager["counts"][0][1]
+            tie = 2 * 2 if world == 3 else 0  # k and v weight gradients summed over their holders
+            if plan_name == "default":
+                # q, k and v (gate and up) share one input-gradient all-reduce: 2 per layer, and lm_head
+                assert backward == {"all_reduce": 2 * 2 + 1 + tie}
+            else:
+                # each norm's gathered output claimed by column layers: its gradient reduce-scattered; o_proj and
+                # down_proj's reduce-scatters gathered back, and the split of layer 0's input; the norm weights'
+                # partial gradients in one bucket
+                assert backward == {"reduce_scatter": 2 * 2 + 1, "all_gather": 2 * 2 + 1, "all_reduce": 1 + tie}
 
 
-@pytest.mark.parametrize("labels", [False, True])  # without: the whole call traced; with: the model's forward
-def test_compiled_dropout_draws_the_eager_masks(pool2, labels):
-    for out in pool2.run(compiled_training_task, "default", 0.2, labels, timeout=TASK):
-        compiled, eager = out["compiled"], out["eager"]
-        for traced, ran in zip(compiled["losses"], eager["losses"]):
-            assert abs(traced - ran) <= 1e-5 * abs(ran)  # the same masks; without them the losses differ by ~1e-2
-        assert compiled["graph_breaks"] == 0 and compiled["graphs"] == 1
-        assert compiled["counts"] == eager["counts"]  # each dropout's small all-gather (ranks agree on its key) too
+def compiled_dropout_task() -> dict:
+    """With and without labels: the model's forward traced inside the engine's eager wrapper, or the whole call."""
+    ref, batches = _setup(0.2)
+    return {labels: _compiled_and_eager(ref, batches, tiny_llama.plan(), labels) for labels in (False, True)}
+
+
+def test_compiled_dropout_draws_the_eager_masks(pool2):
+    for out in pool2.run(compiled_dropout_task, timeout=TASK):
+        for labels, run in out.items():
+            compiled, eager = run["compiled"], run["eager"]
+            for traced, ran in zip(compiled["losses"], eager["losses"]):
+                # the same masks (with dropout off the losses differ by 1e-3 to 1e-2)
+                assert abs(traced - ran) <= 1e-5 * abs(ran), labels
+            assert compiled["graph_breaks"] == 0 and compiled["graphs"] == 1, labels
+            assert compiled["counts"] == eager["counts"], labels  # each dropout's small all-gather (its key) too
