@@ -1,7 +1,8 @@
-"""Lightning with an in-process split model compiled in `configure_model` (Lightning's place for torch.compile):
-every shard compiled in its own thread (engines/inprocess/compiled_shards.py), the unsplit compiled model's
-losses. One process, Lightning's single-device strategy on CPU; aot_eager as the backend (forward and backward
-graphs, no generated code)."""
+"""Lightning with a split model compiled in `configure_model` (Lightning's place for torch.compile), the unsplit
+compiled model's losses: in one process (every shard compiled in its own thread: engines/inprocess/compiled_shards.py;
+Lightning's single-device strategy on CPU), and under torchrun (`ModelParallelStrategy`, 2 gloo ranks of the process
+pool: `tp.parallelize` on the strategy's mesh, then torch.compile; the collectives are graph operators,
+comm/dist_ops.py). aot_eager as the backend (forward and backward graphs, no generated code)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,19 @@ class CompiledLlama(L.LightningModule):
         super().__init__()
         self.model, self.devices, self.losses = model, devices, []
 
+        self.batches = []
+
     def configure_model(self):
-        if self.devices > 1:
+        if self.devices == "torchrun":
+            tp.parallelize(self.model, self.device_mesh["tensor_parallel"], check_inputs=0)
+        elif self.devices > 1:
             self.model = tp.tensor_parallel(self.model, ["cpu"] * self.devices)
         self.model = torch.compile(self.model, backend="aot_eager")
 
     def training_step(self, batch):
         loss = self.model(input_ids=batch, labels=batch).loss
         self.losses.append(loss.item())
+        self.batches.append(batch.clone())
         return loss
 
     def configure_optimizers(self):
@@ -56,3 +62,30 @@ def test_lightning_compiles_a_split_model_in_configure_model_with_the_unsplit_lo
     want = _fit(copy.deepcopy(ref), 1)
     got = _fit(ref, 2)
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-5)
+
+
+def torchrun_task() -> dict:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    torch._dynamo.reset()
+    ref = tiny_llama.build().train()
+    lit = CompiledLlama(copy.deepcopy(ref), "torchrun")
+    L.Trainer(
+        accelerator="cpu", devices=2, strategy=ModelParallelStrategy(), max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(lit)
+    unsplit = torch.compile(ref, backend="aot_eager")  # the same steps on the batches the Trainer fed
+    optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = []
+    for batch in lit.batches:
+        loss = unsplit(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+    return {"got": lit.losses, "want": want}
+
+
+def test_lightning_compiles_a_model_parallelized_under_torchrun_with_the_unsplit_losses(pool2):
+    for out in pool2.run(torchrun_task, timeout=280):
+        assert len(out["got"]) == 3 and out["got"] == pytest.approx(out["want"], rel=1e-5)
