@@ -20,6 +20,7 @@ The reductions themselves are in comm/reduce.py.
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -57,6 +58,22 @@ class ThreadComm(Comm):
         self.handle = thread_ops.handle_of(self)  # its name in compiled graphs (comm/thread_ops.py)
         # while torch.compile traces a call that builds an autograd graph: comm/functions.py's nodes over these
         self.traced = TracedCollectives(self.handle, rank, group.world_size)
+        self.bound = False  # bound to one call site (`at`): traced, its collectives name that site, not `where`
+
+    def at(self, site: str) -> "ThreadComm":
+        """This comm, bound to the call site `site` (a style's module name): traced into a compiled graph, its
+        collectives name the site by a tensor (comm/traced_collectives.py) and never read the `where` they are
+        given, which dynamo would otherwise guard on (a graph per block and shard; eagerly nothing changes)."""
+        bound = copy.copy(self)
+        bound.traced = TracedCollectives(self.handle, self.rank, self.world_size, site)
+        bound.bound = True
+        bound.unbound = self  # keeps the comm its handle names alive (thread_ops holds it weakly)
+        return bound
+
+    def _traced_where(self, where: str) -> str:
+        """What a traced collective passes on as its `where`: nothing when bound to a site (the site tensor names
+        it; reading `where` would make dynamo guard on it)."""
+        return "" if self.bound else where
 
     def _exchange(self, op: str, where: str, x: Any, compute: Callable[[list[Any]], list[Any]], signature: Any) -> Any:
         return self.group.exchange(self.rank, op, where, x, compute, signature)
@@ -83,7 +100,7 @@ class ThreadComm(Comm):
         if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
             return thread_ops.all_reduce(x, self.handle, where)  # one operator inside the graph
         if self._traced_with_grad():
-            return functions.all_reduce(self.traced, where, x)[0]
+            return functions.all_reduce(self.traced, self._traced_where(where), x)[0]
         return self.eager_all_reduce(x, where=where)
 
     @_not_compiled
@@ -104,7 +121,7 @@ class ThreadComm(Comm):
             hit = getattr(x, "_tensorshard_parallel_copy", None)
             if hit is not None:
                 return hit
-            y = x._tensorshard_parallel_copy = functions.copy_to_parallel(self.traced, where, x)[0]
+            y = x._tensorshard_parallel_copy = functions.copy_to_parallel(self.traced, self._traced_where(where), x)[0]
             return y
         return self._copy_to_parallel(x, where=where)
 
@@ -123,7 +140,8 @@ class ThreadComm(Comm):
         return y
 
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
-        if self.world_size == 1 or where in self.group.left_split[self.rank]:
+        left = self.group.left_split[self.rank]
+        if self.world_size == 1 or (left and where in left):  # (`where` read only when some output is left split)
             return x
         traced = self._traced_gather(x, dim, partition, where)
         return traced if traced is not None else self.eager_all_gather(x, dim, partition, where=where)
@@ -133,7 +151,8 @@ class ThreadComm(Comm):
         if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
             return thread_ops.all_gather(x, self.handle, dim % x.dim(), thread_ops.layout_of(partition), where)
         if self._traced_with_grad():
-            return functions.all_gather(self.traced, where, partition, self._slice_dim("all_gather", where, x, dim, partition), x)[0]
+            dim = self._slice_dim("all_gather", where, x, dim, partition)
+            return functions.all_gather(self.traced, self._traced_where(where), partition, dim, x)[0]
         return None
 
     def _slice_dim(self, op: str, where: str, x: torch.Tensor, dim: int, partition: Partition) -> int:
@@ -190,7 +209,8 @@ class ThreadComm(Comm):
         of one whole tensor, each having copied its slice into it (comm/thread_collectives.py). Shards that own their
         graphs only: the caller checks `group.own_graphs`. Compiled, every shard gets a whole copy instead."""
         if self._traced_with_grad():
-            return functions.assemble(self.traced, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)[0]
+            dim = self._slice_dim("assemble", where, x, dim, partition)
+            return functions.assemble(self.traced, self._traced_where(where), partition, dim, x)[0]
         traced = self._traced_gather(x, dim, partition, where)
         return traced if traced is not None else self._assemble(x, dim, partition, where=where)
 
@@ -210,7 +230,7 @@ class ThreadComm(Comm):
             # decoding path of a model with per-head inputs, BLOOM's ALiBi, keeps one graph per shard)
             return partition.take(x, dim, self.rank)
         if self._traced_with_grad():
-            return functions.split(self.traced, where, partition, dim, x)[0]
+            return functions.split(self.traced, self._traced_where(where), partition, dim, x)[0]
         return self._split(x, dim, partition, where=where)
 
     @_not_compiled
@@ -222,7 +242,7 @@ class ThreadComm(Comm):
 
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self._traced_with_grad() and x.requires_grad:
-            return functions.tie(self.traced, where, groups, x)[0]
+            return functions.tie(self.traced, self._traced_where(where), groups, x)[0]
         return self._tie(x, groups, where=where)
 
     @_not_compiled

@@ -107,3 +107,38 @@ def test_compiled_no_grad_forward_of_a_causal_lm_equals_the_unsplit_model(llama,
             out = compiled(input_ids=ids).logits
         expected = ref(input_ids=ids).logits
     assert rel_err(out, expected) < 1e-5
+
+
+DEEP = 10  # blocks: past dynamo's recompile limit (8), had each block of each shard needed a graph of its own
+
+
+def _graphs_and_fallbacks() -> tuple[int, int]:
+    """Graphs dynamo made since the last reset, and frames it ran eagerly for having hit its recompile limit."""
+    limit_hits = sum(n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason.lower())
+    return counters["stats"]["unique_graphs"], limit_hits
+
+
+def test_per_block_compile_of_a_deep_split_model_needs_the_unsplit_models_graphs():
+    """Compiled per block, every block of every shard shares one graph as the unsplit model's blocks do: the
+    collectives name their shard and call site by a tensor the graph takes as an input (comm/thread_ops.py), and
+    ZeRO-3's hooks read nothing that differs per block or shard; so nothing falls back to eager past the limit."""
+    torch.manual_seed(0)
+    deep = tiny_llama.build()
+    deep = type(deep)(type(deep.config)(**{**deep.config.to_dict(), "num_hidden_layers": DEEP, "use_cache": False}))
+    deep.train()
+    with torch._dynamo.config.patch(recompile_limit=8):
+        ref_losses, _, _ = _train(copy.deepcopy(deep), "blocks")
+        ref_graphs, ref_fallbacks = _graphs_and_fallbacks()
+        split = tp.tensor_parallel(copy.deepcopy(deep), ["cpu", "cpu"])
+        ids = _batch()
+        with tp.count_collectives() as eager:
+            split(input_ids=ids, labels=ids).loss.backward()
+        split.zero_grad()
+        losses, breaks, collectives = _train(split, "blocks")
+        graphs, fallbacks = _graphs_and_fallbacks()
+    assert (ref_graphs, ref_fallbacks) == (1, 0)  # one graph for the 10 blocks of the unsplit model
+    assert (graphs, fallbacks, breaks) == (ref_graphs, 0, 0)  # and for the 2 x 10 of the split one
+    assert losses == pytest.approx(ref_losses, rel=1e-5)  # fp32, sums in another order
+    for step in collectives:
+        assert step == (dict(eager.forward), dict(eager.backward))
+    assert eager.backward == {"all_reduce": 2 * DEEP + 1}  # 2 per block, the loss's
