@@ -66,9 +66,23 @@ class ThreadComm(Comm):
         given, which dynamo would otherwise guard on (a graph per block and shard; eagerly nothing changes)."""
         bound = copy.copy(self)
         bound.traced = TracedCollectives(self.handle, self.rank, self.world_size, site)
-        bound.bound = True
+        bound.bound, bound.site = True, site
         bound.unbound = self  # keeps the comm its handle names alive (thread_ops holds it weakly)
         return bound
+
+    # A call that runs compiled code may run some frames eagerly where dynamo gives up on them (past its recompile
+    # limit, a frame of code many shards or models share: a transformers model's forward after a graph break, a
+    # wrapper), and not necessarily the same frames on every shard: shard 0 compiled where shard 1 runs eagerly.
+    # Their collectives must still meet at the rendezvous, the same operation at the same site. So in such a call
+    # (group.compiled, set by the engine) an eager collective takes the path its traced form takes: a bound comm
+    # names its site when a gradient may flow (the traced form names it by its site tensor), and a result
+    # assembled without gradients is all-gathered into a copy per shard (as `_traced_gather`).
+
+    def _eager_where(self, where: str) -> str:
+        """The `where` an eager collective runs under (see above)."""
+        if self.bound and self.group.compiled[self.rank] and torch.is_grad_enabled():
+            return self.site
+        return where
 
     def _traced_where(self, where: str) -> str:
         """What a traced collective passes on as its `where`: nothing when bound to a site (the site tensor names
@@ -107,6 +121,7 @@ class ThreadComm(Comm):
     def eager_all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        where = self._eager_where(where)
         if self.group.own_graphs:
             return functions.all_reduce(self.shard, where, x)[0]
         return self._spanning("all_reduce", where, x, lambda c, *xs: functions.all_reduce(c, where, *xs), _signature(x))
@@ -127,6 +142,7 @@ class ThreadComm(Comm):
 
     @_not_compiled
     def _copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        where = self._eager_where(where)
         cache = self.group.parallel_inputs(self.rank, "copy_to_parallel", where)
         hit = cache.get(id(x))
         if hit is not None and hit[0] is x:
@@ -166,6 +182,7 @@ class ThreadComm(Comm):
         """The all-gather itself (`all_gather` without the check for an output left split)."""
         if self.world_size == 1:
             return x
+        where = self._eager_where(where)
         dim = self._slice_dim("all_gather", where, x, dim, partition)
         if self.group.own_graphs:
             return functions.all_gather(self.shard, where, partition, dim, x)[0]
@@ -218,6 +235,9 @@ class ThreadComm(Comm):
     def _assemble(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        if self.group.compiled[self.rank] == "shards" and not torch.is_grad_enabled():
+            return self.eager_all_gather(x, dim, partition, where=where)  # as traced (`_traced_gather`)
+        where = self._eager_where(where)
         return functions.assemble(self.shard, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)[0]
 
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
@@ -235,6 +255,7 @@ class ThreadComm(Comm):
 
     @_not_compiled
     def _split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
+        where = self._eager_where(where)
         if self.group.own_graphs:
             return functions.split(self.shard, where, partition, dim, x)[0]
         run = lambda c, *xs: functions.split(c, where, partition, dim, *xs)  # noqa: E731
@@ -249,6 +270,7 @@ class ThreadComm(Comm):
     def _tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
+        where = self._eager_where(where)
         if self.group.own_graphs:
             return functions.tie(self.shard, where, groups, x)[0]
         return self._spanning("tie", where, x, lambda c, *xs: functions.tie(c, where, groups, *xs), _signature(x))

@@ -111,11 +111,20 @@ def compile_split(model: nn.Module, root: nn.Module, args: tuple, kwargs: dict) 
     if root is not model:
         for part in model.module_shards:
             part.compile(*args, **kwargs)
+        root.__dict__["_compiled_parts"] = True
     else:
         # a bound method: torch.compile keeps it (it unwraps a function made by torch.compiler.disable)
         model._compiled_call_impl = torch.compile(model._compiled_call, *args, **kwargs)
     start_warmup(root)
     logger.info("compiled %s on each of its %d device(s)", type(model).__name__, len(model.module_shards))
+
+
+def kind_of_call(root: nn.Module, *, compiled_shards: bool) -> str:
+    """What a call of the split model `root` runs compiled: "shards" (each shard's forward), "blocks" (parts of them:
+    `compile()` on a view), or "" (nothing). Its eager collectives then take their traced forms' paths, so that a
+    frame dynamo runs eagerly on one shard and compiled on another still meets the same collectives
+    (comm/threads.py, ThreadComm._eager_where)."""
+    return "shards" if compiled_shards else ("blocks" if root.__dict__.get("_compiled_parts") else "")
 
 
 def start_warmup(model: nn.Module) -> None:
