@@ -13,9 +13,10 @@ sums, the same counters), so a compiled graph holds the whole forward and calls 
 collectives. `comm` is a small integer naming the shard's `ThreadComm` (`handle`); `layout` is the `Partition`
 flattened to integers, which a traced graph can carry as a constant.
 
-These take calls that build no autograd graph (decoding, evaluation); a compiled call that does (training) runs
-comm/functions.py's autograd nodes over the raw collectives as operators, defined at the end of this file
-(comm/traced_collectives.py).
+These take calls that build no autograd graph in the decode steps (compiled_steps.py, whose stitcher rewrites them
+by their constants); a compiled call that does (training) runs comm/functions.py's autograd nodes over the raw
+collectives as operators defined at the end of this file (comm/traced_collectives.py), which name the shard and the
+call site by a tensor, and so do other compiled calls without gradients (evaluation, a model compiled per block).
 """
 
 from __future__ import annotations
@@ -142,6 +143,16 @@ all_gather = torch.ops.tensorshard.threads_all_gather.default
 # (`ThreadComm.at`), which holds that tensor; a comm bound to none makes it in the graph from constants (`site`).
 
 
+class _DecodeSteps:
+    """`compiling`: the decode steps of compiled_steps.py are running, whose graphs keep the no-gradient collectives
+    above (`all_reduce`, `all_gather`: their handle and name constants are what stitched_step.py and
+    parallel_step.py rewrite). Otherwise a bound comm's no-gradient collectives are these, named by their site
+    tensor too. A global dynamo guards on: the same value for every block and shard."""
+
+    compiling = False
+
+
+decode_steps = _DecodeSteps()
 _names: list[str] = []  # a call site's number -> its name (the `where` of the eager collectives)
 _numbers: dict[str, int] = {}
 

@@ -75,12 +75,14 @@ class ThreadComm(Comm):
     # wrapper), and not necessarily the same frames on every shard: shard 0 compiled where shard 1 runs eagerly.
     # Their collectives must still meet at the rendezvous, the same operation at the same site. So in such a call
     # (group.compiled, set by the engine) an eager collective takes the path its traced form takes: a bound comm
-    # names its site when a gradient may flow (the traced form names it by its site tensor), and a result
-    # assembled without gradients is all-gathered into a copy per shard (as `_traced_gather`).
+    # names its site, as its traced form does by its site tensor (`_named_by_site`, `_traced_with_grad`), and a
+    # result assembled without gradients is all-gathered into a copy per shard (as `_traced_gather`).
 
     def _eager_where(self, where: str) -> str:
-        """The `where` an eager collective runs under (see above)."""
-        if self.bound and self.group.compiled[self.rank] and torch.is_grad_enabled():
+        """The `where` an eager collective runs under (see above; a decode step's traced collectives without
+        gradients keep their names, thread_ops.decode_steps)."""
+        kind = self.group.compiled[self.rank]
+        if self.bound and kind and (torch.is_grad_enabled() or (kind != "steps" and self.group.own_graphs)):
             return self.site
         return where
 
@@ -105,6 +107,11 @@ class ThreadComm(Comm):
                 "or output is not laid out as the plan says; check its blocks and Heads entry."
             )
 
+    def _named_by_site(self) -> bool:
+        """While tracing without gradients: the collective as an operator named by its site tensor (see `at`), where
+        the shards own their graphs and no decode step is compiling (thread_ops.decode_steps)."""
+        return self.bound and self.group.own_graphs and not thread_ops.decode_steps.compiling
+
     def _traced_with_grad(self) -> bool:
         """torch.compile is tracing a call that builds an autograd graph, on shards that own their graphs: the
         collectives are comm/functions.py's nodes over graph operators (comm/traced_collectives.py)."""
@@ -112,6 +119,8 @@ class ThreadComm(Comm):
 
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
+            if self._named_by_site():
+                return thread_ops.reduce(x, self.traced.key, "all_reduce", "forward")
             return thread_ops.all_reduce(x, self.handle, where)  # one operator inside the graph
         if self._traced_with_grad():
             return functions.all_reduce(self.traced, self._traced_where(where), x)[0]
@@ -165,6 +174,9 @@ class ThreadComm(Comm):
     def _traced_gather(self, x: torch.Tensor, dim: int, partition: Partition, where: str) -> torch.Tensor | None:
         """While torch.compile traces a call without gradients: the all-gather as one operator of its graph."""
         if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
+            if self._named_by_site():
+                dim = self._slice_dim("all_gather", where, x, dim, partition)
+                return thread_ops.gather(x, self.traced.key, dim, thread_ops.layout_of(partition), "all_gather", "forward")
             return thread_ops.all_gather(x, self.handle, dim % x.dim(), thread_ops.layout_of(partition), where)
         if self._traced_with_grad():
             dim = self._slice_dim("all_gather", where, x, dim, partition)
@@ -235,7 +247,7 @@ class ThreadComm(Comm):
     def _assemble(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
-        if self.group.compiled[self.rank] == "shards" and not torch.is_grad_enabled():
+        if self.group.compiled[self.rank] in ("shards", "steps") and not torch.is_grad_enabled():
             return self.eager_all_gather(x, dim, partition, where=where)  # as traced (`_traced_gather`)
         where = self._eager_where(where)
         return functions.assemble(self.shard, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)[0]

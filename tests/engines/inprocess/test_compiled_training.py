@@ -118,14 +118,17 @@ def _graphs_and_fallbacks() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], limit_hits
 
 
+def _deep_llama():
+    torch.manual_seed(0)
+    deep = tiny_llama.build()
+    return type(deep)(type(deep.config)(**{**deep.config.to_dict(), "num_hidden_layers": DEEP, "use_cache": False}))
+
+
 def test_per_block_compile_of_a_deep_split_model_needs_the_unsplit_models_graphs():
     """Compiled per block, every block of every shard shares one graph as the unsplit model's blocks do: the
     collectives name their shard and call site by a tensor the graph takes as an input (comm/thread_ops.py), and
     ZeRO-3's hooks read nothing that differs per block or shard; so nothing falls back to eager past the limit."""
-    torch.manual_seed(0)
-    deep = tiny_llama.build()
-    deep = type(deep)(type(deep.config)(**{**deep.config.to_dict(), "num_hidden_layers": DEEP, "use_cache": False}))
-    deep.train()
+    deep = _deep_llama().train()
     with torch._dynamo.config.patch(recompile_limit=8):
         ref_losses, _, _ = _train(copy.deepcopy(deep), "blocks")
         ref_graphs, ref_fallbacks = _graphs_and_fallbacks()
@@ -180,3 +183,23 @@ def test_shards_past_the_recompile_limit_run_eagerly_beside_compiled_ones(llama,
         out.loss.backward()
         expected.loss.backward()
         assert out.loss.item() == pytest.approx(expected.loss.item(), rel=1e-5)
+
+
+def test_per_block_compile_of_a_deep_split_model_without_gradients_needs_one_graph():
+    """The same for a call without gradients (evaluation): the no-gradient collectives are named by the site tensor
+    too (the decode steps' keep their constant names, which the stitched step rewrites)."""
+    ref = _deep_llama().eval()
+    ids = _batch()
+    runs = []
+    with torch._dynamo.config.patch(recompile_limit=8), torch.no_grad():
+        for model in (copy.deepcopy(ref), tp.tensor_parallel(copy.deepcopy(ref), ["cpu", "cpu"])):
+            torch._dynamo.reset()
+            counters.clear()
+            for block in model.model.layers:
+                block.compile(backend="eager")
+            for _ in range(2):
+                logits = model(input_ids=ids).logits
+            runs.append((logits, _graphs_and_fallbacks()))
+    (expected, ref_graphs), (logits, graphs) = runs
+    assert ref_graphs == graphs == (1, 0)
+    assert rel_err(logits, expected) < 1e-5

@@ -119,12 +119,14 @@ def compile_split(model: nn.Module, root: nn.Module, args: tuple, kwargs: dict) 
     logger.info("compiled %s on each of its %d device(s)", type(model).__name__, len(model.module_shards))
 
 
-def kind_of_call(root: nn.Module, *, compiled_shards: bool) -> str:
-    """What a call of the split model `root` runs compiled: "shards" (each shard's forward), "blocks" (parts of them:
-    `compile()` on a view), or "" (nothing). Its eager collectives then take their traced forms' paths, so that a
-    frame dynamo runs eagerly on one shard and compiled on another still meets the same collectives
-    (comm/threads.py, ThreadComm._eager_where)."""
-    return "shards" if compiled_shards else ("blocks" if root.__dict__.get("_compiled_parts") else "")
+def kind_of_call(root: nn.Module, compiled: bool, steps: bool) -> str:
+    """What a call of the split model `root` runs compiled: "shards" (each shard's forward: `compiled`), "steps"
+    (the decode steps of compiled_steps.py), "blocks" (parts of them: `compile()` on a view), or "" (nothing). Its
+    eager collectives then take their traced forms' paths, so that a frame dynamo runs eagerly on one shard and
+    compiled on another still meets the same collectives (comm/threads.py, ThreadComm._eager_where)."""
+    if compiled or steps:
+        return "steps" if steps else "shards"
+    return "blocks" if root.__dict__.get("_compiled_parts") else ""
 
 
 def start_warmup(model: nn.Module) -> None:

@@ -286,7 +286,7 @@ class TensorParallel(PackageNames, nn.Module):
             if graphs is not None:
                 graphs.dropout = record  # its backward recomputes (activation checkpointing) with the same masks
 
-        compiled = compiled_shards.kind_of_call(root_of(self), compiled_shards=compiler is not None or module is not None)
+        compiled = compiled_shards.kind_of_call(root_of(self), compiler is not None, module is not None)
 
         def run(rank: int):
             with state.applied(devices[rank]), dropout.mode(rank) if dropout is not None else nullcontext():
