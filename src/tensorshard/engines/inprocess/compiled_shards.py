@@ -16,6 +16,14 @@ operators whose autograd is comm/functions.py's (comm/traced_collectives.py): th
 backward collectives, so a compiled training step runs the eager path's collectives (2 + 2 per block) and its
 numbers.
 
+Compiled per block (`compile()` on a view of the blocks), every block of every shard shares its class's code
+object, and dynamo guards each graph on the constants it read: so the collectives name their shard and call site
+by a tensor the graph takes as an input (each style's comm is bound to its module, comm/threads.py `at`), and
+ZeRO-3's hooks read only flags that are the same in every block (zero.py); one graph then serves every block and
+shard, as for the unsplit model. Where dynamo still runs a frame eagerly (past its recompile limit, on one shard
+and not another), the engine marks the call as compiled (`kind_of_call`) and the eager collectives take their
+traced forms' paths, so the shards still meet.
+
 The first calls after compiling run the shards one at a time, and their backward passes too (torch.compile is
 not thread-safe); later calls run them as the engine would (a recompile then, for an input of a new shape, takes
 dynamo's compile lock in its thread). Reading and setting the compiler of a thread uses
