@@ -198,3 +198,63 @@ def test_the_same_attention_reshaped_with_minus_one_is_accepted_and_exact(gen):
     assert all(split.splits[f"attn.{w}.weight"] is not None for w in ("wq", "wk", "wv", "wo"))
     x = torch.randn(2, 8, 64, generator=gen)
     assert rel_err(split(x), ref(x)) < 1e-5
+
+
+# Head counts the code computes from a size: from the reshaped (split) tensor's own, right on every device; from the
+# attention's whole input, the model's whole count (head_counts.py's FeatureSize).
+_SPELLINGS = {
+    "t.size(-1) // hd": lambda t, x, B, T: t.view(B, T, t.size(-1) // HEAD_DIM, HEAD_DIM),  # noqa: N803
+    "C // hd, C from t.size()": lambda t, x, B, T: t.view(B, T, t.size()[2] // HEAD_DIM, HEAD_DIM),  # noqa: N803
+    "C // hd, C from t.shape": lambda t, x, B, T: t.view(B, T, t.shape[-1] // HEAD_DIM, HEAD_DIM),  # noqa: N803
+    "reshape(B, T, -1, hd)": lambda t, x, B, T: t.reshape(B, T, -1, HEAD_DIM),  # noqa: N803
+    "x.size(-1) // hd (whole input)": lambda t, x, B, T: t.view(B, T, x.size(-1) // HEAD_DIM, HEAD_DIM),  # noqa: N803
+}
+
+
+class _AttentionBySize(torch.nn.Module):
+    """The hand-written attention, its heads counted by one of `_SPELLINGS`."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.heads = _SPELLINGS[spelling]
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(64, 64, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        B, T, C = x.size()  # noqa: N806
+        q, k, v = (self.heads(w(x), x, B, T).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class _BlockBySize(torch.nn.Module):
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.attn = _AttentionBySize(spelling)
+
+    def forward(self, x):
+        return x + self.attn(x)
+
+
+@pytest.mark.parametrize("spelling", [s for s in _SPELLINGS if "whole" not in s])
+def test_heads_counted_from_the_split_tensors_own_size_are_accepted_and_exact(spelling, gen):
+    """`view(B, T, C // head_dim, head_dim)` with C the reshaped tensor's own size divides each device's own
+    features: right on a shard, so the plan check accepts it (it refused every explicit count before)."""
+    torch.manual_seed(0)
+    ref = _BlockBySize(spelling)
+    split = tp.tensor_parallel(copy.deepcopy(ref), ["cpu"] * 2, plan=_ATTENTION_PLAN)
+    assert all(split.splits[f"attn.{w}.weight"] is not None for w in ("wq", "wk", "wv", "wo"))
+    x = torch.randn(2, 8, 64, generator=gen)
+    assert rel_err(split(x), ref(x)) < 1e-5
+
+
+def test_heads_counted_from_the_whole_input_are_refused_at_split_time():
+    """`x.size(-1) // head_dim`, x the attention's whole input, is the model's whole head count on every device."""
+    torch.manual_seed(0)
+    model = _BlockBySize("x.size(-1) // hd (whole input)")
+    before = snapshot(model)
+    with pytest.raises(ValueError) as info:
+        tp.tensor_parallel(model, ["cpu"] * 2, plan=_ATTENTION_PLAN)
+    message = str(info.value)
+    assert "attn (_AttentionBySize" in message and "tp.Heads(num_heads=4" in message, message  # the module, the fix
+    assert "view(2, 5, 4, 16) reshapes" in message and "view(..., -1, 16)" in message, message  # the op, the fix
+    assert_unchanged(model, before)

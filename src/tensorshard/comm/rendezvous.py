@@ -140,6 +140,9 @@ class ThreadGroup:
         self._cond = threading.Condition(self._mutex)
         self.current: _Call | None = None
         self.left_split: list[set[str]] = [set() for _ in self.devices]  # per rank: ThreadComm.leave_split
+        # per rank: the shard's current call runs compiled code, "shards" (each shard's forward compiled) or "blocks"
+        # (parts of it), else "": its eager collectives then take the traced ones' paths (ThreadComm.compiled_call)
+        self.compiled: list[str] = ["" for _ in self.devices]
 
     def _who(self, rank: int) -> str:
         return f"device {self.labels[rank]} (rank {rank})"

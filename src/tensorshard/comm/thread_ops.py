@@ -13,9 +13,10 @@ sums, the same counters), so a compiled graph holds the whole forward and calls 
 collectives. `comm` is a small integer naming the shard's `ThreadComm` (`handle`); `layout` is the `Partition`
 flattened to integers, which a traced graph can carry as a constant.
 
-These take calls that build no autograd graph (decoding, evaluation); a compiled call that does (training) runs
-comm/functions.py's autograd nodes over the raw collectives as operators, defined at the end of this file
-(comm/traced_collectives.py).
+These take calls that build no autograd graph in the decode steps (compiled_steps.py, whose stitcher rewrites them
+by their constants); a compiled call that does (training) runs comm/functions.py's autograd nodes over the raw
+collectives as operators defined at the end of this file (comm/traced_collectives.py), which name the shard and the
+call site by a tensor, and so do other compiled calls without gradients (evaluation, a model compiled per block).
 """
 
 from __future__ import annotations
@@ -133,6 +134,42 @@ all_gather = torch.ops.tensorshard.threads_all_gather.default
 # splits them), each calling the shard's raw collective (`OneShard`) with the phase it runs in, so
 # count_collectives() sees the eager path's collectives, forward and backward. The backward rules stay those of
 # comm/functions.py; nothing here differentiates.
+#
+# These name the collective by a `site` tensor, not by constants: [handle of the shard's ThreadComm, number of the
+# call site's name] (int64, on the CPU). A constant is something dynamo guards on, so with the handle and the name
+# as constants every block of every shard traced a graph of its own (blocks x devices graphs for a model compiled
+# per block, past dynamo's recompile limit of 8 the rest run eagerly); a tensor is a graph input, guarded on its
+# shape and dtype only, so one graph serves every block and shard. A style's comm is bound to its module's name
+# (`ThreadComm.at`), which holds that tensor; a comm bound to none makes it in the graph from constants (`site`).
+
+
+class _DecodeSteps:
+    """`compiling`: the decode steps of compiled_steps.py are running, whose graphs keep the no-gradient collectives
+    above (`all_reduce`, `all_gather`: their handle and name constants are what stitched_step.py and
+    parallel_step.py rewrite). Otherwise a bound comm's no-gradient collectives are these, named by their site
+    tensor too. A global dynamo guards on: the same value for every block and shard."""
+
+    compiling = False
+
+
+decode_steps = _DecodeSteps()
+_names: list[str] = []  # a call site's number -> its name (the `where` of the eager collectives)
+_numbers: dict[str, int] = {}
+
+
+def site_key(comm: int, where: str) -> torch.Tensor:
+    """The `site` tensor of the collectives of the comm numbered `comm` at the call site `where`."""
+    with _lock:
+        number = _numbers.get(where)
+        if number is None:
+            number = _numbers[where] = len(_names)
+            _names.append(where)
+    return torch.tensor([comm, number], dtype=torch.int64)
+
+
+def _site(site: torch.Tensor) -> tuple[ThreadComm, str]:
+    comm, number = site.tolist()
+    return _comm(comm), _names[number]
 
 
 class _Shard(Protocol):
@@ -147,20 +184,32 @@ class _Shard(Protocol):
     def reduce_holders(self, xs, groups: list[list[int]], *, where: str) -> list[torch.Tensor]: ...
 
 
-def _shard(handle: int) -> _Shard:
-    return _comm(handle).shard  # type: ignore[attr-defined]  (ThreadComm.shard: its OneShard)
+def _shard(site: torch.Tensor) -> tuple[_Shard, str]:
+    comm, where = _site(site)
+    return comm.shard, where  # type: ignore[attr-defined]  (ThreadComm.shard: its OneShard)
 
 
-def _reduce(x: torch.Tensor, comm: int, op: str, where: str, phase: str) -> torch.Tensor:
-    return _own(_shard(comm).reduce([x.contiguous()], op=op, where=where, phase=phase)[0], x)
+def _site_of(like: torch.Tensor, comm: int, where: str) -> torch.Tensor:
+    return site_key(comm, where)
 
 
-def _gather(x: torch.Tensor, comm: int, dim: int, layout: list[int], op: str, where: str, phase: str) -> torch.Tensor:
-    return _own(_shard(comm).gather([x.contiguous()], dim, partition_of(layout), op=op, where=where, phase=phase)[0], x)
+def _site_shape(like: torch.Tensor, comm: int, where: str) -> torch.Tensor:
+    return torch.empty(2, dtype=torch.int64)
 
 
-def _assemble(x: torch.Tensor, comm: int, dim: int, layout: list[int], where: str) -> torch.Tensor:
-    return _own(_shard(comm).gather_into_one([x], dim, partition_of(layout), where=where)[0], x)
+def _reduce(x: torch.Tensor, site: torch.Tensor, op: str, phase: str) -> torch.Tensor:
+    shard, where = _shard(site)
+    return _own(shard.reduce([x.contiguous()], op=op, where=where, phase=phase)[0], x)
+
+
+def _gather(x: torch.Tensor, site: torch.Tensor, dim: int, layout: list[int], op: str, phase: str) -> torch.Tensor:
+    shard, where = _shard(site)
+    return _own(shard.gather([x.contiguous()], dim, partition_of(layout), op=op, where=where, phase=phase)[0], x)
+
+
+def _assemble(x: torch.Tensor, site: torch.Tensor, dim: int, layout: list[int]) -> torch.Tensor:
+    shard, where = _shard(site)
+    return _own(shard.gather_into_one([x], dim, partition_of(layout), where=where)[0], x)
 
 
 def groups_of(flat: list[int]) -> list[list[int]]:
@@ -172,11 +221,12 @@ def groups_of(flat: list[int]) -> list[list[int]]:
     return groups
 
 
-def _reduce_holders(x: torch.Tensor, comm: int, groups: list[int], where: str) -> torch.Tensor:
-    return _own(_shard(comm).reduce_holders([x.contiguous()], groups_of(groups), where=where)[0], x)
+def _reduce_holders(x: torch.Tensor, site: torch.Tensor, groups: list[int]) -> torch.Tensor:
+    shard, where = _shard(site)
+    return _own(shard.reduce_holders([x.contiguous()], groups_of(groups), where=where)[0], x)
 
 
-def _reduce_holders_shape(x: torch.Tensor, comm: int, groups: list[int], where: str) -> torch.Tensor:
+def _reduce_holders_shape(x: torch.Tensor, site: torch.Tensor, groups: list[int]) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -184,30 +234,32 @@ def _all_reduce_max(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
     return _own(_comm(comm).all_reduce_max(x, where=where), x)  # type: ignore[attr-defined]
 
 
-def _reduce_shape(x: torch.Tensor, comm: int, op: str, where: str, phase: str) -> torch.Tensor:
+def _reduce_shape(x: torch.Tensor, site: torch.Tensor, op: str, phase: str) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _gather_shape(x: torch.Tensor, comm: int, dim: int, layout: list[int], op: str, where: str, phase: str) -> torch.Tensor:
-    return _all_gather_shape(x, comm, dim, layout, where)
+def _gather_shape(x: torch.Tensor, site: torch.Tensor, dim: int, layout: list[int], op: str, phase: str) -> torch.Tensor:
+    return _all_gather_shape(x, 0, dim, layout, "")
 
 
-def _assemble_shape(x: torch.Tensor, comm: int, dim: int, layout: list[int], where: str) -> torch.Tensor:
-    return _all_gather_shape(x, comm, dim, layout, where)
+def _assemble_shape(x: torch.Tensor, site: torch.Tensor, dim: int, layout: list[int]) -> torch.Tensor:
+    return _all_gather_shape(x, 0, dim, layout, "")
 
 
 def _all_reduce_max_shape(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-_library.define("threads_reduce(Tensor x, int comm, str op, str where, str phase) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.define("threads_site(Tensor like, int comm, str where) -> Tensor")
+_library.define("threads_reduce(Tensor x, Tensor site, str op, str phase) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
 _library.define(
-    "threads_gather(Tensor x, int comm, int dim, int[] layout, str op, str where, str phase) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS
+    "threads_gather(Tensor x, Tensor site, int dim, int[] layout, str op, str phase) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS
 )
-_library.define("threads_assemble(Tensor x, int comm, int dim, int[] layout, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.define("threads_assemble(Tensor x, Tensor site, int dim, int[] layout) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
 _library.define("threads_all_reduce_max(Tensor x, int comm, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
-_library.define("threads_reduce_holders(Tensor x, int comm, int[] groups, str where) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
+_library.define("threads_reduce_holders(Tensor x, Tensor site, int[] groups) -> Tensor", tags=_NOT_IN_CUDA_GRAPHS)
 for _name, _impl, _fake in (
+    ("threads_site", _site_of, _site_shape),
     ("threads_reduce", _reduce, _reduce_shape),
     ("threads_gather", _gather, _gather_shape),
     ("threads_assemble", _assemble, _assemble_shape),
@@ -217,6 +269,7 @@ for _name, _impl, _fake in (
     _library.impl(_name, _impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"tensorshard::{_name}", _fake, lib=_library)
 
+site = torch.ops.tensorshard.threads_site.default
 reduce = torch.ops.tensorshard.threads_reduce.default
 gather = torch.ops.tensorshard.threads_gather.default
 assemble = torch.ops.tensorshard.threads_assemble.default

@@ -20,6 +20,7 @@ The reductions themselves are in comm/reduce.py.
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -57,6 +58,38 @@ class ThreadComm(Comm):
         self.handle = thread_ops.handle_of(self)  # its name in compiled graphs (comm/thread_ops.py)
         # while torch.compile traces a call that builds an autograd graph: comm/functions.py's nodes over these
         self.traced = TracedCollectives(self.handle, rank, group.world_size)
+        self.bound = False  # bound to one call site (`at`): traced, its collectives name that site, not `where`
+
+    def at(self, site: str) -> "ThreadComm":
+        """This comm, bound to the call site `site` (a style's module name): traced into a compiled graph, its
+        collectives name the site by a tensor (comm/traced_collectives.py) and never read the `where` they are
+        given, which dynamo would otherwise guard on (a graph per block and shard; eagerly nothing changes)."""
+        bound = copy.copy(self)
+        bound.traced = TracedCollectives(self.handle, self.rank, self.world_size, site)
+        bound.bound, bound.site = True, site
+        bound.unbound = self  # keeps the comm its handle names alive (thread_ops holds it weakly)
+        return bound
+
+    # A call that runs compiled code may run some frames eagerly where dynamo gives up on them (past its recompile
+    # limit, a frame of code many shards or models share: a transformers model's forward after a graph break, a
+    # wrapper), and not necessarily the same frames on every shard: shard 0 compiled where shard 1 runs eagerly.
+    # Their collectives must still meet at the rendezvous, the same operation at the same site. So in such a call
+    # (group.compiled, set by the engine) an eager collective takes the path its traced form takes: a bound comm
+    # names its site, as its traced form does by its site tensor (`_named_by_site`, `_traced_with_grad`), and a
+    # result assembled without gradients is all-gathered into a copy per shard (as `_traced_gather`).
+
+    def _eager_where(self, where: str) -> str:
+        """The `where` an eager collective runs under (see above; a decode step's traced collectives without
+        gradients keep their names, thread_ops.decode_steps)."""
+        kind = self.group.compiled[self.rank]
+        if self.bound and kind and (torch.is_grad_enabled() or (kind != "steps" and self.group.own_graphs)):
+            return self.site
+        return where
+
+    def _traced_where(self, where: str) -> str:
+        """What a traced collective passes on as its `where`: nothing when bound to a site (the site tensor names
+        it; reading `where` would make dynamo guard on it)."""
+        return "" if self.bound else where
 
     def _exchange(self, op: str, where: str, x: Any, compute: Callable[[list[Any]], list[Any]], signature: Any) -> Any:
         return self.group.exchange(self.rank, op, where, x, compute, signature)
@@ -74,6 +107,11 @@ class ThreadComm(Comm):
                 "or output is not laid out as the plan says; check its blocks and Heads entry."
             )
 
+    def _named_by_site(self) -> bool:
+        """While tracing without gradients: the collective as an operator named by its site tensor (see `at`), where
+        the shards own their graphs and no decode step is compiling (thread_ops.decode_steps)."""
+        return self.bound and self.group.own_graphs and not thread_ops.decode_steps.compiling
+
     def _traced_with_grad(self) -> bool:
         """torch.compile is tracing a call that builds an autograd graph, on shards that own their graphs: the
         collectives are comm/functions.py's nodes over graph operators (comm/traced_collectives.py)."""
@@ -81,15 +119,18 @@ class ThreadComm(Comm):
 
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
+            if self._named_by_site():
+                return thread_ops.reduce(x, self.traced.key, "all_reduce", "forward")
             return thread_ops.all_reduce(x, self.handle, where)  # one operator inside the graph
         if self._traced_with_grad():
-            return functions.all_reduce(self.traced, where, x)[0]
+            return functions.all_reduce(self.traced, self._traced_where(where), x)[0]
         return self.eager_all_reduce(x, where=where)
 
     @_not_compiled
     def eager_all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        where = self._eager_where(where)
         if self.group.own_graphs:
             return functions.all_reduce(self.shard, where, x)[0]
         return self._spanning("all_reduce", where, x, lambda c, *xs: functions.all_reduce(c, where, *xs), _signature(x))
@@ -104,12 +145,13 @@ class ThreadComm(Comm):
             hit = getattr(x, "_tensorshard_parallel_copy", None)
             if hit is not None:
                 return hit
-            y = x._tensorshard_parallel_copy = functions.copy_to_parallel(self.traced, where, x)[0]
+            y = x._tensorshard_parallel_copy = functions.copy_to_parallel(self.traced, self._traced_where(where), x)[0]
             return y
         return self._copy_to_parallel(x, where=where)
 
     @_not_compiled
     def _copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        where = self._eager_where(where)
         cache = self.group.parallel_inputs(self.rank, "copy_to_parallel", where)
         hit = cache.get(id(x))
         if hit is not None and hit[0] is x:
@@ -123,7 +165,8 @@ class ThreadComm(Comm):
         return y
 
     def all_gather(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
-        if self.world_size == 1 or where in self.group.left_split[self.rank]:
+        left = self.group.left_split[self.rank]
+        if self.world_size == 1 or (left and where in left):  # (`where` read only when some output is left split)
             return x
         traced = self._traced_gather(x, dim, partition, where)
         return traced if traced is not None else self.eager_all_gather(x, dim, partition, where=where)
@@ -131,9 +174,13 @@ class ThreadComm(Comm):
     def _traced_gather(self, x: torch.Tensor, dim: int, partition: Partition, where: str) -> torch.Tensor | None:
         """While torch.compile traces a call without gradients: the all-gather as one operator of its graph."""
         if torch.compiler.is_compiling() and self.world_size > 1 and not torch.is_grad_enabled():
+            if self._named_by_site():
+                dim = self._slice_dim("all_gather", where, x, dim, partition)
+                return thread_ops.gather(x, self.traced.key, dim, thread_ops.layout_of(partition), "all_gather", "forward")
             return thread_ops.all_gather(x, self.handle, dim % x.dim(), thread_ops.layout_of(partition), where)
         if self._traced_with_grad():
-            return functions.all_gather(self.traced, where, partition, self._slice_dim("all_gather", where, x, dim, partition), x)[0]
+            dim = self._slice_dim("all_gather", where, x, dim, partition)
+            return functions.all_gather(self.traced, self._traced_where(where), partition, dim, x)[0]
         return None
 
     def _slice_dim(self, op: str, where: str, x: torch.Tensor, dim: int, partition: Partition) -> int:
@@ -147,6 +194,7 @@ class ThreadComm(Comm):
         """The all-gather itself (`all_gather` without the check for an output left split)."""
         if self.world_size == 1:
             return x
+        where = self._eager_where(where)
         dim = self._slice_dim("all_gather", where, x, dim, partition)
         if self.group.own_graphs:
             return functions.all_gather(self.shard, where, partition, dim, x)[0]
@@ -190,7 +238,8 @@ class ThreadComm(Comm):
         of one whole tensor, each having copied its slice into it (comm/thread_collectives.py). Shards that own their
         graphs only: the caller checks `group.own_graphs`. Compiled, every shard gets a whole copy instead."""
         if self._traced_with_grad():
-            return functions.assemble(self.traced, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)[0]
+            dim = self._slice_dim("assemble", where, x, dim, partition)
+            return functions.assemble(self.traced, self._traced_where(where), partition, dim, x)[0]
         traced = self._traced_gather(x, dim, partition, where)
         return traced if traced is not None else self._assemble(x, dim, partition, where=where)
 
@@ -198,6 +247,9 @@ class ThreadComm(Comm):
     def _assemble(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:
             return x
+        if self.group.compiled[self.rank] in ("shards", "steps") and not torch.is_grad_enabled():
+            return self.eager_all_gather(x, dim, partition, where=where)  # as traced (`_traced_gather`)
+        where = self._eager_where(where)
         return functions.assemble(self.shard, where, partition, self._slice_dim("assemble", where, x, dim, partition), x)[0]
 
     def split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
@@ -210,11 +262,12 @@ class ThreadComm(Comm):
             # decoding path of a model with per-head inputs, BLOOM's ALiBi, keeps one graph per shard)
             return partition.take(x, dim, self.rank)
         if self._traced_with_grad():
-            return functions.split(self.traced, where, partition, dim, x)[0]
+            return functions.split(self.traced, self._traced_where(where), partition, dim, x)[0]
         return self._split(x, dim, partition, where=where)
 
     @_not_compiled
     def _split(self, x: torch.Tensor, dim: int, partition: Partition, *, where: str = "") -> torch.Tensor:
+        where = self._eager_where(where)
         if self.group.own_graphs:
             return functions.split(self.shard, where, partition, dim, x)[0]
         run = lambda c, *xs: functions.split(c, where, partition, dim, *xs)  # noqa: E731
@@ -222,13 +275,14 @@ class ThreadComm(Comm):
 
     def tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self._traced_with_grad() and x.requires_grad:
-            return functions.tie(self.traced, where, groups, x)[0]
+            return functions.tie(self.traced, self._traced_where(where), groups, x)[0]
         return self._tie(x, groups, where=where)
 
     @_not_compiled
     def _tie(self, x: torch.Tensor, groups: list[list[int]], *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x
+        where = self._eager_where(where)
         if self.group.own_graphs:
             return functions.tie(self.shard, where, groups, x)[0]
         return self._spanning("tie", where, x, lambda c, *xs: functions.tie(c, where, groups, *xs), _signature(x))

@@ -11,6 +11,13 @@ apart is the shape as the code passed it: a `-1` where the heads go, or a number
 `view` / `reshape` of a tensor carrying split features, an explicit count (not -1) that divides the features
 into heads (the new last two sizes multiply to the old last one); plancheck.py refuses a plan whose split
 features meet one, unless a Heads entry covers the module where it happens (its count is then per device).
+
+A count the code computed from a tensor's own size (`q.view(B, T, q.size(-1) // head_dim, head_dim)`, or
+`B, T, C = q.size()` then `C // head_dim`) is right on every device too, when that tensor carries split features:
+each device then divides its own features. So the traced pass hands out the last size of a tensor carrying features
+as a `FeatureSize` (an int that remembers those features, and keeps them through `//`); a reshape whose count is one
+is noted with them, and plancheck.py accepts it when they are split like the reshaped ones. A count computed from a
+whole tensor's size (the attention's input: `x.size(-1) // head_dim`) is the model's whole head count: refused.
 """
 
 from __future__ import annotations
@@ -33,6 +40,35 @@ class FixedCount:
     shape: tuple  # the shape as the code passed it
     count: int  # the explicit head count
     head_dim: int
+    count_ids: Ids | None = None  # the count computed from the size of a tensor carrying these features (FeatureSize)
+
+
+class FeatureSize(int):
+    """The last size of a traced tensor carrying features (`ids`, its shadow): an int that keeps them through `//`."""
+
+    ids: Ids
+
+    def __new__(cls, value: int, ids: Ids) -> "FeatureSize":
+        made = super().__new__(cls, value)
+        made.ids = ids
+        return made
+
+    def __floordiv__(self, other):
+        out = int(self) // other
+        return FeatureSize(out, self.ids) if isinstance(out, int) else out
+
+
+def sizes(out, x: torch.Tensor, ids: Ids, args: tuple):
+    """`x.size(...)` or `x.shape` (`out`) with the last size as a FeatureSize (x carries the features `ids`)."""
+    last = x.dim() - 1
+    if x.dim() == 0:
+        return out
+    if isinstance(out, int):  # x.size(dim)
+        dim = args[1] if len(args) > 1 else None
+        return FeatureSize(out, ids) if isinstance(dim, int) and dim % x.dim() == last else out
+    if isinstance(out, torch.Size):
+        return torch.Size((*out[:last], FeatureSize(out[last], ids)))
+    return out
 
 
 def note(name: str, args: tuple, out, ids: Ids, where: str, found: list[FixedCount]) -> None:
@@ -47,4 +83,5 @@ def note(name: str, args: tuple, out, ids: Ids, where: str, found: list[FixedCou
         return
     count, head_dim = shape[-2], out.shape[-1]
     if isinstance(count, int) and count > 1 and count * head_dim == x.shape[-1]:
-        found.append(FixedCount(ids, where, tuple(shape), count, head_dim))
+        shown = tuple(int(s) if isinstance(s, int) else s for s in shape)
+        found.append(FixedCount(ids, where, shown, int(count), head_dim, getattr(count, "ids", None)))

@@ -344,6 +344,8 @@ def _fixed_count(trace: Trace, roots: Ids, classes: Ids, heads: list[str]) -> _F
     for found in trace.fixed_counts:
         if any(found.where == h or found.where.startswith(h + ".") or not h for h in heads):
             continue
+        if found.count_ids is not None and bool(torch.isin(roots[found.count_ids], classes).any()):
+            continue  # counted from the size of split features: each device counts its own heads
         if bool(torch.isin(roots[found.ids], classes).any()):
             shape = ", ".join(str(s) for s in found.shape)
             return _FixedCountFound(f"view({shape})", found.where, found.count, found.head_dim)

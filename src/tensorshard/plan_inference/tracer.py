@@ -27,7 +27,7 @@ from .collapses import Collapses
 from .evidence import Poison, Sync
 from .features import FeatureSet, Ids, compact
 from .gradient_sources import GradientSources
-from .head_counts import FixedCount, note as note_head_count
+from .head_counts import FixedCount, note as note_head_count, sizes as head_sizes
 from .layer_roles import LayerRoles
 from .oprules import Call, IDENTITY, NO_TRACK, Rules, STRUCTURAL, tensors_of
 
@@ -94,6 +94,9 @@ class Tracer(TorchFunctionMode):
         if self.suspended:
             return func(*args, **kwargs)
         name = _name(func)
+        if name in ("size", "shape") and args and self.shadow(args[0]) is not None:
+            # a head count computed from this size is the device's own (head_counts.py)
+            return head_sizes(func(*args, **kwargs), args[0], self.shadow(args[0]), args)
         if name in NO_TRACK:
             return func(*args, **kwargs)
         if self.meta:

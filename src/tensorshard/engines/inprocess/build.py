@@ -70,7 +70,8 @@ def build_shards(module: nn.Module, sharded: ShardedModel, devices: list[torch.d
                 comm = ThreadComm(group, rank)
                 for name, ms in sharded.modules.items():
                     where = f"{name or '<root>'} ({type(ms.style).__name__}) on rank {rank}"
-                    ms.style.attach(shard_modules[rank][name], ms.splits, ms.context(rank, world, comm))
+                    # each style's comm bound to its module's name: compiled, blocks and shards share graphs
+                    ms.style.attach(shard_modules[rank][name], ms.splits, ms.context(rank, world, comm.at(name or "<root>")))
     except BaseException as e:
         restore(released, made, world)
         if hasattr(e, "add_note"):

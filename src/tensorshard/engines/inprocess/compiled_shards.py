@@ -16,6 +16,14 @@ operators whose autograd is comm/functions.py's (comm/traced_collectives.py): th
 backward collectives, so a compiled training step runs the eager path's collectives (2 + 2 per block) and its
 numbers.
 
+Compiled per block (`compile()` on a view of the blocks), every block of every shard shares its class's code
+object, and dynamo guards each graph on the constants it read: so the collectives name their shard and call site
+by a tensor the graph takes as an input (each style's comm is bound to its module, comm/threads.py `at`), and
+ZeRO-3's hooks read only flags that are the same in every block (zero.py); one graph then serves every block and
+shard, as for the unsplit model. Where dynamo still runs a frame eagerly (past its recompile limit, on one shard
+and not another), the engine marks the call as compiled (`kind_of_call`) and the eager collectives take their
+traced forms' paths, so the shards still meet.
+
 The first calls after compiling run the shards one at a time, and their backward passes too (torch.compile is
 not thread-safe); later calls run them as the engine would (a recompile then, for an input of a new shape, takes
 dynamo's compile lock in its thread). Reading and setting the compiler of a thread uses
@@ -111,11 +119,22 @@ def compile_split(model: nn.Module, root: nn.Module, args: tuple, kwargs: dict) 
     if root is not model:
         for part in model.module_shards:
             part.compile(*args, **kwargs)
+        root.__dict__["_compiled_parts"] = True
     else:
         # a bound method: torch.compile keeps it (it unwraps a function made by torch.compiler.disable)
         model._compiled_call_impl = torch.compile(model._compiled_call, *args, **kwargs)
     start_warmup(root)
     logger.info("compiled %s on each of its %d device(s)", type(model).__name__, len(model.module_shards))
+
+
+def kind_of_call(root: nn.Module, compiled: bool, steps: bool) -> str:
+    """What a call of the split model `root` runs compiled: "shards" (each shard's forward: `compiled`), "steps"
+    (the decode steps of compiled_steps.py), "blocks" (parts of them: `compile()` on a view), or "" (nothing). Its
+    eager collectives then take their traced forms' paths, so that a frame dynamo runs eagerly on one shard and
+    compiled on another still meets the same collectives (comm/threads.py, ThreadComm._eager_where)."""
+    if compiled or steps:
+        return "steps" if steps else "shards"
+    return "blocks" if root.__dict__.get("_compiled_parts") else ""
 
 
 def start_warmup(model: nn.Module) -> None:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ...comm import thread_ops
 from ...logs import get_logger
 from .stitched_decode import Stitcher, call_settings
 
@@ -83,6 +84,14 @@ class CompiledSteps:
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # the graphs' collectives keep their constant names, which the stitcher rewrites (comm/thread_ops.py)
+        thread_ops.decode_steps.compiling = True
+        try:
+            return self._call(*args, **kwargs)
+        finally:
+            thread_ops.decode_steps.compiling = False
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         world = len(self.compiled)
         if self.prepare is not None:
             args, kwargs = (), self.prepare(args, kwargs)

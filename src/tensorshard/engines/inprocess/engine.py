@@ -286,10 +286,16 @@ class TensorParallel(PackageNames, nn.Module):
             if graphs is not None:
                 graphs.dropout = record  # its backward recomputes (activation checkpointing) with the same masks
 
+        compiled = compiled_shards.kind_of_call(root_of(self), compiler is not None, module is not None)
+
         def run(rank: int):
             with state.applied(devices[rank]), dropout.mode(rank) if dropout is not None else nullcontext():
                 a, kw = per_rank_inputs(rank)
-                return call(rank, a, kw)
+                group.compiled[rank] = compiled  # its eager collectives meet compiled ones (comm/threads.py)
+                try:
+                    return call(rank, a, kw)
+                finally:
+                    group.compiled[rank] = ""
 
         timing = self._schedule.begin(args, kwargs) if self._schedule is not None and serial is None else None
         outputs = self._run_shards("forward", run, serial=serial if serial is not None else timing is not None and timing.serial)

@@ -126,7 +126,7 @@ def shard_replicated(model, chosen: Sequence[str]) -> list[str]:
     state, tied = _partition(model, chosen)
     everything = list(range(len(state.partitions)))
     for rank, shard in enumerate(model.module_shards):
-        state.hook(shard, rank, everything, WHERE)
+        state.hook(shard, rank, everything, WHERE, root=True)
     _hook_modules(model, state, everything)
     first = dict(model.module_shards[0].named_parameters(remove_duplicate=False))
     saved = sum(p.numel() for names_ in tied for p in [first[names_[0]]]) * (world - 1) // world
@@ -147,7 +147,7 @@ def shard_added(model, chosen: Sequence[str]) -> list[str]:
     state, tied = _partition(model, chosen)
     added = list(range(known, len(state.partitions)))
     for rank, shard in enumerate(model.module_shards):
-        state.hook(shard, rank, added, WHERE, first=True)
+        state.hook(shard, rank, added, WHERE, first=True, root=True)
     _hook_modules(model, state, added)
     logger.info("ZeRO-3: %d parameter(s) added after splitting partitioned over %d devices", len(tied), model.world_size)
     return [n for names_ in tied for n in names_]
@@ -213,6 +213,13 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (root.get_submodule(module_name) if module_name else root), attr
 
 
+class _Flag:
+    """A bool as an object's attribute: a hook's closure holds the object (see _ZeroState.whole)."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+
 class _ZeroState:
     """The hooks of every shard: gather partitioned parameters before a call, put the slices back after.
 
@@ -230,11 +237,35 @@ class _ZeroState:
         self.saved: list[dict[object, list[nn.Parameter]]] = [{} for _ in slots]  # rank -> scope -> its slices
         self.viewed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules views run, hooked (hook_view)
         self.outside = [False] * len(slots)  # rank -> gathered around a compiled forward (gather_everything)
+        self.whole = [_Flag() for _ in slots]  # rank -> every partitioned parameter gathered now
+        self.roots: "weakref.WeakSet[_Flag]" = weakref.WeakSet()  # the scopes of whole shards (`hook(root=True)`)
 
-    def hook(self, module: nn.Module, rank: int, indices: list[int], where: str, *, first: bool = False) -> None:
-        scope = object()  # a module may hold several scopes (split time, added later, a view's)
-        module.register_forward_pre_hook(lambda mod, args: self._gather_scope(scope, rank, indices, where), prepend=first)
-        module.register_forward_hook(lambda mod, args, out: self._release_scope(scope, rank, indices), always_call=True)
+    # The hooks read flags held by their closures (is everything gathered on this shard? did this scope gather?)
+    # before anything indexed by rank or by parameter: a block compiled per block (torchtitan's way) traces its
+    # modules' hooks, and dynamo guards on what they read, so hooks that read only these flags (the same values
+    # in every block and on every shard while the split model's call holds everything gathered) let one graph
+    # serve every block and shard.
+    def hook(self, module: nn.Module, rank: int, indices: list[int], where: str, *, first: bool = False, root: bool = False) -> None:
+        """Gather `indices` around each call of `module` (`root`: the shard itself, once per forward call)."""
+        scope, whole = _Flag(), self.whole[rank]  # a module may hold several scopes (split time, added later, a view's)
+        if root:
+            self.roots.add(scope)
+            module.register_forward_pre_hook(lambda mod, args: self._root_scope(scope, rank, indices, where), prepend=first)
+        else:
+            module.register_forward_pre_hook(
+                lambda mod, args: None if whole.value else self._gather_scope(scope, rank, indices, where), prepend=first)
+        # Released after the call, or if it raised, at the shard's next call (`_root_scope`): an `always_call` hook
+        # makes dynamo guard on its id, which differs per module (a graph per block compiled per block).
+        module.register_forward_hook(
+            lambda mod, args, out: self._release_scope(scope, rank) if scope.value else None, always_call=root)
+
+    def _root_scope(self, scope: "_Flag", rank: int, indices: list[int], where: str) -> None:
+        """A shard's forward call starts: what a module's call that raised left gathered is put back (a root scope is
+        released even then), then `indices` gathered."""
+        if not self.outside[rank]:
+            for held in [s for s in self.saved[rank] if s not in self.roots]:
+                self._release_scope(held, rank)
+        self._gather_scope(scope, rank, indices, where)
 
     def hook_view(self, module: nn.Module, rank: int) -> None:
         """A module a view runs (views.py): its calls gather every partitioned parameter, those partitioned after
@@ -242,24 +273,26 @@ class _ZeroState:
         if module in self.viewed:
             return
         self.viewed.add(module)
-        scope = object()
+        scope, whole = _Flag(), self.whole[rank]
         every = lambda: list(range(len(self.partitions)))  # noqa: E731
-        module.register_forward_pre_hook(lambda mod, args: self._gather_scope(scope, rank, every(), WHERE), prepend=True)
-        module.register_forward_hook(lambda mod, args, out: self._release_scope(scope, rank, every()), always_call=True)
+        module.register_forward_pre_hook(
+            lambda mod, args: None if whole.value else self._gather_scope(scope, rank, every(), WHERE), prepend=True)
+        module.register_forward_hook(
+            lambda mod, args, out: self._release_scope(scope, rank) if scope.value else None, always_call=True)
 
     def gather_everything(self, rank: int) -> object:
         """Gather shard `rank`'s partitioned parameters now (a compiled forward is about to run: its hooks do
         nothing, engines/inprocess/compiled_shards.py); returns the scope to `release`."""
-        scope = object()
+        scope = _Flag()
         self._gather_scope(scope, rank, list(range(len(self.partitions))), WHERE)
         self.outside[rank] = True
         return scope
 
     def release(self, scope: object, rank: int) -> None:
         self.outside[rank] = False
-        self._release_scope(scope, rank, list(range(len(self.partitions))))
+        self._release_scope(scope, rank)
 
-    def _gather_scope(self, scope: object, rank: int, indices: list[int], where: str) -> None:
+    def _gather_scope(self, scope: "_Flag", rank: int, indices: list[int], where: str) -> None:
         if self.outside[rank]:
             return  # gathered around a compiled forward (gather_everything): nothing for its trace to do
         if not indices or self.gathered[rank].intersection(indices):
@@ -275,19 +308,24 @@ class _ZeroState:
         for param_owners, full in zip(owners, fulls):
             for mod, attr in param_owners:
                 mod._parameters[attr] = full  # a non-leaf tensor for this call; backward reaches the slice
-        self.saved[rank][scope] = slices
+        self.saved[rank][scope] = (slices, indices)
+        scope.value = True  # this scope holds gathered parameters
         self.gathered[rank].update(indices)
+        self.whole[rank].value = len(self.gathered[rank]) == len(self.partitions)
 
-    def _release_scope(self, scope: object, rank: int, indices: list[int]) -> None:
+    def _release_scope(self, scope: "_Flag", rank: int) -> None:
         if self.outside[rank]:
             return
-        slices = self.saved[rank].pop(scope, None)
-        if slices is None:
+        held = self.saved[rank].pop(scope, None)
+        if held is None:
             return
+        scope.value = False
+        slices, indices = held
         for i, p in zip(indices, slices):
             for mod, attr in self.slots[rank][i]:
                 mod._parameters[attr] = p
         self.gathered[rank].difference_update(indices)
+        self.whole[rank].value = len(self.gathered[rank]) == len(self.partitions)
 
     def _gather_all(self, payloads: list[list[torch.Tensor]], partitions: list[Partition], where: str) -> list[list]:
         """Shards sharing one device: runs once per gather, in the last shard to arrive, as one node for all."""

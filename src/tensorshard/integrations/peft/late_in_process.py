@@ -129,7 +129,8 @@ def _attach_in_process(model, late: LateAdapters) -> None:
         for name, (style, splits, heads, where) in late.attach.items():
             module = shard.get_submodule(name)
             module.__dict__.pop("forward", None)  # a modules_to_save copy runs its own forward, not the original's
-            style.attach(module, splits, ShardContext(rank=rank, world_size=world, name=where, comm=comm, heads=heads))
+            # its comm bound to the layer's name, as at split time (engines/inprocess/build.py)
+            style.attach(module, splits, ShardContext(rank=rank, world_size=world, name=where, comm=comm.at(where), heads=heads))
 
 
 def _zero_candidates(model, late: LateAdapters) -> list[str]:
