@@ -48,7 +48,8 @@ def test_collectives_become_native_and_give_the_eager_bits_in_threads():
     xs = [torch.randn(2, 7, generator=g) for _ in range(3)]
     got: list = [None] * 3
 
-    def shard(rank):
+    def shard(rank):  # (the graphs' collectives read the thread's rank, as ParallelStep.run sets it)
+        torch.ops.tensorshard.native_set_thread_rank(step.group.handle, rank)
         got[rank] = step.modules[rank](xs[rank])[0]
 
     threads = [threading.Thread(target=shard, args=(r,)) for r in range(3)]
@@ -67,3 +68,36 @@ def test_an_all_gather_out_of_rank_order_keeps_the_python_operator():
     step = ParallelStep([_capture(partition, r) for r in range(2)], 2, timeout=30.0)
     assert all(_targets(m) == [torch.ops.tensorshard.native_all_reduce.default, collectives.all_gather] for m in step.modules)
     step.close()
+
+
+def test_shards_of_an_even_split_share_one_compiled_graph(monkeypatch):
+    """Shards whose graphs and input shapes are the same (an even split: the collectives read the thread's rank,
+    not a rank written into the graph) are compiled once, with inductor's C++ wrapper, and run that one graph in
+    their threads at the same time, each with its own rank's numbers; an uneven split compiles each shard's own."""
+    compiled: list = []
+
+    def inductor(gm, inputs, config_patches=None):  # stands in for inductor: records, runs the graph as it is
+        compiled.append(config_patches)
+        return gm
+
+    monkeypatch.setattr(torch._dynamo, "lookup_backend", lambda name: inductor)
+    even = Partition(4, (((0, 2),), ((2, 4),)))
+    step = ParallelStep([_capture(even, r) for r in range(2)], 2, timeout=30.0)
+    xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    step.compile([{"x": x} for x in xs])
+    assert len(compiled) == 1 and step.shared == 1 and step.compiled[0] is step.compiled[1]
+    assert compiled[0] == {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+    got: list = [None, None]
+    threads = [threading.Thread(target=lambda r=r: got.__setitem__(r, step.run(r, {"x": xs[r]}))) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    total = sum_on([x * 3.0 for x in xs], torch.device("cpu"))
+    expected = torch.cat([total[..., :2] + 1.0] * 2, -1)  # (each rank's piece: the first 2 columns, plus 1)
+    assert all(torch.equal(g["y"], expected) for g in got), got
+    step.close()
+
+    compiled.clear()
+    uneven = ParallelStep([_capture(Partition(7, (((0, 3),), ((3, 5),), ((5, 7),))), r) for r in range(3)], 3, timeout=30.0)
+    uneven.compile([{"x": torch.randn(2, 7)}] * 3)
+    assert len(compiled) == 2 and uneven.shared == 1  # ranks 1 and 2 hold 2 columns each: one graph for both
+    uneven.close()

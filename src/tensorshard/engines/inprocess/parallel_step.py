@@ -32,8 +32,12 @@ import torch
 from torch import fx
 
 from ...comm import thread_ops
+from ...comm.native import cpp_graphs
 from ...comm.native import ops as native
 from .stitched_step import Capture, StitchError
+
+
+CPP_WRAPPER = True  # inductor's C++ wrapper for each shard's graph (with native collectives; see the docstring)
 
 
 class ParallelStep:
@@ -43,22 +47,35 @@ class ParallelStep:
     def __init__(self, captures: Sequence[Capture], world: int, timeout: float) -> None:
         self.captures = list(captures)
         self.group = native.ThreadGroup(world, timeout=timeout) if native.available() else None
-        self.modules = [_with_native_collectives(c.graph, rank, self.group) for rank, c in enumerate(self.captures)]
+        self.modules = [_with_native_collectives(c.graph, self.group) for c in self.captures]
         self.compiled: list[Callable[..., Any]] | None = None
         self.dtypes: list[list[torch.dtype]] = []
         self.registrations = 0  # registrations.py's count when built (stitched_decode.py checks it)
         self.native = self.group is not None
+        # The C++ wrapper only pays with native collectives (a Python one inside it takes the GIL back anyway).
+        self.cpp_wrapper = CPP_WRAPPER and self.native
+        self.shared = 0  # shards that run another shard's compiled graph (the same graph, the same input shapes)
 
     def compile(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> None:
         """Compile every shard's graph with inductor for these inputs' shapes, one after another in this thread
-        (torch.compile is not thread-safe); nothing runs."""
-        inductor = torch._dynamo.lookup_backend("inductor")
-        compiled, dtypes = [], []
+        (torch.compile is not thread-safe); nothing runs. A shard whose graph and input shapes are another's (an
+        even split: its collectives read the thread's rank) runs that shard's compiled graph."""
+        compiled, dtypes, seen = [], [], {}
         for module, capture, kwargs in zip(self.modules, self.captures, per_rank_kwargs):
             inputs = [read(kwargs) for read in capture.sources]
-            compiled.append(inductor(module, inputs, config_patches=config_patches or None))
+            key = _graph_key(module, inputs)
+            if key is not None and key in seen:
+                compiled.append(seen[key])
+            else:
+                if self.cpp_wrapper:  # (it holds the inputs while the graph runs: no GIL inside it)
+                    compiled.append(cpp_graphs.compile_graph(module, inputs, config_patches))
+                else:
+                    compiled.append(cpp_graphs.inductor_compile(module, inputs, config_patches))
+                if key is not None:
+                    seen[key] = compiled[-1]
             dtypes.append([x.dtype for x in inputs])
         self.compiled, self.dtypes = compiled, dtypes
+        self.shared = len(compiled) - len({id(c) for c in compiled})
 
     def check(self, per_rank_kwargs: Sequence[dict]) -> None:
         """StitchError, before anything runs, if an input's dtype changed since `compile` (``split.half()``):
@@ -71,6 +88,8 @@ class ParallelStep:
         """Shard `rank`'s step, in its thread (`kwargs`: its own arguments, its cache among them): its output."""
         capture = self.captures[rank]
         inputs = [read(kwargs) for read in capture.sources]
+        if self.group is not None:
+            torch.ops.tensorshard.native_set_thread_rank(self.group.handle, rank)
         outs = self.compiled[rank](*inputs)
         return capture.output_type(**{k: outs[v] if isinstance(v, int) else kwargs[v] for k, v in capture.fields.items()})
 
@@ -84,8 +103,10 @@ class ParallelStep:
             self.group.close()
 
 
-def _with_native_collectives(gm: fx.GraphModule, rank: int, group: native.ThreadGroup | None) -> fx.GraphModule:
-    """A copy of `gm` whose Python collectives are the native ones of `group` (kept where they cannot be)."""
+def _with_native_collectives(gm: fx.GraphModule, group: native.ThreadGroup | None) -> fx.GraphModule:
+    """A copy of `gm` whose Python collectives are the native ones of `group` (kept where they cannot be), called
+    with rank -1: the calling thread's rank (`run` sets it), so that shards of an even split have the same graph."""
+    rank = -1
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
@@ -103,6 +124,14 @@ def _with_native_collectives(gm: fx.GraphModule, rank: int, group: native.Thread
             env[node] = graph.node_copy(node, env.__getitem__)
         env[node].meta = dict(node.meta)
     return fx.GraphModule(gm, graph)
+
+
+def _graph_key(module: fx.GraphModule, inputs: list) -> tuple | None:
+    """What makes two shards' compiled graphs interchangeable: the graph's code and its inputs' shapes, strides
+    and dtypes (None, never shared, for a graph that holds tensors of its own or takes a non-tensor input)."""
+    if any(node.op == "get_attr" for node in module.graph.nodes) or not all(isinstance(x, torch.Tensor) for x in inputs):
+        return None
+    return module.code, tuple((tuple(x.shape), x.stride(), x.dtype) for x in inputs)
 
 
 def _rank_ordered_sizes(partition) -> list[int] | None:
