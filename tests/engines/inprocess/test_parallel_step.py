@@ -101,3 +101,38 @@ def test_shards_of_an_even_split_share_one_compiled_graph(monkeypatch):
     uneven.compile([{"x": torch.randn(2, 7)}] * 3)
     assert len(compiled) == 2 and uneven.shared == 1  # ranks 1 and 2 hold 2 columns each: one graph for both
     uneven.close()
+
+
+def test_graphs_that_differ_by_a_vocabulary_range_become_one_with_each_ranks_numbers():
+    """A vocabulary-parallel embedding writes its range into each shard's graph (`ids < 48`, `ids - 48`) and its
+    padding_idx (only rank 0 holds the padding row): those ints become inputs, each rank's own, the padding_idx
+    None (no forward value changes), and the shards run one graph with their own numbers."""
+    weight = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
+
+    def capture(rank: int) -> Capture:
+        start, stop, padding = 4 * rank, 4 * rank + 4, 0 if rank == 0 else None
+
+        def step(ids, w):
+            outside = (ids < start) | (ids >= stop)
+            y = torch.nn.functional.embedding((ids - start).masked_fill(outside, 0), w, padding)
+            y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+            return (torch.ops.tensorshard.threads_all_reduce.default(y, 7, "embed"),)
+
+        return Capture(fx.symbolic_trace(step), [lambda kwargs: kwargs["ids"], lambda kwargs, r=rank: weight[4 * r: 4 * r + 4]],
+                       fields={"y": 0}, output_type=dict)
+
+    step = ParallelStep([capture(r) for r in range(2)], 2, timeout=30.0)
+    assert step.modules[0] is step.modules[1]
+    assert [[int(n) for n in numbers] for numbers in step.numbers] == [[0, 4, 0], [4, 8, 4]]  # (lt, ge, sub)
+    ids = torch.tensor([[0, 3, 5, 7, 2]])
+    got: list = [None, None]
+
+    def shard(rank):
+        torch.ops.tensorshard.native_set_thread_rank(step.group.handle, rank)
+        got[rank] = step.modules[rank](ids, weight[4 * rank: 4 * rank + 4], *step.numbers[rank])[0]
+
+    threads = [threading.Thread(target=shard, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert torch.equal(got[0], torch.nn.functional.embedding(ids, weight)) and torch.equal(got[1], got[0])
+    step.close()

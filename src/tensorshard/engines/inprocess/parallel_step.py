@@ -26,6 +26,8 @@ A failing shard aborts the native group, so the other shards' waits raise at onc
 
 from __future__ import annotations
 
+import copy
+import operator
 from typing import Any, Callable, Sequence
 
 import torch
@@ -48,6 +50,13 @@ class ParallelStep:
         self.captures = list(captures)
         self.group = native.ThreadGroup(world, timeout=timeout) if native.available() else None
         self.modules = [_with_native_collectives(c.graph, self.group) for c in self.captures]
+        # Each rank's numbers lifted out of the graphs (one graph for all shards; `_one_graph`), given as last inputs.
+        self.numbers: list[list[torch.Tensor]] = [[] for _ in self.captures]
+        if self.group is not None and len(self.modules) > 1:
+            merged = _one_graph(self.modules)
+            if merged is not None:
+                one, self.numbers = merged
+                self.modules = [one] * len(self.modules)
         self.compiled: list[Callable[..., Any]] | None = None
         self.dtypes: list[list[torch.dtype]] = []
         self.registrations = 0  # registrations.py's count when built (stitched_decode.py checks it)
@@ -61,8 +70,8 @@ class ParallelStep:
         (torch.compile is not thread-safe); nothing runs. A shard whose graph and input shapes are another's (an
         even split: its collectives read the thread's rank) runs that shard's compiled graph."""
         compiled, dtypes, seen = [], [], {}
-        for module, capture, kwargs in zip(self.modules, self.captures, per_rank_kwargs):
-            inputs = [read(kwargs) for read in capture.sources]
+        for module, capture, kwargs, numbers in zip(self.modules, self.captures, per_rank_kwargs, self.numbers):
+            inputs = [read(kwargs) for read in capture.sources] + numbers
             key = _graph_key(module, inputs)
             if key is not None and key in seen:
                 compiled.append(seen[key])
@@ -73,7 +82,7 @@ class ParallelStep:
                     compiled.append(cpp_graphs.inductor_compile(module, inputs, config_patches))
                 if key is not None:
                     seen[key] = compiled[-1]
-            dtypes.append([x.dtype for x in inputs])
+            dtypes.append([x.dtype for x in inputs[:len(capture.sources)]])
         self.compiled, self.dtypes = compiled, dtypes
         self.shared = len(compiled) - len({id(c) for c in compiled})
 
@@ -87,7 +96,7 @@ class ParallelStep:
     def run(self, rank: int, kwargs: dict) -> Any:
         """Shard `rank`'s step, in its thread (`kwargs`: its own arguments, its cache among them): its output."""
         capture = self.captures[rank]
-        inputs = [read(kwargs) for read in capture.sources]
+        inputs = [read(kwargs) for read in capture.sources] + self.numbers[rank]
         if self.group is not None:
             torch.ops.tensorshard.native_set_thread_rank(self.group.handle, rank)
         outs = self.compiled[rank](*inputs)
@@ -124,6 +133,66 @@ def _with_native_collectives(gm: fx.GraphModule, group: native.ThreadGroup | Non
             env[node] = graph.node_copy(node, env.__getitem__)
         env[node].meta = dict(node.meta)
     return fx.GraphModule(gm, graph)
+
+
+# Calls whose int argument may differ between shards (a vocabulary-parallel embedding's range: `ids < 48`,
+# `ids - 48`): exact with a 0-d int64 tensor in its place.
+_LIFTABLE = {operator.lt, operator.le, operator.gt, operator.ge, operator.sub, operator.add,
+             torch.lt, torch.le, torch.gt, torch.ge, torch.sub, torch.add}
+
+
+def _one_graph(modules: Sequence[fx.GraphModule]) -> tuple[fx.GraphModule, list[list[torch.Tensor]]] | None:
+    """One graph for every shard when theirs differ only by ints given to comparisons, additions and subtractions
+    (a vocabulary-parallel embedding's range) and by an embedding's padding_idx (which changes no forward value,
+    only gradients: these graphs run without them): those ints become the graph's last inputs (0-d int64
+    tensors, each rank's own), the padding_idx None. Else None."""
+    graphs = [list(m.graph.nodes) for m in modules]
+    if len({len(nodes) for nodes in graphs}) != 1:
+        return None
+    index = [{node: i for i, node in enumerate(nodes)} for nodes in graphs]
+    lifted: list[tuple[int, int, list[int]]] = []  # (node, argument position, each rank's int)
+    unpadded: list[int] = []  # embeddings whose padding_idx differ
+    for i, nodes in enumerate(zip(*graphs)):
+        first = nodes[0]
+        if any(n.op != first.op or n.target != first.target for n in nodes):
+            return None
+        embedding = first.target is torch.nn.functional.embedding
+        args = [fx.node.map_arg(n.args, lambda a, r=r: ("node", index[r][a])) for r, n in enumerate(nodes)]
+        kwargs = [fx.node.map_arg(n.kwargs, lambda a, r=r: ("node", index[r][a])) for r, n in enumerate(nodes)]
+        if embedding and any(k.get("padding_idx") != kwargs[0].get("padding_idx") for k in kwargs):
+            unpadded.append(i)
+            kwargs = [{k: v for k, v in kw.items() if k != "padding_idx"} for kw in kwargs]
+        if any(k != kwargs[0] for k in kwargs) or any(len(a) != len(args[0]) for a in args):
+            return None
+        for at, values in enumerate(zip(*args)):
+            if all(v == values[0] and type(v) is type(values[0]) for v in values):
+                continue
+            if first.target in _LIFTABLE and all(type(v) is int for v in values):
+                lifted.append((i, at, list(values)))
+            elif embedding and at == 2:
+                unpadded.append(i)
+            else:
+                return None
+    if not lifted and not unpadded:
+        return None
+    gm = fx.GraphModule(modules[0], copy.deepcopy(modules[0].graph))
+    nodes = list(gm.graph.nodes)
+    last_input = [n for n in nodes if n.op == "placeholder"][-1]
+    for k, (i, at, _) in enumerate(lifted):
+        with gm.graph.inserting_after(last_input):
+            last_input = gm.graph.placeholder(f"rank_number_{k}")
+        args = list(nodes[i].args)
+        args[at] = last_input
+        nodes[i].args = tuple(args)
+    for i in unpadded:
+        if "padding_idx" in nodes[i].kwargs:
+            nodes[i].kwargs = {**nodes[i].kwargs, "padding_idx": None}
+        else:
+            nodes[i].args = (*nodes[i].args[:2], None, *nodes[i].args[3:])
+    gm.graph.lint()
+    gm.recompile()
+    numbers = [[torch.tensor(values[r], dtype=torch.int64) for _, _, values in lifted] for r in range(len(modules))]
+    return gm, numbers
 
 
 def _graph_key(module: fx.GraphModule, inputs: list) -> tuple | None:
