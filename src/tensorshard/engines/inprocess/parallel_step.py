@@ -15,10 +15,16 @@ What keeps the threads from taking turns on the GIL:
   GIL released while it waits): the same sums, bit for bit, with no Python per collective. An all-gather whose
   pieces are not one range per rank in rank order (a fused projection's interleaved heads) keeps the Python one;
   where the native library is unavailable every collective does (the same numbers, slower);
-- the kernels: inductor's matrix products are aten calls that release the GIL; its own fused kernels and the
-  Python lines of its wrapper between them hold it, a few microseconds each (docs/generation.md has the profile);
+- the kernels: each shard's graph is compiled with inductor's C++ wrapper, which releases the GIL from its first
+  kernel to its last, its inputs held for the call so that freeing one never reaches Python (comm/native/
+  cpp_graphs.py); with the Python collectives (no native library) the default Python wrapper is kept, whose lines
+  and small fused kernels hold the GIL a few microseconds each;
 - no dynamo frame per shard and token: the graph is called with its inputs found again as the stitched step finds
   them (`Capture.sources`), under the same checks (stitched_decode.py).
+
+The collectives read the calling thread's rank (`native_set_thread_rank`, set by `run`), and ints that differ
+between the shards' graphs only as a vocabulary range (`_one_graph`) become inputs: shards of an even split run
+one compiled graph, compiled once.
 
 A failing shard aborts the native group, so the other shards' waits raise at once; the step is then dropped
 (stitched_decode.py) and that kind of call runs per shard under `torch.compile` from then on.
