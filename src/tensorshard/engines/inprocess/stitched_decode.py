@@ -51,9 +51,8 @@ _CAPTURE_CALLS = 2  # calls of a kind run per shard before stitching: one to cap
 # compiled graph runs on its own thread at the same time as the others' instead of being stitched: a stitched graph
 # does every shard's arithmetic on one core, the parallel one pays a meeting of the threads per collective. With
 # the native collectives (C++ graphs, no GIL inside): below the small Llama of BENCHMARKS.md section 5 (0.7 MiB
-# per segment at 2 devices), whose parallel step took 4.1 ms of CPU per token against the stitched step's 5.5 (and
-# the unsplit fast path's 4.8) on a loaded 2-core machine (docs/generation.md); the tiny test models (a few KiB)
-# stay stitched. Without them (Python collectives, which take the GIL) 8 times as much: SmolLM2-135M's shape (4.3
+# per segment at 2 devices), whose parallel step was faster than the stitched one in every round (3.3 against 3.6
+# ms per token at load 4-6 on 2 cores, docs/generation.md); the tiny test models (a few KiB) stay stitched. Without them (Python collectives, which take the GIL) 8 times as much: SmolLM2-135M's shape (4.3
 # MiB) runs in parallel, the small Llama stitched (faster there with Python collectives).
 PARALLEL_BYTES = 256 << 10
 # torch 2.10's dynamo breaks a shard's decode step into several graphs where 2.13 makes one (seen at the floors,
