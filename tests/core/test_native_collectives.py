@@ -105,18 +105,19 @@ def test_a_traced_graph_calls_the_native_ops():
 
 
 def test_rank_minus_one_is_the_rank_the_thread_set():
-    """Rank -1: the calling thread's rank in that group (so that shards of an even split run one compiled graph);
-    a thread that never set it is told how."""
+    """Rank -1: the calling thread's rank in that group, group -1: the group it set last (so that shards of an even
+    split run one compiled graph, which names no group); a thread that never set them is told how."""
     group, other = native.ThreadGroup(2), native.ThreadGroup(2)
 
     def call(rank):
         torch.ops.tensorshard.native_set_thread_rank(group.handle, rank)
         torch.ops.tensorshard.native_set_thread_rank(other.handle, 1 - rank)  # a rank per group
-        return [torch.ops.tensorshard.native_all_gather(torch.full((1,), float(rank)), g.handle, -1, 0, [1, 1], "g")
-                for g in (group, other)]
+        return [torch.ops.tensorshard.native_all_gather(torch.full((1,), float(rank)), g, -1, 0, [1, 1], "g")
+                for g in (group.handle, other.handle, -1)]  # group -1: the one this thread set last (other)
 
     got = _on_threads(2, call)
-    assert all(torch.equal(g[0], torch.tensor([0.0, 1.0])) and torch.equal(g[1], torch.tensor([1.0, 0.0])) for g in got)
+    assert all(torch.equal(g[0], torch.tensor([0.0, 1.0])) and torch.equal(g[1], torch.tensor([1.0, 0.0]))
+               and torch.equal(g[2], g[1]) for g in got), got
     unset = native.ThreadGroup(2)
     with pytest.raises(RuntimeError, match=r"rank -1 .* never set its rank there \(native_set_thread_rank"):
         torch.ops.tensorshard.native_all_reduce(torch.ones(2), unset.handle, -1, "x")

@@ -5,8 +5,9 @@
 //       the sum of every rank's x, in rank order 0..N-1 (((x0 + x1) + x2) ...): the eager path's bits
 //   tensorshard::native_all_gather(Tensor x, int group, int rank, int dim, int[] sizes, str where) -> Tensor
 //       every rank's x concatenated along dim in rank order; rank r's piece has sizes[r] rows along dim
-//   rank -1 in either: the calling thread's rank in that group (native_set_thread_rank), so that shards whose graphs
-//       differ only by their rank can run one compiled graph
+//   rank -1 in either: the calling thread's rank in that group (native_set_thread_rank); group -1: the group the
+//       thread set last. Shards whose graphs differ only by their rank then run one compiled graph, and a graph
+//       names no group (inductor's compile cache finds it again in another split model or process)
 //   tensorshard::native_hold(Tensor[] xs) -> int / native_release(int) -> ()
 //       one more C++ reference to each tensor until released: an inductor C++-wrapper graph that frees an input
 //       after its last use then never drops the last C++ reference of a tensor Python owns (which takes the GIL)
@@ -355,6 +356,14 @@ void check_call(const Group& g, int64_t rank, const at::Tensor& x, const char* k
 // --- the calling thread's rank (rank -1 in an operator) -------------------------------------------------
 
 thread_local std::vector<std::pair<int64_t, int64_t>> thread_ranks;  // (group, rank) pairs this thread set
+thread_local int64_t thread_group = -1;                               // the group this thread set last
+
+int64_t group_here(int64_t handle, const char* kind) {
+  if (handle >= 0) return handle;
+  TORCH_CHECK(thread_group >= 0, "tensorshard native ", kind, ": called with group -1 (this thread's group), but ",
+              "this thread never set one (native_set_thread_rank(group, rank) first)");
+  return thread_group;
+}
 
 int64_t rank_of(int64_t handle, int64_t rank, const char* kind) {
   if (rank >= 0) return rank;
@@ -365,6 +374,7 @@ int64_t rank_of(int64_t handle, int64_t rank, const char* kind) {
 }
 
 void native_set_thread_rank(int64_t handle, int64_t rank) {
+  thread_group = handle;
   for (auto& gr : thread_ranks)
     if (gr.first == handle) {
       gr.second = rank;
@@ -401,6 +411,7 @@ void native_release(int64_t id) {
 // --- the operators --------------------------------------------------------------------------------------
 
 at::Tensor native_all_reduce(const at::Tensor& input, int64_t handle, int64_t rank, c10::string_view where) {
+  handle = group_here(handle, "all_reduce");
   std::shared_ptr<Group> gp = group_of(handle);
   Group& g = *gp;
   rank = rank_of(handle, rank, "all_reduce");
@@ -436,6 +447,7 @@ at::Tensor native_all_reduce(const at::Tensor& input, int64_t handle, int64_t ra
 
 at::Tensor native_all_gather(const at::Tensor& input, int64_t handle, int64_t rank, int64_t dim,
                              c10::IntArrayRef sizes, c10::string_view where) {
+  handle = group_here(handle, "all_gather");
   std::shared_ptr<Group> gp = group_of(handle);
   Group& g = *gp;
   rank = rank_of(handle, rank, "all_gather");

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -45,7 +46,10 @@ from ...comm.native import ops as native
 from .stitched_step import Capture, StitchError
 
 
-CPP_WRAPPER = True  # inductor's C++ wrapper for each shard's graph (with native collectives; see the docstring)
+# Inductor's C++ wrapper for each shard's graph (with the native collectives; see the docstring). TENSORSHARD_CPP_WRAPPER=0
+# keeps the Python wrapper, to compare: on a loaded 2-core machine the two measured within noise of each other on
+# SmolLM2's shape (docs/generation.md).
+CPP_WRAPPER = os.environ.get("TENSORSHARD_CPP_WRAPPER", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class ParallelStep:
@@ -120,21 +124,22 @@ class ParallelStep:
 
 def _with_native_collectives(gm: fx.GraphModule, group: native.ThreadGroup | None) -> fx.GraphModule:
     """A copy of `gm` whose Python collectives are the native ones of `group` (kept where they cannot be), called
-    with rank -1: the calling thread's rank (`run` sets it), so that shards of an even split have the same graph."""
-    rank = -1
+    with group and rank -1: the calling thread's (`run` sets them), so that shards of an even split have the same
+    graph, and a graph names no group (inductor's cache finds it again for another split model, or process)."""
+    rank = here = -1
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         if group is not None and node.op == "call_function" and node.target is thread_ops.all_reduce and not node.kwargs:
             x, _, where = node.args
-            env[node] = graph.call_function(torch.ops.tensorshard.native_all_reduce.default, (env[x], group.handle, rank, where))
+            env[node] = graph.call_function(torch.ops.tensorshard.native_all_reduce.default, (env[x], here, rank, where))
         elif group is not None and node.op == "call_function" and node.target is thread_ops.all_gather and not node.kwargs:
             x, _, dim, layout, where = node.args
             sizes = _rank_ordered_sizes(thread_ops.partition_of(list(layout)))
             if sizes is None:
                 env[node] = graph.node_copy(node, env.__getitem__)
             else:
-                env[node] = graph.call_function(torch.ops.tensorshard.native_all_gather.default, (env[x], group.handle, rank, dim, sizes, where))
+                env[node] = graph.call_function(torch.ops.tensorshard.native_all_gather.default, (env[x], here, rank, dim, sizes, where))
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
         env[node].meta = dict(node.meta)
