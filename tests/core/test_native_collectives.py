@@ -104,6 +104,38 @@ def test_a_traced_graph_calls_the_native_ops():
     assert [s for s in seen if s.startswith("tensorshard.")] == ["tensorshard.native_all_reduce", "tensorshard.native_all_gather"]
 
 
+def test_rank_minus_one_is_the_rank_the_thread_set():
+    """Rank -1: the calling thread's rank in that group, group -1: the group it set last (so that shards of an even
+    split run one compiled graph, which names no group); a thread that never set them is told how."""
+    group, other = native.ThreadGroup(2), native.ThreadGroup(2)
+
+    def call(rank):
+        torch.ops.tensorshard.native_set_thread_rank(group.handle, rank)
+        torch.ops.tensorshard.native_set_thread_rank(other.handle, 1 - rank)  # a rank per group
+        return [torch.ops.tensorshard.native_all_gather(torch.full((1,), float(rank)), g, -1, 0, [1, 1], "g")
+                for g in (group.handle, other.handle, -1)]  # group -1: the one this thread set last (other)
+
+    got = _on_threads(2, call)
+    assert all(torch.equal(g[0], torch.tensor([0.0, 1.0])) and torch.equal(g[1], torch.tensor([1.0, 0.0]))
+               and torch.equal(g[2], g[1]) for g in got), got
+    unset = native.ThreadGroup(2)
+    with pytest.raises(RuntimeError, match=r"rank -1 .* never set its rank there \(native_set_thread_rank"):
+        torch.ops.tensorshard.native_all_reduce(torch.ones(2), unset.handle, -1, "x")
+
+
+def test_a_hold_keeps_its_tensors_until_released():
+    """native_hold: one more C++ reference to each tensor (what a C++-wrapper graph's inputs need so that freeing
+    one never drops the last C++ reference of a Python-owned tensor, which takes the GIL), until released."""
+    x, y = torch.ones(3), torch.zeros(2)
+    counts = x._use_count(), y._use_count()  # C++ references to each tensor
+    hold = torch.ops.tensorshard.native_hold([x, y])
+    assert (x._use_count(), y._use_count()) == (counts[0] + 1, counts[1] + 1)
+    torch.ops.tensorshard.native_release(hold)
+    assert (x._use_count(), y._use_count()) == counts
+    torch.ops.tensorshard.native_release(hold)  # again: nothing left to drop
+    assert (x._use_count(), y._use_count()) == counts
+
+
 def test_a_waiting_rank_releases_the_gil():
     """Rank 0 waits while this thread runs Python for 0.3 s before joining as rank 1: were the GIL held while
     waiting, this thread could not run and rank 0 would time out (1.5 s)."""

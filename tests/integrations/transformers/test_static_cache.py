@@ -307,7 +307,8 @@ def test_heavy_steps_run_every_shard_at_the_same_time_on_its_own_thread(monkeypa
     """A step that reads more weights between two collectives than `PARALLEL_BYTES` (here every step: the bound
     set to 0) is not stitched: each shard's compiled graph runs on its own thread while the others run theirs
     (every token's steps meet inside themselves, which shards run one after another never do), with the native
-    collectives, logged, with the unsplit tokens and the eager step's collectives."""
+    collectives, logged, with the unsplit tokens and the eager step's collectives. An even split (8 heads over 4
+    KV heads): with the native collectives both shards run one compiled graph (C++ wrapper), each its own rank."""
     from tensorshard.comm.native import ops as native
     from tensorshard.engines.inprocess.parallel_step import ParallelStep
 
@@ -316,13 +317,17 @@ def test_heavy_steps_run_every_shard_at_the_same_time_on_its_own_thread(monkeypa
     run = ParallelStep.run
     monkeypatch.setattr(ParallelStep, "run", lambda self, rank, kwargs: meet(rank, self, kwargs))
     meet = _meeting(lambda rank, self, kwargs: run(self, rank, kwargs), 2, threads)
-    model = tiny_model("llama")
+    config = tiny_config("llama")
+    config.num_attention_heads, config.num_key_value_heads = 8, 4  # (head_dim stays the config's 8)
+    model = tiny_model("llama", config)
     split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
     with tp.count_collectives() as compiled:
         out, messages = _logged(lambda: _greedy(split, _ids(), cache_implementation="static"))
     assert torch.equal(out, _greedy(model, _ids()))
     ran = [m for m in messages if "on its own thread at the same time" in m]
     assert len(ran) == 1 and ("native collectives" if native.available() else "Python collectives") in ran[0], messages
+    if native.available():
+        assert "(C++ wrapper; 1 of them sharing another's graph)" in ran[0], ran
     assert not [m for m in messages if "stitched the decode steps" in m or "compiled the decode step of" in m], messages
     assert all(len(t) >= 1 for t in threads) and not threads[0] & threads[1], threads  # each shard on its own thread
     with tp.count_collectives() as eager:

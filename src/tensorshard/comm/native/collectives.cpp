@@ -5,6 +5,12 @@
 //       the sum of every rank's x, in rank order 0..N-1 (((x0 + x1) + x2) ...): the eager path's bits
 //   tensorshard::native_all_gather(Tensor x, int group, int rank, int dim, int[] sizes, str where) -> Tensor
 //       every rank's x concatenated along dim in rank order; rank r's piece has sizes[r] rows along dim
+//   rank -1 in either: the calling thread's rank in that group (native_set_thread_rank); group -1: the group the
+//       thread set last. Shards whose graphs differ only by their rank then run one compiled graph, and a graph
+//       names no group (inductor's compile cache finds it again in another split model or process)
+//   tensorshard::native_hold(Tensor[] xs) -> int / native_release(int) -> ()
+//       one more C++ reference to each tensor until released: an inductor C++-wrapper graph that frees an input
+//       after its last use then never drops the last C++ reference of a tensor Python owns (which takes the GIL)
 //
 // A group is a handle (an int) naming a Region: a control area and two buffer sets of one slot per rank.
 //   process flavour: the region is part of a shared-memory segment every rank (a process) has mapped
@@ -347,11 +353,68 @@ void check_call(const Group& g, int64_t rank, const at::Tensor& x, const char* k
               x.scalar_type(), " is not supported (floating point and integer tensors are)");
 }
 
+// --- the calling thread's rank (rank -1 in an operator) -------------------------------------------------
+
+thread_local std::vector<std::pair<int64_t, int64_t>> thread_ranks;  // (group, rank) pairs this thread set
+thread_local int64_t thread_group = -1;                               // the group this thread set last
+
+int64_t group_here(int64_t handle, const char* kind) {
+  if (handle >= 0) return handle;
+  TORCH_CHECK(thread_group >= 0, "tensorshard native ", kind, ": called with group -1 (this thread's group), but ",
+              "this thread never set one (native_set_thread_rank(group, rank) first)");
+  return thread_group;
+}
+
+int64_t rank_of(int64_t handle, int64_t rank, const char* kind) {
+  if (rank >= 0) return rank;
+  for (const auto& gr : thread_ranks)
+    if (gr.first == handle) return gr.second;
+  TORCH_CHECK(false, "tensorshard native ", kind, ": called with rank -1 (this thread's rank) in group ", handle,
+              ", but this thread never set its rank there (native_set_thread_rank(group, rank) first)");
+}
+
+void native_set_thread_rank(int64_t handle, int64_t rank) {
+  thread_group = handle;
+  for (auto& gr : thread_ranks)
+    if (gr.first == handle) {
+      gr.second = rank;
+      return;
+    }
+  thread_ranks.emplace_back(handle, rank);
+}
+
+// --- held references (native_hold / native_release) ------------------------------------------------------
+
+std::mutex holds_mutex;
+std::unordered_map<int64_t, std::vector<at::Tensor>> holds;
+int64_t next_hold = 1;
+
+int64_t native_hold(at::TensorList xs) {
+  std::vector<at::Tensor> kept(xs.begin(), xs.end());
+  std::lock_guard<std::mutex> lock(holds_mutex);
+  int64_t id = next_hold++;
+  holds.emplace(id, std::move(kept));
+  return id;
+}
+
+void native_release(int64_t id) {
+  std::vector<at::Tensor> dropped;  // dropped after the lock (the caller holds the GIL: a last reference may need it)
+  {
+    std::lock_guard<std::mutex> lock(holds_mutex);
+    auto it = holds.find(id);
+    if (it == holds.end()) return;
+    dropped = std::move(it->second);
+    holds.erase(it);
+  }
+}
+
 // --- the operators --------------------------------------------------------------------------------------
 
 at::Tensor native_all_reduce(const at::Tensor& input, int64_t handle, int64_t rank, c10::string_view where) {
+  handle = group_here(handle, "all_reduce");
   std::shared_ptr<Group> gp = group_of(handle);
   Group& g = *gp;
+  rank = rank_of(handle, rank, "all_reduce");
   check_call(g, rank, input, "all_reduce");
   at::Tensor x = input.contiguous();
   at::Tensor out = x.new_empty(x.sizes());
@@ -384,8 +447,10 @@ at::Tensor native_all_reduce(const at::Tensor& input, int64_t handle, int64_t ra
 
 at::Tensor native_all_gather(const at::Tensor& input, int64_t handle, int64_t rank, int64_t dim,
                              c10::IntArrayRef sizes, c10::string_view where) {
+  handle = group_here(handle, "all_gather");
   std::shared_ptr<Group> gp = group_of(handle);
   Group& g = *gp;
+  rank = rank_of(handle, rank, "all_gather");
   check_call(g, rank, input, "all_gather");
   TORCH_CHECK(int64_t(sizes.size()) == g.world, "tensorshard native all_gather: ", sizes.size(),
               " sizes for a group of ", g.world, " ranks");
@@ -542,6 +607,9 @@ TORCH_LIBRARY_FRAGMENT(tensorshard, m) {
   m.def("native_thread_group(int world, int slot, float timeout) -> int", native_thread_group);
   m.def("native_group_abort(int group, int rank, str reason) -> ()", native_group_abort);
   m.def("native_group_close(int group) -> ()", native_group_close);
+  m.def("native_set_thread_rank(int group, int rank) -> ()", native_set_thread_rank);
+  m.def("native_hold(Tensor[] xs) -> int", native_hold);
+  m.def("native_release(int hold) -> ()", native_release);
   m.def("native_count_start() -> int", native_count_start);
   m.def("native_count_read(int since) -> str", native_count_read);
   m.def("native_count_stop() -> ()", native_count_stop);

@@ -15,10 +15,16 @@ What keeps the threads from taking turns on the GIL:
   GIL released while it waits): the same sums, bit for bit, with no Python per collective. An all-gather whose
   pieces are not one range per rank in rank order (a fused projection's interleaved heads) keeps the Python one;
   where the native library is unavailable every collective does (the same numbers, slower);
-- the kernels: inductor's matrix products are aten calls that release the GIL; its own fused kernels and the
-  Python lines of its wrapper between them hold it, a few microseconds each (docs/generation.md has the profile);
+- the kernels: each shard's graph is compiled with inductor's C++ wrapper, which releases the GIL from its first
+  kernel to its last, its inputs held for the call so that freeing one never reaches Python (comm/native/
+  cpp_graphs.py); with the Python collectives (no native library) the default Python wrapper is kept, whose lines
+  and small fused kernels hold the GIL a few microseconds each;
 - no dynamo frame per shard and token: the graph is called with its inputs found again as the stitched step finds
   them (`Capture.sources`), under the same checks (stitched_decode.py).
+
+The collectives read the calling thread's rank (`native_set_thread_rank`, set by `run`), and ints that differ
+between the shards' graphs only as a vocabulary range (`_one_graph`) become inputs: shards of an even split run
+one compiled graph, compiled once.
 
 A failing shard aborts the native group, so the other shards' waits raise at once; the step is then dropped
 (stitched_decode.py) and that kind of call runs per shard under `torch.compile` from then on.
@@ -26,14 +32,24 @@ A failing shard aborts the native group, so the other shards' waits raise at onc
 
 from __future__ import annotations
 
+import copy
+import operator
+import os
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx
 
 from ...comm import thread_ops
+from ...comm.native import cpp_graphs
 from ...comm.native import ops as native
 from .stitched_step import Capture, StitchError
+
+
+# Inductor's C++ wrapper for each shard's graph (with the native collectives; see the docstring). TENSORSHARD_CPP_WRAPPER=0
+# keeps the Python wrapper, to compare: on a loaded 2-core machine the two measured within noise of each other on
+# SmolLM2's shape (docs/generation.md).
+CPP_WRAPPER = os.environ.get("TENSORSHARD_CPP_WRAPPER", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class ParallelStep:
@@ -43,22 +59,42 @@ class ParallelStep:
     def __init__(self, captures: Sequence[Capture], world: int, timeout: float) -> None:
         self.captures = list(captures)
         self.group = native.ThreadGroup(world, timeout=timeout) if native.available() else None
-        self.modules = [_with_native_collectives(c.graph, rank, self.group) for rank, c in enumerate(self.captures)]
+        self.modules = [_with_native_collectives(c.graph, self.group) for c in self.captures]
+        # Each rank's numbers lifted out of the graphs (one graph for all shards; `_one_graph`), given as last inputs.
+        self.numbers: list[list[torch.Tensor]] = [[] for _ in self.captures]
+        if self.group is not None and len(self.modules) > 1:
+            merged = _one_graph(self.modules)
+            if merged is not None:
+                one, self.numbers = merged
+                self.modules = [one] * len(self.modules)
         self.compiled: list[Callable[..., Any]] | None = None
         self.dtypes: list[list[torch.dtype]] = []
         self.registrations = 0  # registrations.py's count when built (stitched_decode.py checks it)
         self.native = self.group is not None
+        # The C++ wrapper only pays with native collectives (a Python one inside it takes the GIL back anyway).
+        self.cpp_wrapper = CPP_WRAPPER and self.native
+        self.shared = 0  # shards that run another shard's compiled graph (the same graph, the same input shapes)
 
     def compile(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> None:
         """Compile every shard's graph with inductor for these inputs' shapes, one after another in this thread
-        (torch.compile is not thread-safe); nothing runs."""
-        inductor = torch._dynamo.lookup_backend("inductor")
-        compiled, dtypes = [], []
-        for module, capture, kwargs in zip(self.modules, self.captures, per_rank_kwargs):
-            inputs = [read(kwargs) for read in capture.sources]
-            compiled.append(inductor(module, inputs, config_patches=config_patches or None))
-            dtypes.append([x.dtype for x in inputs])
+        (torch.compile is not thread-safe); nothing runs. A shard whose graph and input shapes are another's (an
+        even split: its collectives read the thread's rank) runs that shard's compiled graph."""
+        compiled, dtypes, seen = [], [], {}
+        for module, capture, kwargs, numbers in zip(self.modules, self.captures, per_rank_kwargs, self.numbers):
+            inputs = [read(kwargs) for read in capture.sources] + numbers
+            key = _graph_key(module, inputs)
+            if key is not None and key in seen:
+                compiled.append(seen[key])
+            else:
+                if self.cpp_wrapper:  # (it holds the inputs while the graph runs: no GIL inside it)
+                    compiled.append(cpp_graphs.compile_graph(module, inputs, config_patches))
+                else:
+                    compiled.append(cpp_graphs.inductor_compile(module, inputs, config_patches))
+                if key is not None:
+                    seen[key] = compiled[-1]
+            dtypes.append([x.dtype for x in inputs[:len(capture.sources)]])
         self.compiled, self.dtypes = compiled, dtypes
+        self.shared = len(compiled) - len({id(c) for c in compiled})
 
     def check(self, per_rank_kwargs: Sequence[dict]) -> None:
         """StitchError, before anything runs, if an input's dtype changed since `compile` (``split.half()``):
@@ -70,7 +106,9 @@ class ParallelStep:
     def run(self, rank: int, kwargs: dict) -> Any:
         """Shard `rank`'s step, in its thread (`kwargs`: its own arguments, its cache among them): its output."""
         capture = self.captures[rank]
-        inputs = [read(kwargs) for read in capture.sources]
+        inputs = [read(kwargs) for read in capture.sources] + self.numbers[rank]
+        if self.group is not None:
+            torch.ops.tensorshard.native_set_thread_rank(self.group.handle, rank)
         outs = self.compiled[rank](*inputs)
         return capture.output_type(**{k: outs[v] if isinstance(v, int) else kwargs[v] for k, v in capture.fields.items()})
 
@@ -84,25 +122,96 @@ class ParallelStep:
             self.group.close()
 
 
-def _with_native_collectives(gm: fx.GraphModule, rank: int, group: native.ThreadGroup | None) -> fx.GraphModule:
-    """A copy of `gm` whose Python collectives are the native ones of `group` (kept where they cannot be)."""
+def _with_native_collectives(gm: fx.GraphModule, group: native.ThreadGroup | None) -> fx.GraphModule:
+    """A copy of `gm` whose Python collectives are the native ones of `group` (kept where they cannot be), called
+    with group and rank -1: the calling thread's (`run` sets them), so that shards of an even split have the same
+    graph, and a graph names no group (inductor's cache finds it again for another split model, or process)."""
+    rank = here = -1
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
         if group is not None and node.op == "call_function" and node.target is thread_ops.all_reduce and not node.kwargs:
             x, _, where = node.args
-            env[node] = graph.call_function(torch.ops.tensorshard.native_all_reduce.default, (env[x], group.handle, rank, where))
+            env[node] = graph.call_function(torch.ops.tensorshard.native_all_reduce.default, (env[x], here, rank, where))
         elif group is not None and node.op == "call_function" and node.target is thread_ops.all_gather and not node.kwargs:
             x, _, dim, layout, where = node.args
             sizes = _rank_ordered_sizes(thread_ops.partition_of(list(layout)))
             if sizes is None:
                 env[node] = graph.node_copy(node, env.__getitem__)
             else:
-                env[node] = graph.call_function(torch.ops.tensorshard.native_all_gather.default, (env[x], group.handle, rank, dim, sizes, where))
+                env[node] = graph.call_function(torch.ops.tensorshard.native_all_gather.default, (env[x], here, rank, dim, sizes, where))
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
         env[node].meta = dict(node.meta)
     return fx.GraphModule(gm, graph)
+
+
+# Calls whose int argument may differ between shards (a vocabulary-parallel embedding's range: `ids < 48`,
+# `ids - 48`): exact with a 0-d int64 tensor in its place.
+_LIFTABLE = {operator.lt, operator.le, operator.gt, operator.ge, operator.sub, operator.add,
+             torch.lt, torch.le, torch.gt, torch.ge, torch.sub, torch.add}
+
+
+def _one_graph(modules: Sequence[fx.GraphModule]) -> tuple[fx.GraphModule, list[list[torch.Tensor]]] | None:
+    """One graph for every shard when theirs differ only by ints given to comparisons, additions and subtractions
+    (a vocabulary-parallel embedding's range) and by an embedding's padding_idx (which changes no forward value,
+    only gradients: these graphs run without them): those ints become the graph's last inputs (0-d int64
+    tensors, each rank's own), the padding_idx None. Else None."""
+    graphs = [list(m.graph.nodes) for m in modules]
+    if len({len(nodes) for nodes in graphs}) != 1:
+        return None
+    index = [{node: i for i, node in enumerate(nodes)} for nodes in graphs]
+    lifted: list[tuple[int, int, list[int]]] = []  # (node, argument position, each rank's int)
+    unpadded: list[int] = []  # embeddings whose padding_idx differ
+    for i, nodes in enumerate(zip(*graphs)):
+        first = nodes[0]
+        if any(n.op != first.op or n.target != first.target for n in nodes):
+            return None
+        embedding = first.target is torch.nn.functional.embedding
+        args = [fx.node.map_arg(n.args, lambda a, r=r: ("node", index[r][a])) for r, n in enumerate(nodes)]
+        kwargs = [fx.node.map_arg(n.kwargs, lambda a, r=r: ("node", index[r][a])) for r, n in enumerate(nodes)]
+        if embedding and any(k.get("padding_idx") != kwargs[0].get("padding_idx") for k in kwargs):
+            unpadded.append(i)
+            kwargs = [{k: v for k, v in kw.items() if k != "padding_idx"} for kw in kwargs]
+        if any(k != kwargs[0] for k in kwargs) or any(len(a) != len(args[0]) for a in args):
+            return None
+        for at, values in enumerate(zip(*args)):
+            if all(v == values[0] and type(v) is type(values[0]) for v in values):
+                continue
+            if first.target in _LIFTABLE and all(type(v) is int for v in values):
+                lifted.append((i, at, list(values)))
+            elif embedding and at == 2:
+                unpadded.append(i)
+            else:
+                return None
+    if not lifted and not unpadded:
+        return None
+    gm = fx.GraphModule(modules[0], copy.deepcopy(modules[0].graph))
+    nodes = list(gm.graph.nodes)
+    last_input = [n for n in nodes if n.op == "placeholder"][-1]
+    for k, (i, at, _) in enumerate(lifted):
+        with gm.graph.inserting_after(last_input):
+            last_input = gm.graph.placeholder(f"rank_number_{k}")
+        args = list(nodes[i].args)
+        args[at] = last_input
+        nodes[i].args = tuple(args)
+    for i in unpadded:
+        if "padding_idx" in nodes[i].kwargs:
+            nodes[i].kwargs = {**nodes[i].kwargs, "padding_idx": None}
+        else:
+            nodes[i].args = (*nodes[i].args[:2], None, *nodes[i].args[3:])
+    gm.graph.lint()
+    gm.recompile()
+    numbers = [[torch.tensor(values[r], dtype=torch.int64) for _, _, values in lifted] for r in range(len(modules))]
+    return gm, numbers
+
+
+def _graph_key(module: fx.GraphModule, inputs: list) -> tuple | None:
+    """What makes two shards' compiled graphs interchangeable: the graph's code and its inputs' shapes, strides
+    and dtypes (None, never shared, for a graph that holds tensors of its own or takes a non-tensor input)."""
+    if any(node.op == "get_attr" for node in module.graph.nodes) or not all(isinstance(x, torch.Tensor) for x in inputs):
+        return None
+    return module.code, tuple((tuple(x.shape), x.stride(), x.dtype) for x in inputs)
 
 
 def _rank_ordered_sizes(partition) -> list[int] | None:

@@ -10,9 +10,10 @@ first, on CPU slots, with inductor (the default backend and mode):
 2. the second call must add no graph: dynamo recompiling there means the step depends on Python state that changes
    per token (a sliding-window cache layer), which one fixed graph cannot follow;
 3. then, by the weights a shard reads between two of its collectives (`weight_bytes_per_segment`):
-   - from `PARALLEL_BYTES` on, each shard's graph is compiled on its own with native collectives and every later
-     token runs them on the shards' threads at the same time (parallel_step.py): each core reads its share of the
-     weights, as tensor parallelism promises;
+   - from `PARALLEL_BYTES` on (`parallel_bytes()`: 8 times it without the native collectives), each shard's graph
+     is compiled on its own with native collectives (C++ wrapper) and every later token runs them on the shards'
+     threads at the same time (parallel_step.py): each core reads its share of the weights, as tensor
+     parallelism promises;
    - below it, the shards' graphs are stitched into one (stitched_step.py), compiled once with inductor, and every
      later token runs it from the caller's thread: no thread, no hand-off, no dynamo frame evaluation per shard
      (a step that computes little between two collectives would spend more in the hand-offs than it saves).
@@ -36,6 +37,7 @@ from typing import Any, Callable, Hashable
 import torch
 from torch import nn
 
+from ...comm.native import ops as native
 from ...logs import get_logger
 from ...registrations import registrations
 from .boundary import to_device
@@ -47,14 +49,20 @@ logger = get_logger(__name__)
 _CAPTURE_CALLS = 2  # calls of a kind run per shard before stitching: one to capture, one to see nothing recompile
 # Weights a shard reads between two collectives (its parameters' bytes over its step's segments) from which its
 # compiled graph runs on its own thread at the same time as the others' instead of being stitched: a stitched graph
-# does every shard's arithmetic on one core, the parallel one pays a meeting of the threads per collective. Set
-# between SmolLM2-135M's shape at 2 devices (4.3 MiB per segment: half its weights per core is the point of
-# splitting it) and the small Llama of BENCHMARKS.md section 5 (0.7 MiB: stitched was faster on a loaded 2-core
-# machine, docs/generation.md); not yet checked against a quiet machine's timings.
-PARALLEL_BYTES = 2 << 20
+# does every shard's arithmetic on one core, the parallel one pays a meeting of the threads per collective. With
+# the native collectives (C++ graphs, no GIL inside): below the small Llama of BENCHMARKS.md section 5 (0.7 MiB
+# per segment at 2 devices), whose parallel step was faster than the stitched one in every round (3.3 against 3.6
+# ms per token at load 4-6 on 2 cores, docs/generation.md); the tiny test models (a few KiB) stay stitched. Without them (Python collectives, which take the GIL) 8 times as much: SmolLM2-135M's shape (4.3
+# MiB) runs in parallel, the small Llama stitched (faster there with Python collectives).
+PARALLEL_BYTES = 256 << 10
 # torch 2.10's dynamo breaks a shard's decode step into several graphs where 2.13 makes one (seen at the floors,
 # docs/versions.md), so nothing would stitch there: older torch keeps one compiled graph per shard from the start.
 STITCHES = torch.__version__ >= "2.13"
+
+
+def parallel_bytes() -> int:
+    """The bound in force: `PARALLEL_BYTES` with the native collectives, 8 times it with the Python ones."""
+    return PARALLEL_BYTES if native.available() else 8 * PARALLEL_BYTES
 
 
 class Stitcher:
@@ -138,7 +146,7 @@ class Stitcher:
             if calls == _CAPTURE_CALLS:
                 ranks = [captures[r][0] for r in range(len(self.tracing))]
                 per_segment = weight_bytes_per_segment(self.model, captures)
-                if per_segment >= PARALLEL_BYTES:
+                if per_segment >= parallel_bytes():
                     self.steps[kind] = ParallelStep(ranks, len(ranks), self.model.timeout)
                     self.parallel[kind] = per_segment
                 else:
@@ -247,11 +255,13 @@ class Stitcher:
             return False
         if isinstance(step, ParallelStep):
             logger.info(
-                "compiled the decode steps of %s's %d shards in %.1f s; every later token runs each shard's graph on "
-                "its own thread at the same time as the others' (%.1f MiB of weights per shard between two "
-                "collectives; stitched into one graph below %.1f MiB), with %s collectives",
+                "compiled the decode steps of %s's %d shards in %.1f s (%s wrapper; %d of them sharing another's "
+                "graph); every later token runs each shard's graph on its own thread at the same time as the "
+                "others' (%.1f MiB of weights per shard between two collectives; stitched into one graph below "
+                "%.1f MiB), with %s collectives",
                 type(self.model).__name__, len(self.tracing), time.perf_counter() - started,
-                self.parallel.get(kind, 0) / 2**20, PARALLEL_BYTES / 2**20, "native" if step.native else "Python",
+                "C++" if step.cpp_wrapper else "Python", step.shared,
+                self.parallel.get(kind, 0) / 2**20, parallel_bytes() / 2**20, "native" if step.native else "Python",
             )
         else:
             logger.info(

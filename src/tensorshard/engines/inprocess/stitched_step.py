@@ -31,6 +31,7 @@ from torch import fx, nn
 
 from ...comm import thread_ops as collectives
 from ...comm.counter import record
+from ...comm.native.cpp_graphs import inductor_compile
 
 _ALL_REDUCE, _ALL_GATHER = collectives.all_reduce, collectives.all_gather
 
@@ -225,9 +226,8 @@ class StitchedStep:
 
     def compile(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> None:
         """Compile the graph with inductor for these inputs' shapes (no run: nothing changes)."""
-        inductor = torch._dynamo.lookup_backend("inductor")  # torch._inductor's compile_fx, imported when first used
         inputs = self.inputs(per_rank_kwargs)
-        self.compiled = inductor(self.module, inputs, config_patches=config_patches or None)
+        self.compiled = inductor_compile(self.module, inputs, config_patches)  # (through inductor's caches)
         self.dtypes = [x.dtype for x in inputs]
 
     def __call__(self, per_rank_kwargs: Sequence[dict]) -> Any:

@@ -1,0 +1,60 @@
+"""Captured FX graphs compiled by inductor outside dynamo: cached on disk, and (C++ wrapper) run without the GIL.
+
+    from tensorshard.comm.native import cpp_graphs
+    run = cpp_graphs.compile_graph(gm, example_inputs)       # inductor, cpp_wrapper=True; nothing runs
+    outputs = run(*inputs)                                    # on any thread: other threads' Python runs meanwhile
+    step = cpp_graphs.inductor_compile(gm, example_inputs)   # inductor's default (Python) wrapper, cached the same way
+
+Both compile with inductor's compile cache on: called outside dynamo, inductor finds no shape environment and
+skips its FX-graph and AOT-autograd caches ("Bypassing FX Graph Cache because 'No shape env'"), so every process
+compiled every graph again (SmolLM2-135M's shape at 2 devices: a minute per process). A tracing context with a
+fresh shape environment (static shapes: the inputs are real tensors) is what dynamo would have given it.
+
+`compile_graph`: inductor's C++-wrapper entry releases the GIL for the whole graph (`gil_scoped_release_simple` in
+its generated `inductor_entry_impl`), but then frees each input after its last use; where Python owns the tensor's
+only other reference, dropping that one reaches the Python object (PyObject preservation), which takes the GIL
+back, and a thread running its graph waits for every other thread's Python at each such input. `run` holds one
+more C++ reference to every input for the call (`native_hold`, released after it), so no input's last C++
+reference drops inside the graph. Operators the graph calls must not need Python either: the native collectives
+do not (dispatcher operators); a Python `custom_op` would take the GIL. The wrapper (a long function of calls:
+~4000 lines for SmolLM2's shape) is built apart from the kernels, at -O1 (`cpp_wrapper_build_separate`): built with
+them at -O3 it took minutes of compiler time per graph. It needs the native library (ops.available()).
+
+Both engines can use these; the in-process engine runs one C++-wrapper graph per shard on the shards' threads
+(engines/inprocess/parallel_step.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+PATCHES = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}  # inductor's config for GIL-free graphs
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config_patches: dict | None = None) -> Callable[..., Any]:
+    """`gm` compiled by inductor for inputs like `example_inputs` (real tensors: static shapes), through its
+    compile caches (a later process loads the result); the compiled function takes the inputs as arguments."""
+    inductor = torch._dynamo.lookup_backend("inductor")
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+        return inductor(gm, list(example_inputs), config_patches=config_patches or None)
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config_patches: dict | None = None) -> Callable[..., Any]:
+    """`gm` compiled with inductor's C++ wrapper (the caller's `config_patches` on top of `PATCHES`): a function of
+    the graph's inputs that holds them while the graph runs, so that it runs without the GIL."""
+    compiled = inductor_compile(gm, example_inputs, {**PATCHES, **(config_patches or {})})
+
+    def run(*inputs: Any) -> Any:
+        hold = torch.ops.tensorshard.native_hold([x for x in inputs if isinstance(x, torch.Tensor)])
+        try:
+            return compiled(*inputs)
+        finally:
+            torch.ops.tensorshard.native_release(hold)
+
+    return run
