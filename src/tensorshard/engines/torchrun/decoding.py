@@ -41,16 +41,17 @@ from ...logs import get_logger
 logger = get_logger(__name__)
 
 
-def install(root: nn.Module, guard) -> None:
+def install(root: nn.Module, guard, state) -> None:
     """Give the transformers generating model in `root` (root itself, or the model inside a PEFT wrapper) compiled
     decoding on every device; a module without one is left alone. `guard`: the group's GroupGuard, told when a
-    compiled step raises (compiled code skips the root forward's report, so the other ranks stop at once)."""
+    compiled step raises (compiled code skips the root forward's report, so the other ranks stop at once);
+    `state`: the TorchrunState, whose local views each compiled step puts in place at once (local_views.py)."""
     for model in root.modules():  # outermost first
         criteria = getattr(type(model), "_valid_auto_compile_criteria", None)
         compiled_call = getattr(type(model), "get_compiled_call", None)
         if criteria is not None and compiled_call is not None:
             model._valid_auto_compile_criteria = _on_every_device(model, criteria)
-            model.get_compiled_call = _logging_compiles(model, compiled_call, guard)
+            model.get_compiled_call = _logging_compiles(model, compiled_call, guard, state)
             return
 
 
@@ -84,20 +85,21 @@ def _compileable_cache(cache: Any) -> bool:
     return bool(getattr(cache, "is_compileable", False)) and type(decoder_cache) is not DynamicCache
 
 
-def _logging_compiles(model: nn.Module, compiled_call: Callable, guard) -> Callable:
+def _logging_compiles(model: nn.Module, compiled_call: Callable, guard, state) -> Callable:
     wrapped: dict[int, Callable] = {}  # id(compiled function) -> its logging wrapper
 
     def get_compiled_call(compile_config) -> Callable:
         compiled = compiled_call(model, compile_config)
         if id(compiled) not in wrapped:
             wrapped.clear()  # transformers made a new one (another CompileConfig): the old one is gone
-            wrapped[id(compiled)] = _logged(model, compiled, compile_config or _default_compile_config(model), guard)
+            wrapped[id(compiled)] = _logged(model, compiled, compile_config or _default_compile_config(model), guard,
+                                            state)
         return wrapped[id(compiled)]
 
     return get_compiled_call
 
 
-def _logged(model: nn.Module, compiled: Callable, compile_config, guard) -> Callable:
+def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state) -> Callable:
     name = type(model).__name__
 
     def call(*args, **kwargs):
@@ -105,7 +107,8 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard) -> Call
         before = compiled_graphs()
         began = time.perf_counter()
         try:
-            out = compiled(*args, **kwargs)
+            with state.views.all_local(state.mesh):  # outside the graph: dynamo traces and guards no swap
+                out = compiled(*args, **kwargs)
         except BaseException as e:
             guard.report(e, f"the compiled decode step of {name}")
             raise
