@@ -37,25 +37,35 @@ class LocalViews:
     def all_local(self, mesh):
         """For a call without gradients, every wrapped module in eval mode: each DTensor of `mesh` below the model
         replaced by its local view for the duration, the wrappers passing through. Otherwise (gradients on, a
-        module training, already inside): nothing changes, the wrappers swap as usual."""
-        if self.active or torch.is_grad_enabled() or any(around.training for around, _ in self.swaps):
+        module training, already inside, a DTensor of another mesh): nothing changes, the wrappers swap as usual."""
+        quiet = not (self.active or torch.is_grad_enabled() or any(around.training for around, _ in self.swaps))
+        views = self._views(mesh) if quiet else None
+        if views is None:
             yield
             return
-        saved = []
+        for table, name, _, local in views:
+            table[name] = local
+        self.active = True
         try:
-            for _, entries in self.swaps:
-                for owner, table_name, name, layout, _partial in entries:  # partial: only with gradients
-                    table = getattr(owner, table_name)
-                    t = table.get(name)
-                    if isinstance(t, DTensor) and t.device_mesh == mesh:
-                        saved.append((table, name, t))
-                        table[name] = layout.view(t._local_tensor)
-            self.active = True
             yield
         finally:
             self.active = False
-            for table, name, t in reversed(saved):
+            for table, name, t, _ in views:
                 table[name] = t
+
+    def _views(self, mesh) -> list | None:
+        """(table, name, DTensor, its local view) for every swap; None where a DTensor of another mesh is among them
+        (FSDP2 on a 2-D mesh: the wrappers' own rules decide those)."""
+        views = []
+        for _, entries in self.swaps:
+            for owner, table_name, name, layout, _partial in entries:  # partial: matters with gradients only
+                table = getattr(owner, table_name)
+                t = table.get(name)
+                if isinstance(t, DTensor):
+                    if t.device_mesh != mesh:
+                        return None
+                    views.append((table, name, t, layout.view(t._local_tensor)))
+        return views
 
 
 def swap_local_views(mod: nn.Module, held: dict[tuple[str, str], Layout], state) -> None:
