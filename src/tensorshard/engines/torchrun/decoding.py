@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import sys
 import time
-from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm.transport import connect_native
+from ..aliasing_guards import aliasing_guards_in_cpp
 from ...logs import get_logger
 
 logger = get_logger(__name__)
@@ -109,7 +109,7 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state) 
         began = time.perf_counter()
         try:
             # outside the graph: dynamo traces and guards no swap
-            with state.views.all_local(state.mesh), _aliasing_guards_in_cpp():
+            with state.views.all_local(state.mesh), aliasing_guards_in_cpp():
                 out = compiled(*args, **kwargs)
         except BaseException as e:
             guard.report(e, f"the compiled decode step of {name}")
@@ -123,27 +123,6 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state) 
         return out
 
     return call
-
-
-_ALIASING = "use_lamba_guard_for_object_aliasing"  # torch._dynamo.config's name for it (2.8 on), spelled so
-
-
-@contextmanager
-def _aliasing_guards_in_cpp():
-    """Dynamo's guards that two paths reach one object (`a is b`), built as C++ guards instead of one Python lambda.
-    A split model reaches its shared objects (the group's comm, each module from its own wrapper) along ~1,000 such
-    pairs; as a lambda they cost ~7 s to build at the first call at 2 ranks and are evaluated in Python every token.
-    The same checks either way; where torch lacks the switch, nothing changes."""
-    config = torch._dynamo.config
-    if not hasattr(config, _ALIASING):
-        yield
-        return
-    before = getattr(config, _ALIASING)
-    setattr(config, _ALIASING, False)
-    try:
-        yield
-    finally:
-        setattr(config, _ALIASING, before)
 
 
 def compiled_graphs() -> int:
