@@ -212,8 +212,8 @@ def local_views_task() -> dict:
         expected = model(ids).logits
         with state.views.all_local(state.mesh):
             inside = dict(model.named_parameters())
-            out["local_inside"] = all(not isinstance(inside[n], DTensor) and inside[n].shape == before[n].to_local().shape
-                                      for n in split)
+            out["local_inside"] = all(
+                not isinstance(inside[n], DTensor) and inside[n].shape == before[n].to_local().shape for n in split)
             out["active"] = state.views.active
             out["same_logits"] = torch.equal(model(ids).logits, expected)
         out["restored"] = all(p is before[n] for n, p in model.named_parameters())
@@ -222,7 +222,8 @@ def local_views_task() -> dict:
                 raise KeyError("inside")
         except KeyError:
             pass
-        out["restored_after_error"] = all(p is before[n] for n, p in model.named_parameters()) and not state.views.active
+        restored = all(p is before[n] for n, p in model.named_parameters())
+        out["restored_after_error"] = restored and not state.views.active
     with state.views.all_local(state.mesh):  # gradients on: the wrappers swap as before, per call
         out["untouched_with_grad"] = all(p is before[n] for n, p in model.named_parameters()) and not state.views.active
     return out

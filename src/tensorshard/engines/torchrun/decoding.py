@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm.transport import connect_native
-from ..aliasing_guards import aliasing_guards_in_cpp
 from ...logs import get_logger
+from ..aliasing_guards import aliasing_guards_in_cpp
 
 logger = get_logger(__name__)
 

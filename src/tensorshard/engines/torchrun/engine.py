@@ -92,7 +92,7 @@ class TorchrunState:
     building: list = field(default_factory=list)  # plain stand-ins while an integration builds layers on the module
     skeleton: nn.Module | None = field(default=None, repr=False)  # the module before splitting, meta tensors (copies.py)
     skeleton_error: str = ""  # why there is no skeleton: the module could not be deep-copied
-    views: LocalViews = field(default_factory=LocalViews)  # every local-view swap, to make at once (local_views.py)
+    views: LocalViews = field(default_factory=LocalViews)  # every local-view swap, made at once (local_views.py)
 
 
 def parallelize(
@@ -191,7 +191,7 @@ def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, sou
         raise
     guard_configurations([module], f"over {world} rank(s)")  # fields that size the split stay (shared_config.py)
     _wrap_root(module, state)
-    decoding.install(module, comm.guard, state)  # generate() compiles its decode step on every device type (decoding.py)
+    decoding.install(module, comm.guard, state)  # generate() compiles its decode step on every device (decoding.py)
     module.tensorshard = state
     # copy.deepcopy finds this on the instance: a second split model, not a copy of closures (copies.py)
     module.__dict__["__deepcopy__"] = lambda memo: deep_copy(module, memo, _split)
