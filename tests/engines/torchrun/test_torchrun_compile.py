@@ -234,3 +234,44 @@ def test_the_decode_step_with_capturable_collectives_gives_the_unsplit_tokens_an
         assert "_c10d_functional::all_reduce" in out["called"] and "_c10d_functional::all_gather_into_tensor" in out["called"]
         assert not [name for name in out["called"] if name.startswith("tensorshard::")], out["called"]
         assert out["counts"][0] == out["counts"][1] and out["bytes"][0] == out["bytes"][1], out
+
+
+
+def local_views_task() -> dict:
+    """LocalViews.all_local (engines/torchrun/local_views.py), what generate's compiled step runs inside: without
+    gradients in eval mode every DTensor is its local view for the call and each module's wrapper passes through
+    (the same logits), then every DTensor is back (also after an error); with gradients on, nothing changes."""
+    from torch.distributed.tensor import DTensor
+
+    ref, model = _split_pair()
+    state = model.tensorshard
+    ids = torch.randint(0, tiny_llama.VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    before = dict(model.named_parameters())
+    split = sorted(n for n, p in before.items() if isinstance(p, DTensor))
+    out = {"split": len(split)}
+    with torch.no_grad():
+        expected = model(ids).logits
+        with state.views.all_local(state.mesh):
+            inside = dict(model.named_parameters())
+            out["local_inside"] = all(
+                not isinstance(inside[n], DTensor) and inside[n].shape == before[n].to_local().shape for n in split)
+            out["active"] = state.views.active
+            out["same_logits"] = torch.equal(model(ids).logits, expected)
+        out["restored"] = all(p is before[n] for n, p in model.named_parameters())
+        try:
+            with state.views.all_local(state.mesh):
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        restored = all(p is before[n] for n, p in model.named_parameters())
+        out["restored_after_error"] = restored and not state.views.active
+    with state.views.all_local(state.mesh):  # gradients on: the wrappers swap as before, per call
+        out["untouched_with_grad"] = all(p is before[n] for n, p in model.named_parameters()) and not state.views.active
+    return out
+
+
+def test_a_compiled_call_puts_every_local_view_in_place_once(pool2):
+    for out in pool2.run(local_views_task, timeout=120):
+        assert out["split"] > 0
+        assert out["local_inside"] and out["active"] and out["same_logits"]
+        assert out["restored"] and out["restored_after_error"] and out["untouched_with_grad"]

@@ -41,20 +41,22 @@ from torch import nn
 from ...comm.graph_collectives import capturing_decode, report as report_collectives
 from ...comm.transport import connect_native
 from ...logs import get_logger
+from ..aliasing_guards import aliasing_guards_in_cpp
 
 logger = get_logger(__name__)
 
 
-def install(root: nn.Module, guard) -> None:
+def install(root: nn.Module, guard, state) -> None:
     """Give the transformers generating model in `root` (root itself, or the model inside a PEFT wrapper) compiled
     decoding on every device; a module without one is left alone. `guard`: the group's GroupGuard, told when a
-    compiled step raises (compiled code skips the root forward's report, so the other ranks stop at once)."""
+    compiled step raises (compiled code skips the root forward's report, so the other ranks stop at once);
+    `state`: the TorchrunState, whose local views each compiled step puts in place at once (local_views.py)."""
     for model in root.modules():  # outermost first
         criteria = getattr(type(model), "_valid_auto_compile_criteria", None)
         compiled_call = getattr(type(model), "get_compiled_call", None)
         if criteria is not None and compiled_call is not None:
             model._valid_auto_compile_criteria = _on_every_device(model, criteria)
-            model.get_compiled_call = _logging_compiles(model, compiled_call, guard)
+            model.get_compiled_call = _logging_compiles(model, compiled_call, guard, state)
             return
 
 
@@ -88,20 +90,21 @@ def _compileable_cache(cache: Any) -> bool:
     return bool(getattr(cache, "is_compileable", False)) and type(decoder_cache) is not DynamicCache
 
 
-def _logging_compiles(model: nn.Module, compiled_call: Callable, guard) -> Callable:
+def _logging_compiles(model: nn.Module, compiled_call: Callable, guard, state) -> Callable:
     wrapped: dict[int, Callable] = {}  # id(compiled function) -> its logging wrapper
 
     def get_compiled_call(compile_config) -> Callable:
         compiled = compiled_call(model, compile_config)
         if id(compiled) not in wrapped:
             wrapped.clear()  # transformers made a new one (another CompileConfig): the old one is gone
-            wrapped[id(compiled)] = _logged(model, compiled, compile_config or _default_compile_config(model), guard)
+            wrapped[id(compiled)] = _logged(model, compiled, compile_config or _default_compile_config(model), guard,
+                                            state)
         return wrapped[id(compiled)]
 
     return get_compiled_call
 
 
-def _logged(model: nn.Module, compiled: Callable, compile_config, guard) -> Callable:
+def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state) -> Callable:
     name = type(model).__name__
     collectives: dict[str, list] = {}  # per kind of step (_describe_step): the capturable collectives it traced
 
@@ -110,7 +113,9 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard) -> Call
         before = compiled_graphs()
         began = time.perf_counter()
         try:
-            with capturing_decode() as traced:  # on CUDA ranks of an NCCL group: collectives CUDA graphs capture
+            # outside the graph: dynamo traces and guards no swap; on CUDA ranks of an NCCL group, collectives
+            # that CUDA graphs capture
+            with state.views.all_local(state.mesh), aliasing_guards_in_cpp(), capturing_decode() as traced:
                 out = compiled(*args, **kwargs)
         except BaseException as e:
             guard.report(e, f"the compiled decode step of {name}")

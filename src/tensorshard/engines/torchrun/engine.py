@@ -68,7 +68,7 @@ from ..split_report import report_split
 from . import decoding
 from .copies import deep_copy, keep_skeleton
 from .data import check_same_inputs
-from .local_views import swap_local_views, swap_wrapper_views
+from .local_views import LocalViews, swap_local_views, swap_wrapper_views
 
 logger = get_logger(__name__)
 
@@ -92,6 +92,7 @@ class TorchrunState:
     building: list = field(default_factory=list)  # plain stand-ins while an integration builds layers on the module
     skeleton: nn.Module | None = field(default=None, repr=False)  # the module before splitting, meta tensors (copies.py)
     skeleton_error: str = ""  # why there is no skeleton: the module could not be deep-copied
+    views: LocalViews = field(default_factory=LocalViews)  # every local-view swap, made at once (local_views.py)
 
 
 def parallelize(
@@ -190,7 +191,7 @@ def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, sou
         raise
     guard_configurations([module], f"over {world} rank(s)")  # fields that size the split stay (shared_config.py)
     _wrap_root(module, state)
-    decoding.install(module, comm.guard)  # generate() compiles its decode step on every device type (decoding.py)
+    decoding.install(module, comm.guard, state)  # generate() compiles its decode step on every device (decoding.py)
     module.tensorshard = state
     # copy.deepcopy finds this on the instance: a second split model, not a copy of closures (copies.py)
     module.__dict__["__deepcopy__"] = lambda memo: deep_copy(module, memo, _split)
