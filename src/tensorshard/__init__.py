@@ -24,6 +24,7 @@ from .engines.inprocess import PerDeviceOptimizer, TensorParallel, per_device_op
 from .engines.torchrun import InputMismatchError, TensorParallelSampler, broadcast_batch, check_same_inputs, synchronize_rng
 from .plan_inference import infer_plan
 from .integrations import causal_lm_loss as _causal_lm_loss  # noqa: F401  (registers its after_split hook)
+from .integrations import hf_trainer as _hf_trainer  # noqa: F401  (registers its after_split hook)
 from .integrations import peft as _peft  # noqa: F401  (registers what plans, styles and engines call; no PEFT import)
 from .loss_parallel import vocab_parallel_cross_entropy
 from .memory import memory_per_device

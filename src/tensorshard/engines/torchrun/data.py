@@ -82,7 +82,9 @@ _HOW_TO_FIX = (
     "Every rank of a tensor-parallel group must get the same batch: sample with "
     "tensorshard.TensorParallelSampler(dataset, mesh) (Lightning's ModelParallelStrategy does this for its "
     "dataloaders), seed random augmentation identically on the group's ranks, or share TP rank 0's batch with "
-    "tensorshard.broadcast_batch(batch, mesh). parallelize(..., check_inputs=0) turns this check off."
+    "tensorshard.broadcast_batch(batch, mesh). transformers.Trainer gives each rank its own batch: return a "
+    "DataLoader with sampler=tensorshard.TensorParallelSampler(dataset, mesh) from its get_train_dataloader "
+    "(docs/finetuning.md). parallelize(..., check_inputs=0) turns this check off."
 )
 
 

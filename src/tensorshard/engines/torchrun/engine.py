@@ -68,6 +68,7 @@ from ..split_report import report_split
 from . import decoding
 from .copies import deep_copy, keep_skeleton
 from .data import check_same_inputs
+from .ddp_refusal import refuse_ddp
 from .local_views import LocalViews, swap_local_views, swap_wrapper_views
 
 logger = get_logger(__name__)
@@ -191,6 +192,8 @@ def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, sou
         raise
     guard_configurations([module], f"over {world} rank(s)")  # fields that size the split stay (shared_config.py)
     _wrap_root(module, state)
+    if world > 1:
+        refuse_ddp(module, world)  # DDP across the TP ranks is never right: say so, naming the fix
     decoding.install(module, comm.guard, state)  # generate() compiles its decode step on every device (decoding.py)
     module.tensorshard = state
     # copy.deepcopy finds this on the instance: a second split model, not a copy of closures (copies.py)
