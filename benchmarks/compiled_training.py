@@ -80,6 +80,24 @@ class Variant:
         self.cpu.append((time.process_time() - cpu) / steps)
 
 
+def warm_up_and_time(variants: list[Variant], rounds: int, steps: int, before_each=lambda: None) -> dict[str, float]:
+    """Two untimed steps per variant (they compile the compiled variants' forward and backward, and recompile
+    once), then `rounds` rounds of `steps` timed steps, the variants interleaved; `before_each` runs before every
+    variant's steps (a barrier under torchrun). Returns each variant's seconds for its two untimed steps."""
+    compile_seconds = {}
+    for v in variants:
+        before_each()
+        started = time.perf_counter()
+        v.step()
+        v.step()
+        compile_seconds[v.name] = round(time.perf_counter() - started, 2)
+    for _ in range(rounds):
+        for v in variants:
+            before_each()
+            v.timed(steps)
+    return compile_seconds
+
+
 def _torchrun_job(args) -> None:
     """One rank of the torchrun job: the split model eager and compiled, interleaved; rank 0 writes the result."""
     import torch.distributed as dist
@@ -95,17 +113,7 @@ def _torchrun_job(args) -> None:
     compiled = tp.parallelize(copy.deepcopy(model), mesh)
     variants = [Variant("torchrun split eager", eager, eager, ids),
                 Variant("torchrun split compiled", compiled, torch.compile(compiled, backend=args.backend), ids)]
-    compile_seconds = {}
-    for v in variants:
-        dist.barrier()
-        started = time.perf_counter()
-        v.step()
-        v.step()
-        compile_seconds[v.name] = round(time.perf_counter() - started, 2)
-    for _ in range(args.rounds):
-        for v in variants:
-            dist.barrier()
-            v.timed(args.steps)
+    compile_seconds = warm_up_and_time(variants, args.rounds, args.steps, before_each=dist.barrier)
     slowest = torch.tensor([statistics.median(v.wall) for v in variants], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
@@ -144,15 +152,7 @@ def main() -> None:
         Variant("split eager", split_eager, split_eager, ids),
         Variant("split compiled", split_compiled, torch.compile(split_compiled, backend=args.backend), ids),
     ]
-    compile_seconds = {}
-    for v in variants:  # warm-up: compiles the compiled variants' forward and backward (and recompiles once)
-        started = time.perf_counter()
-        v.step()
-        v.step()
-        compile_seconds[v.name] = round(time.perf_counter() - started, 2)
-    for _ in range(args.rounds):
-        for v in variants:
-            v.timed(args.steps)
+    compile_seconds = warm_up_and_time(variants, args.rounds, args.steps)
     wall = {v.name: statistics.median(v.wall) for v in variants}
     cpu = {v.name: statistics.median(v.cpu) for v in variants}
     unsplit_ratio = wall["unsplit compiled"] / wall["unsplit eager"]

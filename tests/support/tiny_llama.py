@@ -28,9 +28,10 @@ def plan(head=None) -> tp.Plan:
     return preset | {"lm_head": head} if head is not None else preset
 
 
-def sequence_parallel_plan() -> tp.Plan:
-    """Sequence parallelism between the blocks and a vocabulary-parallel head (loss parallelism)."""
-    return plan(head=tp.VocabParallelHead()) | {
+def sequence_parallel_plan(head=tp.VocabParallelHead()) -> tp.Plan:
+    """Sequence parallelism between the blocks and, by default, a vocabulary-parallel head (loss parallelism);
+    `head=None`: the preset's head, which gathers its logits."""
+    return plan(head=head) | {
         "model.layers.0": tp.SequenceParallel(input="whole"),  # the residual stream is split from here on
         "model.layers.*.input_layernorm": tp.SequenceParallel(output="gathered"),
         "model.layers.*.post_attention_layernorm": tp.SequenceParallel(output="gathered"),

@@ -44,7 +44,7 @@ from .functions import Gathered
 from .grad_bucket import DeferGrad, PartialGradBucket
 from .interface import Comm
 from .process_group import RankCollectives, check_even
-from .thread_ops import layout_of
+from .thread_ops import flat_groups, layout_of
 from .transport import connect
 
 if TYPE_CHECKING:
@@ -246,7 +246,7 @@ class DistComm(Comm):
         if self.world_size == 1 or not groups or not (torch.is_grad_enabled() and x.requires_grad):
             return x
         if torch.compiler.is_compiling():
-            return dist_ops.tie(x, self.group_name, self.rank, self.world_size, dist_ops.flat_groups(groups), where)
+            return dist_ops.tie(x, self.group_name, self.rank, self.world_size, flat_groups(groups), where)
         return functions.tie(self.raw, where, groups, x)[0]
 
     # -- sequence parallelism --------------------------------------------------------------------------------

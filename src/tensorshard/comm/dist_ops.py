@@ -58,7 +58,7 @@ from .counter import record
 from .dist_guard import guard_named
 from .functions import all_gather_backward, all_reduce_backward, copy_to_parallel_backward
 from .process_group import RankCollectives, all_reduce_copy, label, nbytes as _nbytes
-from .thread_ops import partition_of
+from .thread_ops import groups_of, partition_of
 from .transport import all_gather_
 
 
@@ -199,7 +199,8 @@ def _(x, group_name, rank, world, dim, layout, where):
     return x.new_empty(shape)
 
 
-def _split_setup(ctx, inputs, output):
+def _args_setup(ctx, inputs, output):
+    """Keeps every argument after the tensor (split, tie, reduce_scatter and gather_sequence's backward read them)."""
     ctx.args = inputs[1:]
 
 
@@ -209,13 +210,13 @@ def _split_backward(ctx, grad):
     return whole, None, None, None, None, None, None
 
 
-split.register_autograd(_split_backward, setup_context=_split_setup)
+split.register_autograd(_split_backward, setup_context=_args_setup)
 
 
 @torch.library.custom_op("tensorshard::reduce_holders", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
 def reduce_holders(grad: torch.Tensor, group_name: str, rank: int, world: int, groups: list[int], where: str) -> torch.Tensor:
     """The gradient of a slice held by several ranks (replicated KV heads), summed over its holders (tie's backward)."""
-    out = _raw(group_name, rank, world).reduce_holders([grad], _groups_of(groups), where=where)[0]
+    out = _raw(group_name, rank, world).reduce_holders([grad], groups_of(groups), where=where)[0]
     return out.clone() if out is grad else out
 
 
@@ -235,28 +236,11 @@ def _(x, group_name, rank, world, groups, where):
     return torch.empty_like(x)
 
 
-def _tie_setup(ctx, inputs, output):
-    ctx.args = inputs[1:]
-
-
 def _tie_backward(ctx, grad):
     return torch.ops.tensorshard.reduce_holders(grad.contiguous(), *ctx.args), None, None, None, None, None
 
 
-tie.register_autograd(_tie_backward, setup_context=_tie_setup)
-
-
-def flat_groups(groups: list[list[int]]) -> list[int]:
-    """Groups of ranks as one list of integers: [count, then per group its size and ranks]."""
-    return [len(groups)] + [n for ranks in groups for n in (len(ranks), *ranks)]
-
-
-def _groups_of(flat: list[int]) -> list[list[int]]:
-    groups, at = [], 1
-    for _ in range(flat[0]):
-        groups.append(list(flat[at + 1 : at + 1 + flat[at]]))
-        at += 1 + flat[at]
-    return groups
+tie.register_autograd(_tie_backward, setup_context=_args_setup)
 
 
 @torch.library.custom_op("tensorshard::gather_even", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
@@ -265,11 +249,23 @@ def gather_even(x: torch.Tensor, group_name: str, rank: int, world: int, dim: in
     return _raw(group_name, rank, world).gather_even([x], dim, where=where, phase="backward" if backward else "forward")[0]
 
 
-@gather_even.register_fake
-def _(x, group_name, rank, world, dim, where, backward):
+def _sequence_whole(x: torch.Tensor, world: int, dim: int) -> torch.Tensor:
+    """The shape (fake) of `world` sequence shards like `x` joined along `dim`."""
     shape = list(x.shape)
     shape[dim] *= world
     return x.new_empty(shape)
+
+
+def _sequence_shard(x: torch.Tensor, world: int, dim: int) -> torch.Tensor:
+    """The shape (fake) of one rank's sequence shard of `x` along `dim`."""
+    shape = list(x.shape)
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+@gather_even.register_fake
+def _(x, group_name, rank, world, dim, where, backward):
+    return _sequence_whole(x, world, dim)
 
 
 @torch.library.custom_op("tensorshard::reduce_scatter_even", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
@@ -282,9 +278,7 @@ def reduce_scatter_even(x: torch.Tensor, group_name: str, rank: int, world: int,
 
 @reduce_scatter_even.register_fake
 def _(x, group_name, rank, world, dim, where, backward):
-    shape = list(x.shape)
-    shape[dim] //= world
-    return x.new_empty(shape)
+    return _sequence_shard(x, world, dim)
 
 
 @torch.library.custom_op("tensorshard::reduce_scatter", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
@@ -295,20 +289,14 @@ def reduce_scatter(x: torch.Tensor, group_name: str, rank: int, world: int, dim:
 
 @reduce_scatter.register_fake
 def _(x, group_name, rank, world, dim, where):
-    shape = list(x.shape)
-    shape[dim] //= world
-    return x.new_empty(shape)
-
-
-def _sequence_setup(ctx, inputs, output):
-    ctx.args = inputs[1:]
+    return _sequence_shard(x, world, dim)
 
 
 def _reduce_scatter_backward(ctx, grad):
     return torch.ops.tensorshard.gather_even(grad.contiguous(), *ctx.args, True), None, None, None, None, None
 
 
-reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_sequence_setup)
+reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_args_setup)
 
 
 @torch.library.custom_op("tensorshard::gather_sequence", mutates_args=(), tags=_NOT_IN_CUDA_GRAPHS)
@@ -319,9 +307,7 @@ def gather_sequence(x: torch.Tensor, group_name: str, rank: int, world: int, dim
 
 @gather_sequence.register_fake
 def _(x, group_name, rank, world, dim, where):
-    shape = list(x.shape)
-    shape[dim] *= world
-    return x.new_empty(shape)
+    return _sequence_whole(x, world, dim)
 
 
 def _gather_sequence_backward(ctx, grad):
@@ -330,7 +316,7 @@ def _gather_sequence_backward(ctx, grad):
     return grad.narrow(dim, rank * n, n).contiguous(), None, None, None, None, None
 
 
-gather_sequence.register_autograd(_gather_sequence_backward, setup_context=_sequence_setup)
+gather_sequence.register_autograd(_gather_sequence_backward, setup_context=_args_setup)
 
 
 @torch.library.custom_op("tensorshard::claim_sequence", mutates_args=())

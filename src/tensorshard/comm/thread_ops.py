@@ -212,6 +212,12 @@ def _assemble(x: torch.Tensor, site: torch.Tensor, dim: int, layout: list[int]) 
     return _own(shard.gather_into_one([x], dim, partition_of(layout), where=where)[0], x)
 
 
+def flat_groups(groups: list[list[int]]) -> list[int]:
+    """Groups of ranks (`tie`'s holders of a parameter) as one list of integers, which an operator takes:
+    [count, then per group its length and ranks]. `groups_of` reads it back."""
+    return [len(groups)] + [n for ranks in groups for n in (len(ranks), *ranks)]
+
+
 def groups_of(flat: list[int]) -> list[list[int]]:
     """[count, then per group its length and ranks] -> the groups (`tie`'s holders of a parameter)."""
     groups, at = [], 1

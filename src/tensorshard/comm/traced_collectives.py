@@ -51,5 +51,4 @@ class TracedCollectives(Collectives):
         return [thread_ops.assemble(xs[0], self._site(xs[0], where), dim, thread_ops.layout_of(partition))]
 
     def reduce_holders(self, xs, groups, *, where):
-        flat = [len(groups)] + [n for ranks in groups for n in (len(ranks), *ranks)]
-        return [thread_ops.reduce_holders(xs[0], self._site(xs[0], where), flat)]
+        return [thread_ops.reduce_holders(xs[0], self._site(xs[0], where), thread_ops.flat_groups(groups))]

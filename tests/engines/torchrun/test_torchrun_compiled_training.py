@@ -30,18 +30,6 @@ def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def _sequence_parallel_plan() -> tp.Plan:
-    """Sequence parallelism between the blocks; the head gathers its logits (the loss is the model's own)."""
-    return tiny_llama.plan() | {
-        "model.layers.0": tp.SequenceParallel(input="whole"),  # the residual stream is split from here on
-        "model.layers.*.input_layernorm": tp.SequenceParallel(output="gathered"),
-        "model.layers.*.post_attention_layernorm": tp.SequenceParallel(output="gathered"),
-        "model.layers.*.self_attn.o_proj": tp.RowwiseToSequence(blocks=("q",)),
-        "model.layers.*.mlp.down_proj": tp.RowwiseToSequence(),
-        "model.norm": tp.SequenceParallel(output="gathered"),
-    }
-
-
 def _train(model, batches, *, compiled: bool, labels: bool, seed: int = 0) -> dict:
     """STEPS AdamW steps on `batches`: the losses, the graph breaks, the graphs compiled and each step's counted
     collectives. With `labels`, the model computes its loss (under torchrun from vocabulary slices:
@@ -89,7 +77,7 @@ def compiled_training_task() -> dict:
     compile)."""
     ref, batches = _setup(0.0)
     out = {name: _compiled_and_eager(ref, batches, plan, labels=True)
-           for name, plan in (("default", tiny_llama.plan()), ("sequence", _sequence_parallel_plan()))}
+           for name, plan in (("default", tiny_llama.plan()), ("sequence", tiny_llama.sequence_parallel_plan(head=None)))}
     out["unsplit"] = _train(copy.deepcopy(ref), batches, compiled=True, labels=True)
     return out
 
