@@ -49,7 +49,7 @@ logger = get_logger(__name__)
 
 POLL_FIRST, POLL_MAX = 0.05, 0.5  # seconds between looks at the store while a collective waits
 ANNOUNCE_AFTER = 1.0  # a rank waiting this long (or a quarter of the limit) writes where it waits
-GONE_WAIT = 1.0  # after a lost connection, how long to look for the peer's ended process
+GONE_WAIT = 2.0  # after a lost connection, how long to look for the peer's report or its ended process
 SLACK = 2.0  # our own deadline, after the process group's (which normally fires first)
 PREFIX = "tensorshard/"
 
@@ -242,12 +242,12 @@ class GroupGuard:
             return self._differ(n, what, labels, "so none can finish (seen at once through shared memory)")
         if "timed out" in str(error).lower() or "timeout" in str(error).lower():
             return self._timed_out(n, what, began)
-        first = self._first_failure(n)  # a rank that failed and reported it before its process ended
+        first, gone = self._why_lost(n)
         if (differ := self._gave_up_elsewhere(first, n, what)) is not None:  # and ended before our own limit
             return differ
         if first is not None:
             cause = f"rank {first['rank']} {first['what']}"
-        elif gone := self._ended_peers():
+        elif gone:
             cause = "; ".join(f"rank {r} is gone: its process {pid} ended (killed, crashed or exited)" for r, pid in gone.items())
         else:
             peers = [r for r in self.ranks if r != self.rank]
@@ -305,9 +305,11 @@ class GroupGuard:
                 out[r] = label
         return out
 
-    def _ended_peers(self) -> dict[int, int]:
-        """{rank: pid} of peers on this host whose process has ended (looked for up to GONE_WAIT s: the
-        connection closes while the process is still exiting)."""
+    def _why_lost(self, n: int) -> tuple[dict | None, dict[int, int]]:
+        """After a lost connection: the first report of a peer that failed before collective #n, or else
+        {rank: pid} of the peers on this host whose process has ended. Both are looked for up to GONE_WAIT s:
+        the connection closes while the peer is still exiting, and a peer whose own backend timed out closes
+        it a moment before writing its report."""
         peers = {}
         for r in self.ranks:
             entry = self._get(f"pid/{r}") if r != self.rank else None
@@ -316,12 +318,13 @@ class GroupGuard:
                 if host == _process_id().rsplit(" ", 1)[0]:
                     peers[r] = int(pid)
         deadline = time.monotonic() + GONE_WAIT
-        while peers:
+        while True:
+            if (first := self._first_failure(n)) is not None:
+                return first, {}
             gone = {r: pid for r, pid in peers.items() if not process_alive(pid)}
             if gone or time.monotonic() > deadline:
-                return gone
+                return None, gone
             time.sleep(0.05)
-        return {}
 
     # -- the store (any failure disables it: the store may have lived in the process that died) ----------
 
