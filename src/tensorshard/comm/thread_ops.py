@@ -52,7 +52,8 @@ def handle_of(comm: ThreadComm) -> int:
     return handle
 
 
-def _comm(handle: int) -> ThreadComm:
+def comm_of(handle: int) -> ThreadComm:
+    """The collectives a compiled graph names by `handle` (`handle_of`): the graph's shard and group."""
     comm = _comms.get(handle)
     if comm is None:
         raise RuntimeError(
@@ -90,11 +91,11 @@ def _own(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
-    return _own(_comm(comm).eager_all_reduce(x, where=where), x)
+    return _own(comm_of(comm).eager_all_reduce(x, where=where), x)
 
 
 def _all_gather(x: torch.Tensor, comm: int, dim: int, layout: list[int], where: str) -> torch.Tensor:
-    return _own(_comm(comm).eager_all_gather(x, dim, partition_of(layout), where=where), x)
+    return _own(comm_of(comm).eager_all_gather(x, dim, partition_of(layout), where=where), x)
 
 
 def _all_reduce_shape(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
@@ -169,7 +170,7 @@ def site_key(comm: int, where: str) -> torch.Tensor:
 
 def _site(site: torch.Tensor) -> tuple[ThreadComm, str]:
     comm, number = site.tolist()
-    return _comm(comm), _names[number]
+    return comm_of(comm), _names[number]
 
 
 class _Shard(Protocol):
@@ -237,7 +238,7 @@ def _reduce_holders_shape(x: torch.Tensor, site: torch.Tensor, groups: list[int]
 
 
 def _all_reduce_max(x: torch.Tensor, comm: int, where: str) -> torch.Tensor:
-    return _own(_comm(comm).all_reduce_max(x, where=where), x)  # type: ignore[attr-defined]
+    return _own(comm_of(comm).all_reduce_max(x, where=where), x)  # type: ignore[attr-defined]
 
 
 def _reduce_shape(x: torch.Tensor, site: torch.Tensor, op: str, phase: str) -> torch.Tensor:

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from ...comm import thread_ops
 from ...logs import get_logger
+from ..decode_decision import describe_step, log_compiled
 from .stitched_decode import Stitcher, call_settings
 
 logger = get_logger(__name__)
@@ -113,10 +114,8 @@ class CompiledSteps:
             out = self.model.run_modules(args, kwargs, self._run, serial=serial)
         if first:
             self.kinds.add(kind)
-            logger.info(
-                "compiled the decode step of %s on each of %d device(s) in %.1f s (%s; %s)",
-                type(self.model).__name__, world, time.perf_counter() - started, _describe(self.options), _summary(kind),
-            )
+            log_compiled(logger, type(self.model).__name__, describe_step(kwargs, getattr(self.model, "dtype", None)),
+                         time.perf_counter() - started, self.options, devices=world)
         return out
 
     def keep_one_graph_per_shard(self) -> None:
@@ -160,14 +159,3 @@ def _kind(leaves: list) -> Hashable:
 def _cache_lengths(cache: Any) -> tuple:
     """A transformers cache's kind and each layer's fixed length (a static layer's `max_cache_len`; None for others)."""
     return type(cache).__name__, tuple(getattr(layer, "max_cache_len", None) for layer in getattr(cache, "layers", ()))
-
-
-def _summary(kind: Hashable) -> str:
-    """A kind of call in a few words: its tensors' shapes and dtypes, and a cache's longest static length."""
-    shapes = [f"{tuple(shape)} {dtype}" for shape, dtype in kind if not isinstance(dtype, tuple)]
-    lengths = [n for _, layers in kind if isinstance(layers, tuple) for n in layers if n is not None]
-    return "inputs " + ", ".join(shapes) + (f"; static cache of {max(lengths)} tokens" if lengths else "")
-
-
-def _describe(options: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in options.items() if v is not None) or "defaults"

@@ -164,7 +164,9 @@ class TensorParallel(PackageNames, nn.Module):
         self._pool = WorkerPool()
         # calls without gradients: the shards at the same time, or one at a time where that is faster (schedule.py)
         self._schedule = Schedule() if world > 1 and not self.debug else None
-        self._call_lock = threading.Lock()  # concurrent callers take turns: the shards share one rendezvous
+        # Concurrent callers take turns: the shards share one rendezvous. Public: code that runs the shards itself
+        # (the fast decode step, stitched_decode.py) holds it while it does.
+        self.call_lock = threading.Lock()
         # How each tensor of the original is split, by its original state-dict name (for gathered saves).
         self.splits: dict[str, tuple[int, Partition] | None] = layout.slice_map(module)
         zero_names = choose_params(module, self.splits, world, sharded_param_names) if sharded else []
@@ -319,7 +321,7 @@ class TensorParallel(PackageNames, nn.Module):
 
             return lambda: group.run_shard(call, rank, run)
 
-        with self._call_lock:
+        with self.call_lock:
             call = group.begin(kind, serial=serial, first=inline)
             try:
                 return self._pool.run(

@@ -207,7 +207,7 @@ class Stitcher:
         per_rank = [{k: self.unwrap(v, rank) for k, v in kwargs.items()} for rank in range(len(self.tracing))]
         if isinstance(step, ParallelStep):
             return self._parallel(kind, step, kwargs, per_rank)
-        with self.model._call_lock:
+        with self.model.call_lock:
             if step.compiled is None and not self._compile(kind, step, per_rank):
                 return None
             try:
@@ -219,7 +219,7 @@ class Stitcher:
 
     def _parallel(self, kind: Hashable, step: ParallelStep, kwargs: dict, per_rank: list[dict]) -> Any:
         """Every shard's own compiled graph, each on its thread at the same time (parallel_step.py)."""
-        with self.model._call_lock:
+        with self.model.call_lock:
             if step.compiled is None and not self._compile(kind, step, per_rank):
                 return None
         try:

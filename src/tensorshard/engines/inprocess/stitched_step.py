@@ -193,8 +193,8 @@ def _check_alike(segments: list, captures: Sequence[Capture]) -> None:
                 raise StitchError(f"shard {rank}'s collective at {b.args[-1]!r} differs from shard 0's at {a.args[-1]!r}")
             if a.target is _ALL_GATHER and tuple(a.args[2:4]) != tuple(b.args[2:4]):
                 raise StitchError(f"shard {rank}'s all-gather at {b.args[-1]!r} has another layout than shard 0's")
-            if collectives._comm(b.args[1]).rank != rank:
-                raise StitchError(f"graph {rank} calls the collectives of rank {collectives._comm(b.args[1]).rank}")
+            if collectives.comm_of(b.args[1]).rank != rank:
+                raise StitchError(f"graph {rank} calls the collectives of rank {collectives.comm_of(b.args[1]).rank}")
 
 
 def _shape(node: fx.Node) -> tuple:

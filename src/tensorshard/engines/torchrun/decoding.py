@@ -3,7 +3,8 @@ every device type.
 
     model = tp.parallelize(model, mesh)
     model.generate(ids, max_new_tokens=32, do_sample=False, cache_implementation="static")
-    # rank 0 logs: compiled the decode step of LlamaForCausalLM (batch 1, cache 37 tokens, float32): 14.2 s
+    # rank 0 logs: compiled the decode step of LlamaForCausalLM (batch 1, 1 new token(s), cache of 37 tokens
+    # (StaticCache), float32) in 14.2 s; torch.compile options {...}
 
 transformers' `generate` compiles the decode step (`get_compiled_call`: `torch.compile(model.__call__)` with
 the `CompileConfig`) when `_valid_auto_compile_criteria` says so: a compileable cache (StaticCache, passed by
@@ -17,6 +18,8 @@ device. The last condition is what a split model lifts: its shards decode faster
    attention's fullgraph override) stays transformers' call.
 2. `get_compiled_call`: transformers' compiled call, wrapped so that each call that compiled (dynamo counted
    a new graph) logs on global rank 0 what it compiled and how long that took.
+
+Both decisions and the log line are the in-process engine's too (engines/decode_decision.py).
 
 The compiled step runs the model and its collectives as one graph; the engine's host-side work stays outside it
 (engine.py). Before its first call, the ranks agree on the native collectives (comm/transport.connect_native):
@@ -42,6 +45,7 @@ from ...comm.graph_collectives import capturing_decode, report as report_collect
 from ...comm.transport import connect_native
 from ...logs import get_logger
 from ..aliasing_guards import aliasing_guards_in_cpp
+from ..decode_decision import compileable_cache, decode_cache, describe_step, log_compiled
 
 logger = get_logger(__name__)
 
@@ -62,9 +66,7 @@ def install(root: nn.Module, guard, state) -> None:
 
 def _on_every_device(model: nn.Module, criteria: Callable) -> Callable:
     def valid_auto_compile_criteria(model_kwargs: dict, generation_config) -> bool:
-        # the cache's keyword: `cache` from transformers 5.24 on, `past_key_values` before
-        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-        if generation_config.disable_compile or not _compileable_cache(cache):
+        if generation_config.disable_compile or not compileable_cache(decode_cache(model_kwargs)):
             return criteria(model, model_kwargs, generation_config)
         forced = copy.copy(generation_config)  # the caller's config is left as it was
         forced.compile_config = copy.copy(generation_config.compile_config or _default_compile_config(model))
@@ -80,14 +82,6 @@ def _default_compile_config(model: nn.Module):
     GenerationConfig."""
     default = getattr(model, "_default_compile_config", None)
     return default() if callable(default) else sys.modules[type(model.generation_config).__module__].CompileConfig()
-
-
-def _compileable_cache(cache: Any) -> bool:
-    """transformers' test for a cache worth compiling with: compileable, and not a plain DynamicCache."""
-    from transformers import DynamicCache  # a model that generates comes with transformers
-
-    decoder_cache = getattr(cache, "self_attention_cache", cache)  # an encoder-decoder cache: its decoder's
-    return bool(getattr(cache, "is_compileable", False)) and type(decoder_cache) is not DynamicCache
 
 
 def _logging_compiles(model: nn.Module, compiled_call: Callable, guard, state) -> Callable:
@@ -106,7 +100,7 @@ def _logging_compiles(model: nn.Module, compiled_call: Callable, guard, state) -
 
 def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state) -> Callable:
     name = type(model).__name__
-    collectives: dict[str, list] = {}  # per kind of step (_describe_step): the capturable collectives it traced
+    collectives: dict[str, list] = {}  # per kind of step (describe_step): the capturable collectives it traced
 
     def call(*args, **kwargs):
         connect_native(guard)  # once: every rank reaches the compiled step at the same point
@@ -121,16 +115,12 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state) 
             guard.report(e, f"the compiled decode step of {name}")
             raise
         # A replayed CUDA graph runs no Python: its collectives, noted while the step traced, are counted here.
-        step = _describe_step(model, kwargs)
+        step = describe_step(kwargs, getattr(model, "dtype", None))
         if compiled_graphs() != before and traced:
             collectives[step] = traced
         report_collectives(collectives.get(step, ()))
         if compiled_graphs() != before and _rank0():
-            options = compile_config.to_dict()
-            logger.info(
-                "compiled the decode step of %s (%s) in %.1f s; torch.compile options %s",
-                name, _describe_step(model, kwargs), time.perf_counter() - began, options,
-            )
+            log_compiled(logger, name, step, time.perf_counter() - began, compile_config.to_dict())
         return out
 
     return call
@@ -140,23 +130,6 @@ def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (its `unique_graphs` counter; 0 where torch lacks it)."""
     counters = getattr(getattr(torch._dynamo, "utils", None), "counters", None)
     return int(counters["stats"]["unique_graphs"]) if counters is not None else 0
-
-
-def _describe_step(model: nn.Module, kwargs: dict) -> str:
-    """What a recompile depends on: batch size, cache length, dtype."""
-    ids = kwargs.get("input_ids")
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    parts = []
-    if isinstance(ids, torch.Tensor):
-        parts.append(f"batch {ids.shape[0]}, {ids.shape[-1]} new token(s)")
-    layers = getattr(cache, "layers", None) or [None]
-    length = getattr(layers[0], "max_cache_len", None)
-    if length is not None:
-        parts.append(f"cache of {length} tokens ({type(cache).__name__})")
-    dtype = getattr(model, "dtype", None)
-    if dtype is not None:
-        parts.append(str(dtype).replace("torch.", ""))
-    return ", ".join(parts) or "no tensor inputs"
 
 
 def _rank0() -> bool:

@@ -29,6 +29,7 @@ from typing import Any
 from transformers.cache_utils import Cache
 
 from ...logs import get_logger
+from ...engines.decode_decision import compileable_cache, decode_cache
 from ...engines.inprocess.compiled_steps import CompiledSteps
 from ...engines.inprocess.cuda_graph_mode import decode_options
 from .cache import ShardedCache, rank_caches
@@ -40,14 +41,11 @@ _STEPS = "_tensorshard_compiled_steps"
 
 def wants_compiled_decode(model_kwargs: dict, generation_config) -> bool:
     """`generate`'s question: decode through compiled shards? Yes for a compileable (static) cache, on any device,
-    unless `generation_config.disable_compile`."""
+    unless `generation_config.disable_compile` (the torchrun engine's decision too: engines/decode_decision.py)."""
     if getattr(generation_config, "disable_compile", False):
         return False
-    cache = next((v for k, v in model_kwargs.items() if k in ("cache", "past_key_values") and v is not None), None)
-    if not isinstance(cache, Cache) or not getattr(cache, "is_compileable", False):
-        return False
-    inner = getattr(cache, "self_attention_cache", cache)  # an encoder-decoder cache: the decoder's own
-    return type(inner).__name__ != "DynamicCache" and getattr(inner, "is_compileable", False)
+    cache = decode_cache(model_kwargs)
+    return isinstance(cache, Cache) and compileable_cache(cache)
 
 
 def compiled_call(model, compile_config) -> CompiledSteps:
