@@ -258,14 +258,19 @@ class Stitcher:
         except StitchError as error:  # raised before the graphs ran: the per-shard path takes this call
             self._refuse(kind, str(error))
             return None
+
+        def work(rank: int) -> Any:
+            outs = step.graph(rank, inputs[rank])
+            if rank == 0:  # (made while the other ranks' threads leave their graphs)
+                return to_device(self.rewrap(step.output(0, outs, per_rank[0]), kwargs), self.model.output_device)
+            return None
+
         try:
             with self.model._call_lock:  # (callers in other threads take turns, as in the engine's call)
-                outs = step.threads.run(lambda rank: step.graph(rank, inputs[rank]), abort=step.abort,
-                                        timeout=self.model.timeout + 5.0)
+                return step.threads.run(work, abort=step.abort, timeout=self.model.timeout + 5.0)
         except BaseException:
             self._refuse(kind, "a shard's step failed in the parallel step")
             raise
-        return to_device(self.rewrap(step.output(0, outs, per_rank[0]), kwargs), self.model.output_device)
 
     def _compile(self, kind: Hashable, step: StitchedStep | ParallelStep, per_rank: list[dict]) -> bool:
         """Compile the stitched graph, or each shard's (before it runs: a failure leaves every cache as it was),
