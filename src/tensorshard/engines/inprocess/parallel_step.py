@@ -20,7 +20,10 @@ What keeps the threads from taking turns on the GIL:
   cpp_graphs.py); with the Python collectives (no native library) the default Python wrapper is kept, whose lines
   and small fused kernels hold the GIL a few microseconds each;
 - no dynamo frame per shard and token: the graph is called with its inputs found again as the stitched step finds
-  them (`Capture.sources`), under the same checks (stitched_decode.py).
+  them (`Capture.sources`), under the same checks (stitched_decode.py);
+- no engine call per token where every collective is native: the caller's thread reads each rank's inputs, wakes
+  each other rank's parked thread of this step (step_threads.py) and runs rank 0's graph itself; each rank's inputs
+  keep their extra C++ references from one token to the next while they are the same tensors (`cpp_graphs.Held`).
 
 The collectives read the calling thread's rank (`native_set_thread_rank`, set by `run`), and ints that differ
 between the shards' graphs only as a vocabulary range (`_one_graph`) become inputs: shards of an even split run
@@ -32,7 +35,6 @@ A failing shard aborts the native group, so the other shards' waits raise at onc
 
 from __future__ import annotations
 
-import copy
 import operator
 import os
 from typing import Any, Callable, Sequence
@@ -57,8 +59,10 @@ STEP_THREADS = os.environ.get("TENSORSHARD_STEP_THREADS", "1").strip().lower() n
 
 
 class ParallelStep:
-    """Each shard's captured graph, its collectives native where they can be, compiled on its own; run by
-    `run_modules` (the engine's call: the shards' threads, together)."""
+    """Each shard's captured graph, its collectives native where they can be, compiled on its own; run on the
+    step's own threads (`threads`, step_threads.py) when every collective is native, else by `run_modules` (the
+    engine's call: the shards' threads, together). Per rank: `inputs` (read from its arguments), `graph` (in its
+    thread), `output` (its model output); `run` is the three."""
 
     def __init__(self, captures: Sequence[Capture], world: int, timeout: float, labels: Sequence[str] = ()) -> None:
         self.captures = list(captures)
@@ -196,7 +200,7 @@ def _one_graph(modules: Sequence[fx.GraphModule]) -> tuple[fx.GraphModule, list[
     """One graph for every shard when theirs differ only by ints given to comparisons, additions and subtractions
     (a vocabulary-parallel embedding's range) and by an embedding's padding_idx (which changes no forward value,
     only gradients: these graphs run without them): those ints become the graph's last inputs (0-d int64
-    tensors, each rank's own), the padding_idx None. Else None."""
+    tensors, each rank's own), the padding_idx None: `modules[0]`, changed so. Else None, nothing changed."""
     graphs = [list(m.graph.nodes) for m in modules]
     if len({len(nodes) for nodes in graphs}) != 1:
         return None
@@ -226,8 +230,8 @@ def _one_graph(modules: Sequence[fx.GraphModule]) -> tuple[fx.GraphModule, list[
                 return None
     if not lifted and not unpadded:
         return None
-    gm = fx.GraphModule(modules[0], copy.deepcopy(modules[0].graph))
-    nodes = list(gm.graph.nodes)
+    gm = modules[0]  # (changed in place: `_with_native_collectives` made it for this step; a deep copy of its graph,
+    nodes = graphs[0]  # its nodes' fake tensors with it, took most of this function's time)
     last_input = [n for n in nodes if n.op == "placeholder"][-1]
     for k, (i, at, _) in enumerate(lifted):
         with gm.graph.inserting_after(last_input):
