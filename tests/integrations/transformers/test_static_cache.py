@@ -314,9 +314,9 @@ def test_heavy_steps_run_every_shard_at_the_same_time_on_its_own_thread(monkeypa
 
     monkeypatch.setattr(stitched_decode, "PARALLEL_BYTES", 0)
     threads: list[set[int]] = [set(), set()]
-    run = ParallelStep.run
-    monkeypatch.setattr(ParallelStep, "run", lambda self, rank, kwargs: meet(rank, self, kwargs))
-    meet = _meeting(lambda rank, self, kwargs: run(self, rank, kwargs), 2, threads)
+    graph = ParallelStep.graph  # (each shard's compiled graph, called in its thread: the step's own, or the engine's)
+    monkeypatch.setattr(ParallelStep, "graph", lambda self, rank, inputs: meet(rank, self, inputs))
+    meet = _meeting(lambda rank, self, inputs: graph(self, rank, inputs), 2, threads)
     config = tiny_config("llama")
     config.num_attention_heads, config.num_key_value_heads = 8, 4  # (head_dim stays the config's 8)
     model = tiny_model("llama", config)
@@ -330,18 +330,21 @@ def test_heavy_steps_run_every_shard_at_the_same_time_on_its_own_thread(monkeypa
         assert "(C++ wrapper; 1 of them sharing another's graph)" in ran[0], ran
     assert not [m for m in messages if "stitched the decode steps" in m or "compiled the decode step of" in m], messages
     assert all(len(t) >= 1 for t in threads) and not threads[0] & threads[1], threads  # each shard on its own thread
+    steps = [step for s in split.__dict__["_tensorshard_compiled_steps"].values() for step in s.stitcher.steps.values()]
+    # (all its collectives native: the step's own threads run the shards, not the engine's call: step_threads.py)
+    assert len(steps) == 1 and (steps[0].threads is not None) == native.available(), steps
     with tp.count_collectives() as eager:
         _greedy(split, _ids(), cache_implementation="static", disable_compile=True)
     assert compiled.counts == eager.counts and eager.counts["all_reduce"] > 0
 
     # A shard failing in its step: shard 0, waiting in a native collective, raises at once (the native group is
     # aborted), the call names the failure, the step is dropped (logged) and the model still decodes.
-    def fail(self, rank, kwargs):
+    def fail(self, rank, inputs):
         if rank == 1:
             raise RuntimeError("shard 1 broke")
-        return run(self, rank, kwargs)
+        return graph(self, rank, inputs)
 
-    monkeypatch.setattr(ParallelStep, "run", fail)
+    monkeypatch.setattr(ParallelStep, "graph", fail)
     with pytest.raises(Exception, match="shard 1 broke"):
         _logged(lambda: _greedy(split, _ids(), cache_implementation="static"))
     assert stitched_decode.ParallelStep is ParallelStep and not [

@@ -4,6 +4,7 @@
     run = cpp_graphs.compile_graph(gm, example_inputs)       # inductor, cpp_wrapper=True; nothing runs
     outputs = run(*inputs)                                    # on any thread: other threads' Python runs meanwhile
     step = cpp_graphs.inductor_compile(gm, example_inputs)   # inductor's default (Python) wrapper, cached the same way
+    held = cpp_graphs.Held(); held.hold(inputs)               # (or: the inputs held across calls, hold=False)
 
 Both compile with inductor's compile cache on: called outside dynamo, inductor finds no shape environment and
 skips its FX-graph and AOT-autograd caches ("Bypassing FX Graph Cache because 'No shape env'"), so every process
@@ -45,10 +46,14 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], config_p
         return inductor(gm, list(example_inputs), config_patches=config_patches or None)
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config_patches: dict | None = None) -> Callable[..., Any]:
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config_patches: dict | None = None, *,
+                  hold: bool = True) -> Callable[..., Any]:
     """`gm` compiled with inductor's C++ wrapper (the caller's `config_patches` on top of `PATCHES`): a function of
-    the graph's inputs that holds them while the graph runs, so that it runs without the GIL."""
+    the graph's inputs that holds them while the graph runs, so that it runs without the GIL. `hold=False`: the
+    compiled function itself, for a caller that holds the inputs (`Held`)."""
     compiled = inductor_compile(gm, example_inputs, {**PATCHES, **(config_patches or {})})
+    if not hold:
+        return compiled
 
     def run(*inputs: Any) -> Any:
         hold = torch.ops.tensorshard.native_hold([x for x in inputs if isinstance(x, torch.Tensor)])
@@ -58,3 +63,27 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config_patc
             torch.ops.tensorshard.native_release(hold)
 
     return run
+
+
+class Held:
+    """One more C++ reference to each tensor of a graph's inputs, kept from one call to the next while the inputs
+    are the same tensors (a decode step's weights, and its cache within a `generate`): per call, `hold(inputs)`
+    costs a comparison of identities instead of a `native_hold` / `native_release` of every input. The tensors of
+    the latest call stay referenced until inputs that differ come, or `release()`."""
+
+    def __init__(self) -> None:
+        self.inputs: list = []
+        self.handle: int | None = None
+
+    def hold(self, inputs: Sequence[Any]) -> None:
+        kept = self.inputs
+        if len(kept) == len(inputs) and all(a is b for a, b in zip(kept, inputs)):
+            return
+        self.release()
+        self.handle = int(torch.ops.tensorshard.native_hold([x for x in inputs if isinstance(x, torch.Tensor)]))
+        self.inputs = list(inputs)
+
+    def release(self) -> None:
+        if self.handle is not None:
+            torch.ops.tensorshard.native_release(self.handle)
+        self.handle, self.inputs = None, []

@@ -20,7 +20,10 @@ What keeps the threads from taking turns on the GIL:
   cpp_graphs.py); with the Python collectives (no native library) the default Python wrapper is kept, whose lines
   and small fused kernels hold the GIL a few microseconds each;
 - no dynamo frame per shard and token: the graph is called with its inputs found again as the stitched step finds
-  them (`Capture.sources`), under the same checks (stitched_decode.py).
+  them (`Capture.sources`), under the same checks (stitched_decode.py);
+- no engine call per token where every collective is native: the caller's thread reads each rank's inputs, wakes
+  each other rank's parked thread of this step (step_threads.py) and runs rank 0's graph itself; each rank's inputs
+  keep their extra C++ references from one token to the next while they are the same tensors (`cpp_graphs.Held`).
 
 The collectives read the calling thread's rank (`native_set_thread_rank`, set by `run`), and ints that differ
 between the shards' graphs only as a vocabulary range (`_one_graph`) become inputs: shards of an even split run
@@ -32,7 +35,6 @@ A failing shard aborts the native group, so the other shards' waits raise at onc
 
 from __future__ import annotations
 
-import copy
 import operator
 import os
 from typing import Any, Callable, Sequence
@@ -43,6 +45,7 @@ from torch import fx
 from ...comm import thread_ops
 from ...comm.native import cpp_graphs
 from ...comm.native import ops as native
+from .step_threads import StepThreads
 from .stitched_step import Capture, StitchError
 
 
@@ -50,13 +53,18 @@ from .stitched_step import Capture, StitchError
 # keeps the Python wrapper, to compare: on a quiet 2-core machine, SmolLM2's shape at 2 devices, 30.7 ms per token
 # with the C++ wrapper against 39.7 with the Python one (docs/generation.md); a cold compile costs more.
 CPP_WRAPPER = os.environ.get("TENSORSHARD_CPP_WRAPPER", "1").strip().lower() not in ("0", "false", "no", "off")
+# A step whose collectives are all native runs its shards on threads of its own (step_threads.py), not through the
+# engine's call. TENSORSHARD_STEP_THREADS=0 keeps the engine's call, to compare (docs/generation.md).
+STEP_THREADS = os.environ.get("TENSORSHARD_STEP_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class ParallelStep:
-    """Each shard's captured graph, its collectives native where they can be, compiled on its own; run by
-    `run_modules` (the engine's call: the shards' threads, together)."""
+    """Each shard's captured graph, its collectives native where they can be, compiled on its own; run on the
+    step's own threads (`threads`, step_threads.py) when every collective is native, else by `run_modules` (the
+    engine's call: the shards' threads, together). Per rank: `inputs` (read from its arguments), `graph` (in its
+    thread), `output` (its model output); `run` is the three."""
 
-    def __init__(self, captures: Sequence[Capture], world: int, timeout: float) -> None:
+    def __init__(self, captures: Sequence[Capture], world: int, timeout: float, labels: Sequence[str] = ()) -> None:
         self.captures = list(captures)
         self.group = native.ThreadGroup(world, timeout=timeout) if native.available() else None
         self.modules = [_with_native_collectives(c.graph, self.group) for c in self.captures]
@@ -74,6 +82,13 @@ class ParallelStep:
         # The C++ wrapper only pays with native collectives (a Python one inside it takes the GIL back anyway).
         self.cpp_wrapper = CPP_WRAPPER and self.native
         self.shared = 0  # shards that run another shard's compiled graph (the same graph, the same input shapes)
+        self._held = [cpp_graphs.Held() for _ in self.captures]  # each rank's inputs, held across calls (C++ wrapper)
+        # Every collective native (no Python one left in any graph): nothing a shard runs per token needs the engine's
+        # rendezvous, so the shards run on threads of this step's own (step_threads.py), rank 0 in the caller's.
+        self.threads = (
+            StepThreads(world, labels or [f"rank {r}" for r in range(world)])
+            if STEP_THREADS and self.native and not any(_python_collectives(m) for m in self.modules) else None
+        )
 
     def compile(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> None:
         """Compile every shard's graph with inductor for these inputs' shapes, one after another in this thread
@@ -86,8 +101,8 @@ class ParallelStep:
             if key is not None and key in seen:
                 compiled.append(seen[key])
             else:
-                if self.cpp_wrapper:  # (it holds the inputs while the graph runs: no GIL inside it)
-                    compiled.append(cpp_graphs.compile_graph(module, inputs, config_patches))
+                if self.cpp_wrapper:  # (`graph` holds the inputs while it runs: no GIL inside it)
+                    compiled.append(cpp_graphs.compile_graph(module, inputs, config_patches, hold=False))
                 else:
                     compiled.append(cpp_graphs.inductor_compile(module, inputs, config_patches))
                 if key is not None:
@@ -99,18 +114,34 @@ class ParallelStep:
     def check(self, per_rank_kwargs: Sequence[dict]) -> None:
         """StitchError, before anything runs, if an input's dtype changed since `compile` (``split.half()``):
         inductor's code checks sizes and strides, not dtypes."""
-        for capture, kwargs, dtypes in zip(self.captures, per_rank_kwargs, self.dtypes):
-            if [read(kwargs).dtype for read in capture.sources] != dtypes:
+        self.check_inputs([self.inputs(rank, kwargs) for rank, kwargs in enumerate(per_rank_kwargs)])
+
+    def check_inputs(self, per_rank_inputs: Sequence[list]) -> None:
+        """`check`, on every rank's inputs as `inputs` read them."""
+        for inputs, dtypes in zip(per_rank_inputs, self.dtypes):
+            if [x.dtype for x in inputs[:len(dtypes)]] != dtypes:
                 raise StitchError("a weight, buffer or cache changed its dtype since the step was compiled")
+
+    def inputs(self, rank: int, kwargs: dict) -> list:
+        """Shard `rank`'s graph inputs for a call (`kwargs`: its own arguments, its cache among them)."""
+        return [read(kwargs) for read in self.captures[rank].sources] + self.numbers[rank]
+
+    def graph(self, rank: int, inputs: list) -> Any:
+        """Shard `rank`'s compiled graph on its inputs, in its thread: the graph's outputs."""
+        if self.group is not None:
+            torch.ops.tensorshard.native_set_thread_rank(self.group.handle, rank)
+        if self.cpp_wrapper:
+            self._held[rank].hold(inputs)  # (no input's last C++ reference drops inside the graph: no GIL there)
+        return self.compiled[rank](*inputs)
+
+    def output(self, rank: int, outs: Any, kwargs: dict) -> Any:
+        """Shard `rank`'s output (its model output type) from its graph's outputs and its arguments."""
+        capture = self.captures[rank]
+        return capture.output_type(**{k: outs[v] if isinstance(v, int) else kwargs[v] for k, v in capture.fields.items()})
 
     def run(self, rank: int, kwargs: dict) -> Any:
         """Shard `rank`'s step, in its thread (`kwargs`: its own arguments, its cache among them): its output."""
-        capture = self.captures[rank]
-        inputs = [read(kwargs) for read in capture.sources] + self.numbers[rank]
-        if self.group is not None:
-            torch.ops.tensorshard.native_set_thread_rank(self.group.handle, rank)
-        outs = self.compiled[rank](*inputs)
-        return capture.output_type(**{k: outs[v] if isinstance(v, int) else kwargs[v] for k, v in capture.fields.items()})
+        return self.output(rank, self.graph(rank, self.inputs(rank, kwargs)), kwargs)
 
     def abort(self, rank: int, error: BaseException) -> None:
         """Shard `rank` failed in its step: the other shards, waiting in a native collective, raise at once."""
@@ -118,8 +149,21 @@ class ParallelStep:
             self.group.abort(rank, f"{type(error).__name__}: {error}")
 
     def close(self) -> None:
+        for held in self._held:
+            held.release()
+        if self.threads is not None:
+            self.threads.close()
         if self.group is not None:
             self.group.close()
+
+
+def _python_collectives(gm: fx.GraphModule) -> bool:
+    """Whether `gm` calls a tensorshard operator other than the native collectives (a Python collective)."""
+    return any(
+        node.op == "call_function" and getattr(node.target, "namespace", None) == "tensorshard"
+        and not node.target.name().startswith("tensorshard::native_")
+        for node in gm.graph.nodes
+    )
 
 
 def _with_native_collectives(gm: fx.GraphModule, group: native.ThreadGroup | None) -> fx.GraphModule:
@@ -156,7 +200,7 @@ def _one_graph(modules: Sequence[fx.GraphModule]) -> tuple[fx.GraphModule, list[
     """One graph for every shard when theirs differ only by ints given to comparisons, additions and subtractions
     (a vocabulary-parallel embedding's range) and by an embedding's padding_idx (which changes no forward value,
     only gradients: these graphs run without them): those ints become the graph's last inputs (0-d int64
-    tensors, each rank's own), the padding_idx None. Else None."""
+    tensors, each rank's own), the padding_idx None: `modules[0]`, changed so. Else None, nothing changed."""
     graphs = [list(m.graph.nodes) for m in modules]
     if len({len(nodes) for nodes in graphs}) != 1:
         return None
@@ -186,8 +230,8 @@ def _one_graph(modules: Sequence[fx.GraphModule]) -> tuple[fx.GraphModule, list[
                 return None
     if not lifted and not unpadded:
         return None
-    gm = fx.GraphModule(modules[0], copy.deepcopy(modules[0].graph))
-    nodes = list(gm.graph.nodes)
+    gm = modules[0]  # (changed in place: `_with_native_collectives` made it for this step; a deep copy of its graph,
+    nodes = graphs[0]  # its nodes' fake tensors with it, took most of this function's time)
     last_input = [n for n in nodes if n.op == "placeholder"][-1]
     for k, (i, at, _) in enumerate(lifted):
         with gm.graph.inserting_after(last_input):

@@ -147,7 +147,7 @@ class Stitcher:
                 ranks = [captures[r][0] for r in range(len(self.tracing))]
                 per_segment = weight_bytes_per_segment(self.model, captures)
                 if per_segment >= parallel_bytes():
-                    self.steps[kind] = ParallelStep(ranks, len(ranks), self.model.timeout)
+                    self.steps[kind] = ParallelStep(ranks, len(ranks), self.model.timeout, self.model.labels)
                     self.parallel[kind] = per_segment
                 else:
                     src = next((r for r, d in enumerate(self.model.devices) if d == self.model.output_device), 0)
@@ -222,6 +222,10 @@ class Stitcher:
         with self.model.call_lock:
             if step.compiled is None and not self._compile(kind, step, per_rank):
                 return None
+
+        model = self.model
+        if step.threads is not None and not model.debug and model.devices[0] == model.output_device and not model._group.running_here():
+            return self._on_step_threads(kind, step, kwargs, per_rank)
         try:
             step.check(per_rank)
         except StitchError as error:  # raised before the graphs ran: the per-shard path takes this call
@@ -240,6 +244,31 @@ class Stitcher:
         except BaseException:
             # A shard failed (its native group is aborted: it cannot serve another call): later calls of this kind
             # run per shard under torch.compile.
+            self._refuse(kind, "a shard's step failed in the parallel step")
+            raise
+
+    def _on_step_threads(self, kind: Hashable, step: ParallelStep, kwargs: dict, per_rank: list[dict]) -> Any:
+        """The shards' graphs on the step's own threads (step_threads.py): every collective is native, so nothing
+        of the engine's call is needed per token (the inputs are each rank's own already, the graphs call no Python
+        collective; `debug`'s comparison of the ranks' outputs, and a call from inside a shard, take the engine's
+        call). On CPU slots every rank's output is on the output device: rank 0's is returned."""
+        inputs = [step.inputs(rank, own) for rank, own in enumerate(per_rank)]
+        try:
+            step.check_inputs(inputs)
+        except StitchError as error:  # raised before the graphs ran: the per-shard path takes this call
+            self._refuse(kind, str(error))
+            return None
+
+        def work(rank: int) -> Any:
+            outs = step.graph(rank, inputs[rank])
+            if rank == 0:  # (made while the other ranks' threads leave their graphs)
+                return to_device(self.rewrap(step.output(0, outs, per_rank[0]), kwargs), self.model.output_device)
+            return None
+
+        try:
+            with self.model._call_lock:  # (callers in other threads take turns, as in the engine's call)
+                return step.threads.run(work, abort=step.abort, timeout=self.model.timeout + 5.0)
+        except BaseException:
             self._refuse(kind, "a shard's step failed in the parallel step")
             raise
 
@@ -278,8 +307,11 @@ class Stitcher:
         step = self.steps.pop(kind, None)
         if isinstance(step, ParallelStep):
             # Kept, not closed: a shard of a failed call may still be leaving a native collective (the engine's
-            # call returns within a grace period), and closing frees the region it reads.
+            # call returns within a grace period), and closing frees the region it reads. Its own threads (every one
+            # back from its call, or abandoned) are stopped.
             self._retired.append(step)
+            if step.threads is not None:
+                step.threads.close()
         self._captures.pop(kind, None)
 
 
