@@ -266,7 +266,7 @@ class Stitcher:
             return None
 
         try:
-            with self.model._call_lock:  # (callers in other threads take turns, as in the engine's call)
+            with self.model.call_lock:  # (callers in other threads take turns, as in the engine's call)
                 return step.threads.run(work, abort=step.abort, timeout=self.model.timeout + 5.0)
         except BaseException:
             self._refuse(kind, "a shard's step failed in the parallel step")
