@@ -5,13 +5,18 @@ are read: SmolLM2-135M's shape is built on the meta device. Multi-device parity:
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 import transformers
+from torch import nn
 
 import tensorshard as tp
 from tensorshard.plans import resolve_plan
 from tensorshard.plans.balance import balanced_sizes
 from tensorshard.plans.sharding import shard_plan
+from support.helpers import rel_err, split_copy
 
 
 def test_water_filling_evens_the_loads_in_multiples_of_16_where_that_costs_little():
@@ -63,10 +68,6 @@ def test_smollm2s_blocks_at_two_devices_even_out():
 def test_a_fused_gate_up_splits_both_blocks_alike_and_matches_its_reader():
     """Phi-3's gate_up_proj declares blocks (n, n): each half gets the same sizes, which down_proj reads
     (plans/validate.py compares them); the split model computes the unsplit model's logits."""
-    import copy
-
-    from support.helpers import rel_err, split_copy
-
     torch.manual_seed(0)
     config = transformers.Phi3Config(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=1,
                                      num_attention_heads=6, num_key_value_heads=3, pad_token_id=0)
@@ -79,3 +80,12 @@ def test_a_fused_gate_up_splits_both_blocks_alike_and_matches_its_reader():
     ids = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert rel_err(model(input_ids=ids).logits, copy.deepcopy(ref)(input_ids=ids).logits) < 1e-5
+
+
+def test_balance_must_be_a_bool_in_every_entry_point():
+    """Refused before anything else is looked at (no process group, mesh or file is needed to be told)."""
+    for call in (lambda: tp.parallelize(nn.Linear(4, 4), None, balance=1),
+                 lambda: tp.from_pretrained("no-such-folder", balance="on"),
+                 lambda: tp.tensor_parallel(nn.Linear(4, 4), ["cpu"] * 2, balance=None)):
+        with pytest.raises(TypeError, match=r"balance must be True or False, got .*; pass balance=True to even out"):
+            call()
