@@ -1,7 +1,7 @@
 """`balance=True` under torchrun: the GQA Llama whose 3 KV heads split 2 + 1 over 2 ranks gets MLP slices of
 112 / 144 features (their stacked, zero-padded DTensors, comm/dtensor.py), and computes the unsplit model's
 logits (1e-5 relative), training losses (1e-4 after three AdamW steps) and fast-path tokens with the even split's
-collectives; a LoRA adapter added after the split follows it; its checkpoints (tp.save_sharded, and the unsplit
+collectives; a deep copy splits alike; a LoRA adapter added after the split follows it; its checkpoints (tp.save_sharded, and the unsplit
 files of save_pretrained) reload in one process at 3 devices and unsplit. The sizes: tests/plans/test_balance.py."""
 
 import copy
@@ -27,8 +27,10 @@ def balanced_task(folder: str) -> dict:
     ids = torch.randint(0, tiny_llama.VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
     model = tp.parallelize(copy.deepcopy(ref), world_mesh(), balance=True)
     even = tp.parallelize(copy.deepcopy(ref), world_mesh())
+    copied = copy.deepcopy(model)  # split again from the skeleton, balanced too
     out = {"widths": [m.mlp.gate_proj.out_features for m in model.model.layers],
-           "down": model.model.layers[0].mlp.down_proj.in_features}
+           "down": model.model.layers[0].mlp.down_proj.in_features,
+           "copy": [m.mlp.up_proj.out_features for m in copied.model.layers]}
 
     def err(a, b) -> float:
         return ((a - b).norm() / b.norm()).item()
@@ -75,7 +77,8 @@ def test_a_balanced_split_under_torchrun_computes_the_unsplit_models_numbers(poo
     results = pool2.run(balanced_task, str(tmp_path), timeout=180)
     for rank, out in enumerate(results):
         width = (112, 144)[rank]  # rank 0 holds 4 query heads, rank 1 two: rank 0 takes fewer MLP features
-        assert out["widths"] == [width, width] and out["down"] == width and out["lora_width"] == width
+        assert out["widths"] == out["copy"] == [width, width]
+        assert out["down"] == width and out["lora_width"] == width
         assert out["logits"] < 1e-5 and out["lora"] < 1e-5
         assert out["tokens"]
         assert out["counts"][0] == out["counts"][1]  # the collectives of the even split, forward and backward
