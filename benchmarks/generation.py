@@ -1,7 +1,7 @@
 """Greedy decoding per token, in one process: unsplit and split, eager and on the fast path (static cache + compile).
 
     TORCHINDUCTOR_COMPILE_THREADS=1 python benchmarks/generation.py [--model small|smollm] [--devices 1 2 4 8]
-        [--rounds 5] [--skip "per shard"] [--quick]
+        [--rounds 5] [--skip "per shard"] [--balance] [--quick]
         # writes benchmarks/results/generation.json (generation-smollm.json for --model smollm) and prints a
         # markdown table (BENCHMARKS.md, section 5)
     python benchmarks/generation.py --device cuda --model smollm --devices 1 2 --rounds 3
@@ -25,7 +25,10 @@ Batch 1, a 16-token prompt, 32 new tokens, greedy, one intra-op thread per devic
   weights between two collectives, each shard's compiled graph on its own thread at the same time as the others'
   (engines/inprocess/stitched_decode.py chooses; its log line says which);
 - split fast per shard: the fast path as it was before stitching, each shard's own compiled graph in its thread
-  (`keep_one_graph_per_shard`), on a copy of the split model.
+  (`keep_one_graph_per_shard`), on a copy of the split model;
+- with `--balance`, split balanced default / fast: the same two rows on `tp.tensor_parallel(..., balance=True)`
+  (plans/balance.py: the MLP evens out each device's weights where the heads split unevenly, as SmolLM2's 3 KV heads
+  over 2 devices), timed in the same interleaved rounds as the even split.
 
 With `--device cuda` the rows are the GPU's: unsplit eager and unsplit fast on cuda:0 (transformers' own fast path
 there: static cache + `CompileConfig()`, whose mode is "reduce-overhead", CUDA graphs), and per device count N split
@@ -97,7 +100,7 @@ def cuda_variants(model, devices: list[int]):
     return out
 
 
-def variants(model, devices: list[int]):
+def variants(model, devices: list[int], balance: bool = False):
     """name -> (the model to call, generate's extra arguments, intra-op threads), for the unsplit model and each
     split."""
     import torch
@@ -120,6 +123,10 @@ def variants(model, devices: list[int]):
             per_shard = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n)
             compiled_call(per_shard, None).keep_one_graph_per_shard()
             out[f"split {n} fast per shard"] = (per_shard, {"cache_implementation": "static"}, 1)
+        if n > 1 and balance:
+            balanced = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * n, balance=True)
+            out[f"split {n} balanced default"] = (balanced, {}, 1)
+            out[f"split {n} balanced fast"] = (balanced, {"cache_implementation": "static"}, 1)
     return out
 
 
@@ -136,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
                              "compiled variant costs minutes of compile on the smollm shape)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: CPU slots (the default); cuda: the GPU rows (--devices N: cuda:0 .. cuda:N-1)")
+    parser.add_argument("--balance", action="store_true",
+                        help="also time each split with balance=True (its default and fast rows, CPU slots)")
     args = parser.parse_args(argv)
     import torch
 
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     cuda = args.device == "cuda"
     ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     new = args.new_tokens
-    every = cuda_variants(model, args.devices) if cuda else variants(model, args.devices)
+    every = cuda_variants(model, args.devices) if cuda else variants(model, args.devices, args.balance)
     runs = {name: run for name, run in every.items()
             if name in ("unsplit eager", "unsplit fast") or not any(word in name for word in args.skip)}
     reference = None

@@ -5,6 +5,7 @@ path and on the fast path (static cache + compiled decode step), with the first 
     python benchmarks/generation_torchrun.py --ranks 2 4     # more rank counts
     python benchmarks/generation_torchrun.py --model smollm  # SmolLM2-135M's shape, random weights (weights-bound)
     python benchmarks/generation_torchrun.py --quick         # a tiny Llama, 1 round: a check that it runs
+    python benchmarks/generation_torchrun.py --model smollm --balance  # + the split rows with balance=True
     python benchmarks/generation_torchrun.py --device cuda --model smollm --ranks 2   # GPUs: one per rank, NCCL
 
 Rows, all `generate(prompt, do_sample=False)` on the same random Llama (seed 0, batch 1, prompt of 16 tokens; the
@@ -21,6 +22,8 @@ models are benchmarks/suite/decoding_models.py's):
   (engines/torchrun/decoding.py), collectives inside the graph (the native C++ operators of comm/native/;
   with TENSORSHARD_NATIVE=0, comm/dist_ops.py's Python operators, as before them; benchmarks/decode_collectives.py
   compares the two in one job)
+- with `--balance`, split balanced default / fast: a job of its own with `tp.parallelize(..., balance=True)`
+  (plans/balance.py: the MLP evens out each rank's weights where the heads split unevenly)
 
 With `--device cuda` every process runs on its GPU (rank r on cuda:r, an NCCL group; ranks at most the visible
 GPUs: NCCL refuses two ranks on one GPU) and the fast rows are transformers' CUDA path: static cache and
@@ -87,7 +90,8 @@ def _job(args) -> None:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         model = build(args.model)
-        model = tp.parallelize(model.cuda() if cuda else model, init_device_mesh(args.device, (dist.get_world_size(),)))
+        mesh = init_device_mesh(args.device, (dist.get_world_size(),))
+        model = tp.parallelize(model.cuda() if cuda else model, mesh, balance=args.balanced)
     else:
         model = build(args.model).to(args.device)
     prompt = torch.randint(0, MODELS[args.model]["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(1))
@@ -141,16 +145,18 @@ def _job(args) -> None:
 
 
 def _run(model: str, ranks: int, *, new: int, prompt: int, rounds: int, timeout: float, threads: int = 1,
-         device: str = "cpu") -> dict:
-    """One job (`ranks` 0: the unsplit model in one process, with `threads` intra-op threads); its result."""
+         device: str = "cpu", balanced: bool = False) -> dict:
+    """One job (`ranks` 0: the unsplit model in one process, with `threads` intra-op threads; `balanced`: the split
+    with balance=True); its result."""
     args = ["--job", "--model", model, "--new", str(new), "--prompt", str(prompt), "--rounds", str(rounds)]
     args += ["--device", device]
     args += ["--split"] if ranks else ["--threads", str(threads)]
+    args += ["--balanced"] if balanced else []
     return run_script(HERE, args, ranks=ranks, timeout=timeout, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
 
 
 def _table(model: str, unsplit: dict, split: dict[int, dict], new: int, threaded: dict[int, dict] | None = None,
-           device: str = "cpu") -> str:
+           device: str = "cpu", balanced: dict[int, dict] | None = None) -> str:
     """The markdown table: the unsplit rows (one thread, and the fast path at each N of `threaded`), then the split."""
     eager, fast = unsplit["default_s"], unsplit["fast_s"]
     reference = unsplit["tokens"]["default"]
@@ -169,12 +175,14 @@ def _table(model: str, unsplit: dict, split: dict[int, dict], new: int, threaded
         s = r["fast_s"]
         lines.append(f"| unsplit fast, {threads} intra-op threads | {s * 1e3:.2f} ms | {s / fast:.2f}x | {s / eager:.2f}x | "
                      f"{r['first_call_s']:.1f} s | {_same(r['tokens']['fast'], reference)} |")
-    for ranks, r in sorted(split.items()):
+    rows = [(ranks, r, "") for ranks, r in sorted(split.items())]
+    rows += [(ranks, r, ", balanced") for ranks, r in sorted((balanced or {}).items())]
+    for ranks, r, kind in rows:
         for path, label in (("default", "split default"), ("fast", "split fast (static + compile)")):
             first = f"{r['first_call_s']:.1f} s" if path == "fast" else ""
             s = r[f"{path}_s"]
-            lines.append(f"| {label}, {ranks} ranks | {s * 1e3:.2f} ms | {s / fast:.2f}x | {s / eager:.2f}x | {first} | "
-                         f"{_same(r['tokens'][path], reference)} |")
+            lines.append(f"| {label}, {ranks} ranks{kind} | {s * 1e3:.2f} ms | {s / fast:.2f}x | {s / eager:.2f}x | "
+                         f"{first} | {_same(r['tokens'][path], reference)} |")
     return "\n".join(lines)
 
 
@@ -205,7 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per job")
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo ranks) or cuda (NCCL ranks)")
+    parser.add_argument("--balance", action="store_true", help="also run each split with balance=True (a job of its own)")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--balanced", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -228,11 +238,12 @@ def main(argv: list[str] | None = None) -> None:
     threaded = {n: _run(args.model, 0, threads=n, **settings) for n in sorted(set(args.ranks))
                 if n > 1 and args.device == "cpu"}
     split = {n: _run(args.model, n, **settings) for n in args.ranks}
-    print(_table(args.model, unsplit, split, args.new, threaded, device=args.device))
+    balanced = {n: _run(args.model, n, balanced=True, **settings) for n in args.ranks} if args.balance else {}
+    print(_table(args.model, unsplit, split, args.new, threaded, device=args.device, balanced=balanced))
     print(f"load average after: {os.getloadavg()}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"unsplit": unsplit, "unsplit_threads": threaded, "split": split}, f, indent=1)
+            json.dump({"unsplit": unsplit, "unsplit_threads": threaded, "split": split, "balanced": balanced}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from .engines.inprocess.zero import default_sharded
 from .engines.resplit import refuse_split_twice
 from .engines.torchrun import parallelize, tensor_parallel_distributed
 from .model_kind import model_kind
+from .plans.balance import check_balance
 from .plans.plan import Plan
 
 __all__ = ["from_pretrained", "parallelize", "tensor_parallel"]
@@ -36,6 +37,7 @@ def tensor_parallel(
     timeout: float | None = None,
     debug: bool | None = None,
     check: bool | None = None,
+    balance: bool = False,
 ) -> nn.Module:
     """Split `module` over devices, tensor-parallel.
 
@@ -64,14 +66,18 @@ def tensor_parallel(
         debug: run all shards on one device, one at a time (also TENSORSHARD_DEBUG=1).
         check: verify the plan numerically, region by region, before splitting (docs/automatic-plans.md);
             regions that fail stay whole. Default: on for inferred plans, off for presets and given plans.
+        balance: even out each device's weights over every block whose attention heads split unevenly (3 KV
+            heads over 2 devices): the MLP beside such an attention gets per-device sizes that make up the
+            difference (plans/balance.py; docs/plans.md). Default off: even splits.
     """
+    check_balance(balance)
     if plan is not None and tensor_parallel_config is not None:
         raise ValueError("pass either plan= or tensor_parallel_config= (its old name), not both")
     plan = plan if plan is not None else tensor_parallel_config
     if isinstance(module, nn.Module):
         refuse_split_twice(module)  # before a transformers model's split class is built from a split one
     if distributed:
-        return tensor_parallel_distributed(module, device_ids, plan=plan, sharded=sharded, timeout=timeout)
+        return tensor_parallel_distributed(module, device_ids, plan=plan, sharded=sharded, timeout=timeout, balance=balance)
     if sharded is False and sharded_param_names:
         raise ValueError("sharded_param_names lists parameters for ZeRO-3, but sharded=False turns it off; drop one")
     if sharded is None:
@@ -80,7 +86,7 @@ def tensor_parallel(
         sharded = bool(sharded_param_names) or (isinstance(module, nn.Module) and default_sharded(module, len(device_ids)))
     options = dict(
         output_device=output_device, plan=plan, timeout=timeout, debug=debug,
-        sharded=bool(sharded), sharded_param_names=sharded_param_names, check=check,
+        sharded=bool(sharded), sharded_param_names=sharded_param_names, check=check, balance=balance,
     )
     kind = model_kind(module)  # asked once here; the steps below read the answer (model_kind.py)
     if not kind.holds_transformers_model:
@@ -106,6 +112,7 @@ def from_pretrained(
     timeout: float | None = None,
     progress: bool = True,
     quantization_config: Any = None,
+    balance: bool = False,
 ) -> nn.Module:
     """Build a tensor-parallel model and stream its weights from `path` into the devices.
 
@@ -134,9 +141,11 @@ def from_pretrained(
             model gets bitsandbytes layers and each device's slices are quantized on that device as they are
             read, so no device ever holds more than its quantized share plus one slice in full precision
             (docs/quantization.md).
+        balance: a balanced split, as for `tensor_parallel` (both engines).
 
     Peak host memory: one device's share plus the largest tensor (see checkpoint/streaming.py).
     """
+    check_balance(balance)
     if mesh is not None:
         given = [k for k, v in (("device_ids", device_ids), ("sharded", sharded), ("sharded_param_names",
                  sharded_param_names), ("output_device", output_device), ("timeout", timeout)) if v]
@@ -155,12 +164,12 @@ def from_pretrained(
             )
     if mesh is not None:
         def split(module: nn.Module, plan) -> nn.Module:  # in place; meta stays meta, so nothing to broadcast
-            return parallelize(module, mesh, plan, src_data_rank=None)
+            return parallelize(module, mesh, plan, src_data_rank=None, balance=balance)
     else:
         def split(module: nn.Module, plan) -> nn.Module:
             return tensor_parallel(
                 module, device_ids, output_device=output_device, plan=plan, sharded=sharded,
-                sharded_param_names=sharded_param_names, timeout=timeout,
+                sharded_param_names=sharded_param_names, timeout=timeout, balance=balance,
             )
     return load_pretrained(
         path, split, in_place=mesh is not None, model=model, plan=plan, dtype=dtype, gguf_file=gguf_file, progress=progress,

@@ -9,6 +9,9 @@ A dimension may concatenate several logical blocks (q|k|v, gate|up). Each block 
 every rank keeps its piece of every block, in the original block order, so the local tensor has the same
 block structure as the full one, only smaller.
 
+A balanced split (plans/balance.py) gives a layer's plain blocks chosen per-rank sizes instead of even ones
+(`plain_sizes`: 1536 MLP features on 2 ranks as 688 + 848); every plain block of that length takes them.
+
 Attention heads are assigned by `HeadGroups`, which keeps every query head on the rank that holds its
 key/value head (grouped-query attention). With fewer KV heads than ranks, a KV head is replicated to each
 rank whose query heads read it.
@@ -201,11 +204,14 @@ def block_partition(
     heads: HeadGroups | None = None,
     *,
     where: str = "",
+    plain_sizes: Sequence[int] | None = None,
 ) -> Partition:
     """Partition a dimension of `size` made of `blocks` (None: one plain block) over `world_size` ranks.
 
     Head blocks need `heads`; the head size is what is left of `size` after the plain blocks, divided by
     the number of head units: for blocks ("q", "kv", "kv") of a GPT-2 c_attn, size / (H + 2K).
+    `plain_sizes`: per-rank unit counts for every plain block of ``sum(plain_sizes)`` features (a balanced
+    split, plans/balance.py); other plain blocks split evenly.
     """
     at = f"{where}: " if where else ""
     parsed = [parse_block(b) for b in (blocks if blocks else (size,))]
@@ -236,7 +242,8 @@ def block_partition(
         )
 
     per_rank: list[list[Range]] = [[] for _ in range(world_size)]
-    for rank, pieces in enumerate(_block_pieces(parsed, world_size, heads, head_dim if head_units else 0, at)):
+    pieces_per_rank = _block_pieces(parsed, world_size, heads, head_dim if head_units else 0, at, plain_sizes)
+    for rank, pieces in enumerate(pieces_per_rank):
         per_rank[rank] = [(start, stop) for start, stop, _ in pieces]
     return Partition(size, tuple(tuple(_merge(r)) for r in per_rank))
 
@@ -247,22 +254,23 @@ def kv_local_ranges(
     blocks: Sequence[int | str],
     heads: HeadGroups,
     rank: int,
+    plain_sizes: Sequence[int] | None = None,
 ) -> list[Range]:
     """Where the KV-head pieces sit inside rank `rank`'s local tensor (for tying replicated KV heads)."""
-    partition = block_partition(size, world_size, blocks, heads)  # validates
+    partition = block_partition(size, world_size, blocks, heads, plain_sizes=plain_sizes)  # validates
     parsed = [parse_block(b) for b in blocks]
     head_units = sum(n * (heads.num_heads if k == "q" else heads.num_kv_heads) for k, n in parsed if k != "plain")
     plain = sum(n for k, n in parsed if k == "plain")
     head_dim = (partition.size - plain) // head_units
     out, offset = [], 0
-    for start, stop, kind in _block_pieces(parsed, world_size, heads, head_dim, "")[rank]:
+    for start, stop, kind in _block_pieces(parsed, world_size, heads, head_dim, "", plain_sizes)[rank]:
         if kind == "kv":
             out.append((offset, offset + stop - start))
         offset += stop - start
     return _merge(out)
 
 
-def _block_pieces(parsed, world_size, heads, head_dim, at) -> list[list[tuple[int, int, str]]]:
+def _block_pieces(parsed, world_size, heads, head_dim, at, plain_sizes=None) -> list[list[tuple[int, int, str]]]:
     """Per rank, the (start, stop, kind) pieces it holds, block by block, in the original order."""
     per_rank: list[list[tuple[int, int, str]]] = [[] for _ in range(world_size)]
     offset = 0
@@ -273,7 +281,10 @@ def _block_pieces(parsed, world_size, heads, head_dim, at) -> list[list[tuple[in
                     f"{at}a block of {n} features cannot be split over {world_size} devices; "
                     f"use at most {n} devices or replicate this layer"
                 )
-            unit, rank_units = 1, _runs(split_evenly(n, world_size))
+            given = plain_sizes is not None and sum(plain_sizes) == n
+            if given and (len(plain_sizes) != world_size or min(plain_sizes) < 1):
+                raise ValueError(f"{at}plain_sizes {list(plain_sizes)} must give each of {world_size} devices a unit or more")
+            unit, rank_units = 1, _runs(plain_sizes if given else split_evenly(n, world_size))
             length = n
         else:
             unit = n * head_dim

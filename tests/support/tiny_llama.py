@@ -39,3 +39,17 @@ def sequence_parallel_plan(head=tp.VocabParallelHead()) -> tp.Plan:
         "model.layers.*.mlp.down_proj": tp.RowwiseToSequence(),
         "model.norm": tp.SequenceParallel(output="gathered"),
     }
+
+
+def build_uneven_heads(kv_heads: int = 3, seed: int = 0):
+    """A tiny Llama whose heads split unevenly (the balanced split's case, plans/balance.py): hidden 96, 2 layers,
+    6 query heads of 16 features over `kv_heads` KV heads (3: 2 + 1 KV groups at 2 devices, SmolLM2's case; 2:
+    KV head 0 shared by devices 0 and 1 at 3 devices), MLP width 256, vocabulary 128."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=kv_heads,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config).eval()

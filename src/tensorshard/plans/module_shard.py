@@ -19,6 +19,8 @@ class ModuleShard:
     style: Style
     heads: HeadGroups | None
     splits: Splits
+    plain_sizes: tuple[int, ...] | None = None  # a balanced split's sizes for its plain blocks (plans/balance.py)
 
     def context(self, rank: int, world_size: int, comm: Comm) -> ShardContext:
-        return ShardContext(rank=rank, world_size=world_size, name=self.name, comm=comm, heads=self.heads)
+        return ShardContext(rank=rank, world_size=world_size, name=self.name, comm=comm, heads=self.heads,
+                            plain_sizes=self.plain_sizes)

@@ -1,7 +1,8 @@
 """From a plan to the split of every parameter and buffer: the part both engines share.
 
 `shard_plan(module, plan, world_size)` matches the plan, builds the head groups of every `Heads` entry,
-and asks each style how its module's tensors split. It only reads the model: every error about the plan
+and asks each style how its module's tensors split; with ``balance=True`` it then resizes the MLP splits of
+blocks whose heads split unevenly (plans/balance.py). It only reads the model: every error about the plan
 (a pattern that matches nothing, a style on the wrong layer type, a dimension with fewer units than
 devices, neighbouring layers that disagree on a split (plans/validate.py), a tied weight split two
 different ways, a split tensor some module reads without calling its owner, a split through a quantization
@@ -19,6 +20,7 @@ from .. import quant
 from ..comm.interface import NoComm
 from ..partition import HeadGroups, Partition
 from ..styles.heads import Heads
+from .balance import balanced_layers
 from .direct_reads import direct_reads
 from .module_shard import ModuleShard
 from .plan import Plan
@@ -56,7 +58,9 @@ def direct_tensors(module: nn.Module):
             yield "buffer", name, b
 
 
-def shard_plan(module: nn.Module, plan: Plan, world_size: int) -> ShardedModel:
+def shard_plan(module: nn.Module, plan: Plan, world_size: int, *, balance: bool = False) -> ShardedModel:
+    """The split of every tensor of `module` under `plan` at `world_size` devices; `balance`: even out each
+    device's weights over every block whose attention heads split unevenly (plans/balance.py)."""
     assignments = plan.assign(module)
     by_name = dict(module.named_modules())
     groups: dict[str, HeadGroups] = {}
@@ -68,9 +72,15 @@ def shard_plan(module: nn.Module, plan: Plan, world_size: int) -> ShardedModel:
         heads = groups.get(a.heads_owner) if a.heads_owner is not None else None
         shard = ModuleShard(name, a.pattern, a.style, heads, {})
         shard.splits = a.style.shard(by_name[name], shard.context(0, world_size, NoComm(0, world_size)))
+        modules[name] = shard
+    if balance and world_size > 1:
+        for name, sizes in balanced_layers(by_name, modules, world_size).items():
+            shard = modules[name]
+            shard.plain_sizes = sizes
+            shard.splits = shard.style.shard(by_name[name], shard.context(0, world_size, NoComm(0, world_size)))
+    for name, shard in modules.items():
         for tname, (dim, part) in shard.splits.items():
             quant.check_split(by_name[name], tname, dim, part, name or "<root>")  # no cut quantization block
-        modules[name] = shard
 
     check_layouts(module, modules, world_size)  # neighbours agree on how the features they pass are split
     check_direct_reads(module, modules)

@@ -140,7 +140,7 @@ class ChannelParallel(Style):
                 "depthwise convolutions (groups == in_channels == out_channels) and global response norms (ConvNeXt V2). "
                 "Use Replicate() for this module."
             )
-        part = block_partition(channel_count(module), ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
+        part = block_partition(channel_count(module), ctx.world_size, self.blocks, ctx.heads, where=ctx.name, plain_sizes=ctx.plain_sizes)
         if part.overlapping:
             raise NotImplementedError(f"{ctx.name}: ChannelParallel cannot follow KV heads replicated over devices")
         group = channel_group(module)
@@ -161,7 +161,7 @@ class ChannelParallel(Style):
 
     def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
         part = next(iter(splits.values()))[1] if splits else block_partition(
-            channel_count(module), ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
+            channel_count(module), ctx.world_size, self.blocks, ctx.heads, where=ctx.name, plain_sizes=ctx.plain_sizes)
         local = part.local_size(ctx.rank)
         if isinstance(module, _GROUP_NORMS):
             module.num_groups, module.num_channels = local // channel_group(module), local

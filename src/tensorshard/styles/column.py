@@ -42,7 +42,7 @@ class ColwiseParallel(Style):
     def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
         kind = require_kind(module, "ColwiseParallel", ctx.name, (LINEAR, CONV1D_HF, CONV))
         size = weight_shape(module)[kind.weight_out_dim]
-        part = block_partition(size, ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
+        part = block_partition(size, ctx.world_size, self.blocks, ctx.heads, where=ctx.name, plain_sizes=ctx.plain_sizes)
         if part.overlapping and self.gather_output:
             raise NotImplementedError(
                 f"{ctx.name}: gather_output=True with KV heads replicated over devices is not supported; "
@@ -64,7 +64,7 @@ class ColwiseParallel(Style):
         # the gradient of their own query heads only; `tie` sums it over them in backward.
         tied = []
         if part.overlapping:
-            tied = kv_local_ranges(part.size, ctx.world_size, self.blocks or (), ctx.heads, ctx.rank)
+            tied = kv_local_ranges(part.size, ctx.world_size, self.blocks or (), ctx.heads, ctx.rank, ctx.plain_sizes)
             groups = ctx.heads.kv_sharers()
 
         def local(t: torch.Tensor, tdim: int) -> torch.Tensor:

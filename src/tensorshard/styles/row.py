@@ -36,7 +36,7 @@ class RowwiseParallel(Style):
     def shard(self, module: nn.Module, ctx: ShardContext) -> Splits:
         kind = require_kind(module, "RowwiseParallel", ctx.name, (LINEAR, CONV1D_HF, CONV))
         size = weight_shape(module)[kind.weight_in_dim]
-        part = block_partition(size, ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
+        part = block_partition(size, ctx.world_size, self.blocks, ctx.heads, where=ctx.name, plain_sizes=ctx.plain_sizes)
         if part.overlapping:
             raise NotImplementedError(
                 f"{ctx.name}: a row-parallel layer cannot read replicated KV heads; split it by 'q' heads"

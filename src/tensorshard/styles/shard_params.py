@@ -66,7 +66,7 @@ class ShardParams(Style):
             if not -t.dim() <= dim < t.dim():
                 raise ValueError(f"{ctx.name}.{name}: dim {dim} is out of range for shape {tuple(t.shape)}")
             dim %= t.dim()
-            splits[name] = (dim, block_partition(t.shape[dim], ctx.world_size, blocks, ctx.heads, where=f"{ctx.name}.{name}"))
+            splits[name] = (dim, block_partition(t.shape[dim], ctx.world_size, blocks, ctx.heads, where=f"{ctx.name}.{name}", plain_sizes=ctx.plain_sizes))
         return splits
 
     def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:

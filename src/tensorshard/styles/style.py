@@ -38,6 +38,9 @@ class ShardContext:
     name: str  # the module's qualified name, for messages
     comm: Comm
     heads: HeadGroups | None = None  # from the nearest enclosing Heads(...) entry, if any
+    # per-device unit counts of the module's plain blocks of sum(plain_sizes) features, in a balanced split
+    # (plans/balance.py); None: even. Styles hand it to block_partition.
+    plain_sizes: tuple[int, ...] | None = None
 
 
 @functools.lru_cache(maxsize=None)

@@ -32,7 +32,7 @@ def deep_copy(model, memo: dict):
     new = type(model)(
         skeleton, list(model.devices), output_device=model.output_device, plan=model.plan, timeout=model.timeout,
         debug=model.debug, sharded=bool(zero), sharded_param_names=zero or None, check=False,
-        kind=model_kind(skeleton),  # a new split: its kind, asked once (a wrapper's inner model is the copy's)
+        balance=model.balance, kind=model_kind(skeleton),  # a new split: its kind, asked once (a wrapper's inner model is the copy's)
     )
     memo[id(model)] = new
     for old_shard, new_shard in zip(model.module_shards, new.module_shards):

@@ -42,6 +42,7 @@ from ...logs import get_logger
 from ...model_kind import ModelKind
 from ...partition import Partition
 from ...plans import resolve_plan
+from ...plans.balance import check_balance
 from ...plans.plan import Plan
 from ...plans.sharding import shard_plan
 from ...plans.slices import SplitLayout, register_engine
@@ -113,6 +114,7 @@ class TensorParallel(PackageNames, nn.Module):
             `tensor_parallel()` turns it on by default when training.
         sharded_param_names: which of them to partition (default: every trainable one).
         check: self-check the plan before splitting (see `tensor_parallel`).
+        balance: even out each device's weights over blocks whose heads split unevenly (see `tensor_parallel`).
         kind: the module's kind (model_kind.py) as `tensor_parallel` decided it; None: decided where the plan is.
     """
 
@@ -129,6 +131,7 @@ class TensorParallel(PackageNames, nn.Module):
         sharded_param_names: Sequence[str] | None = None,
         check: bool | None = None,
         kind: ModelKind | None = None,
+        balance: bool = False,
     ) -> None:
         # nn.Module's own constructor, not super(): a subclass may also inherit the wrapped model's class
         # (integrations/transformers does), whose constructor would build a fresh model.
@@ -137,6 +140,7 @@ class TensorParallel(PackageNames, nn.Module):
             raise TypeError(f"tensor_parallel() splits an nn.Module; got {type(module).__name__}")
         refuse_split_twice(module)  # a split model, or the original an earlier split emptied
         quant.check_quantized_model(module, "inprocess")  # bitsandbytes installed, a method we split
+        self.balance = check_balance(balance)
         devices = resolve_devices(device_ids)
         self.debug = _env_flag("TENSORSHARD_DEBUG") if debug is None else bool(debug)
         self.devices = devices
@@ -147,7 +151,7 @@ class TensorParallel(PackageNames, nn.Module):
 
         world = len(devices)
         self.plan = resolve_plan(module, plan, world, check=check, kind=kind)
-        layout = shard_plan(module, self.plan, world)  # raises on any plan error; the model is untouched
+        layout = shard_plan(module, self.plan, world, balance=self.balance)  # raises on any plan error; the model is untouched
         only = sorted(
             {f"{ms.name or '<root>'}: {ms.style.describe()}" for ms in layout.modules.values() if getattr(ms.style, "torchrun_only", False)}
         )

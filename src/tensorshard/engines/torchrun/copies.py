@@ -50,7 +50,7 @@ def keep_skeleton(module: nn.Module) -> tuple[nn.Module | None, str]:
 
 def deep_copy(model: nn.Module, memo: dict, resplit) -> nn.Module:
     """A second split `model` on the same mesh with clones of this rank's tensors (see the module docstring).
-    `resplit(module, plan, comm, check_inputs, source)` is the engine's split step, applied to the skeleton's copy."""
+    `resplit(module, plan, comm, check_inputs, source, balance=...)` is the engine's split step, applied to the skeleton's copy."""
     state = model.tensorshard
     what = f"copy.deepcopy of a parallelized {type(model).__name__}"
     if state.skeleton is None:
@@ -62,7 +62,7 @@ def deep_copy(model: nn.Module, memo: dict, resplit) -> nn.Module:
     _refuse_resharded(model, state, what)
     new = copy.deepcopy(state.skeleton)  # meta tensors: only the module tree is copied
     comm = DistComm(state.mesh, state.comm.guard.timeout)  # the same group and guard: no collective here
-    new_state = resplit(new, state.plan, comm, state.checks_left, None)
+    new_state = resplit(new, state.plan, comm, state.checks_left, None, balance=state.balance)
     new_modules = dict(new.named_modules(remove_duplicate=False))
     added = sorted(n for n, _ in model.named_modules(remove_duplicate=False) if n not in new_modules)
     if added:

@@ -55,6 +55,7 @@ from ...global_hooks import split_model_made
 from ...logs import get_logger
 from ...partition import Partition
 from ...plans import resolve_plan
+from ...plans.balance import check_balance
 from ...plans.plan import Plan
 from ...plans.module_shard import ModuleShard
 from ...plans.sharding import ShardedModel, direct_tensors, shard_plan
@@ -94,6 +95,7 @@ class TorchrunState:
     skeleton: nn.Module | None = field(default=None, repr=False)  # the module before splitting, meta tensors (copies.py)
     skeleton_error: str = ""  # why there is no skeleton: the module could not be deep-copied
     views: LocalViews = field(default_factory=LocalViews)  # every local-view swap, made at once (local_views.py)
+    balance: bool = False  # a balanced split (plans/balance.py), made again by copies
 
 
 def parallelize(
@@ -105,6 +107,7 @@ def parallelize(
     check_inputs: int = DEFAULT_CHECKS,
     timeout: float | None = None,
     check: bool | None = None,
+    balance: bool = False,
 ) -> nn.Module:
     """Split `module` over the processes of a 1-D tensor-parallel mesh, in place; returns the module.
 
@@ -120,14 +123,18 @@ def parallelize(
             else 300); set as the group's process-group timeout. docs/errors.md lists what each failure raises.
         check: self-check the plan numerically before splitting (every rank runs the same seeded check, so
             all reach the same plan); default: on for inferred plans only (docs/automatic-plans.md).
+        balance: even out each rank's weights over every block whose attention heads split unevenly (the MLP
+            beside it gets per-rank sizes that make up the difference; plans/balance.py). Default off.
     """
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize() splits an nn.Module; got {type(module).__name__}")
+    check_balance(balance)
     quant.check_quantized_model(module, "torchrun")
     done = getattr(module, "tensorshard", None)
     if isinstance(done, TorchrunState):
-        if done.mesh == device_mesh and (plan is None or (isinstance(plan, Mapping) and done.plan == Plan(plan))):
+        same_plan = plan is None or (isinstance(plan, Mapping) and done.plan == Plan(plan))
+        if done.mesh == device_mesh and same_plan and done.balance == balance:
             return module  # idempotent, as Lightning's configure_model must be
         raise TypeError(
             f"this {type(module).__name__} is already parallelized on mesh {done.mesh} with another plan or mesh; "
@@ -157,10 +164,10 @@ def parallelize(
 
     plan = resolve_plan(module, plan, world, check=check)
     comm = DistComm(device_mesh, timeout)
-    _check_same_plan(plan, comm)  # first: a plan error below would otherwise stop only the ranks that have it
+    _check_same_plan(plan, comm, balance)  # first: a plan error below would otherwise stop only the ranks that have it
     skeleton, skeleton_error = keep_skeleton(module)  # before anything changes: copy.deepcopy splits it again
     source = None if src_data_rank is None else dist.get_global_rank(comm.group, src_data_rank)
-    state = _split(module, plan, comm, check_inputs, source)
+    state = _split(module, plan, comm, check_inputs, source, balance=balance)
     state.skeleton, state.skeleton_error = skeleton, skeleton_error
 
     if dist.get_rank() == 0:
@@ -172,12 +179,14 @@ def parallelize(
     return module
 
 
-def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, source: int | None) -> TorchrunState:
+def _split(module: nn.Module, plan: Plan, comm: DistComm, check_inputs: int, source: int | None, *,
+           balance: bool = False) -> TorchrunState:
     """Steps 1-4 of the module docstring on `module`, in place (also how copies.py splits a copy of the skeleton:
     `source` None, no broadcast). Returns the state it also keeps as ``module.tensorshard``."""
     mesh, world, rank = comm.mesh, comm.world_size, comm.rank
-    sharded = shard_plan(module, plan, world)  # raises on any plan error; the model is untouched
-    state = TorchrunState(plan, mesh, comm, sharded.slice_map(module), {}, check_inputs, dict(sharded.modules))
+    sharded = shard_plan(module, plan, world, balance=balance)  # raises on any plan error; the model is untouched
+    state = TorchrunState(plan, mesh, comm, sharded.slice_map(module), {}, check_inputs, dict(sharded.modules),
+                          balance=balance)
     try:
         held = _distribute(module, sharded, state, mesh_device(mesh), source)
         by_name = dict(module.named_modules())
@@ -214,9 +223,10 @@ def split_layout(module: object) -> SplitLayout | None:
     return SplitLayout("torchrun", state.plan, dict(state.splits), [module], [mesh_device(state.mesh)], state=state)
 
 
-def _check_same_plan(plan: Plan, comm: DistComm) -> None:
-    """Every rank of the group resolved the same plan, or all of them raise (before anything changes)."""
-    digest = hashlib.sha1(plan.table().encode()).hexdigest()
+def _check_same_plan(plan: Plan, comm: DistComm, balance: bool = False) -> None:
+    """Every rank of the group resolved the same plan (and `balance`), or all of them raise (before anything
+    changes)."""
+    digest = hashlib.sha1((plan.table() + (" balanced" if balance else "")).encode()).hexdigest()
     digests = gather_objects(digest, comm.group, what="parallelize: comparing the ranks' plans")
     differ = [r for r, d in enumerate(digests) if d != digests[0]]
     if differ:

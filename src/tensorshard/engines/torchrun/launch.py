@@ -38,6 +38,7 @@ def tensor_parallel_distributed(
     plan: Plan | dict | None = None,
     sharded: bool | None = None,
     timeout: float | None = None,
+    balance: bool = False,
 ) -> nn.Module:
     """`tensor_parallel(module, distributed=True)`: every process of the job is one tensor-parallel rank.
 
@@ -70,7 +71,7 @@ def tensor_parallel_distributed(
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout))
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tensor_parallel",))
-    return parallelize(module, mesh, plan, timeout=timeout)
+    return parallelize(module, mesh, plan, timeout=timeout, balance=balance)
 
 
 def _given_device(device_ids: Sequence | None) -> torch.device | None:

@@ -113,7 +113,7 @@ class Ia3Scale(Style):
         dim = 0 if self.split == "output" else 1
         splits = {}
         for name, p in module._parameters.items():
-            part = block_partition(p.shape[dim], ctx.world_size, self.blocks, ctx.heads, where=f"{ctx.name}.{name}")
+            part = block_partition(p.shape[dim], ctx.world_size, self.blocks, ctx.heads, where=f"{ctx.name}.{name}", plain_sizes=ctx.plain_sizes)
             if part.overlapping and self.split == "input":
                 raise NotImplementedError(f"{ctx.name}: an IA3 vector over a layer's inputs cannot read replicated KV heads")
             splits[name] = (dim, part)
@@ -125,7 +125,7 @@ class Ia3Scale(Style):
             return
         comm, where = ctx.comm, ctx.name
         groups = ctx.heads.kv_sharers()
-        tied = {n: kv_local_ranges(p.size, ctx.world_size, self.blocks or (), ctx.heads, ctx.rank) for n, p in overlapping.items()}
+        tied = {n: kv_local_ranges(p.size, ctx.world_size, self.blocks or (), ctx.heads, ctx.rank, ctx.plain_sizes) for n, p in overlapping.items()}
         # Replicated KV heads: the IA3 layer's forward (Ia3Parallel) reads these vectors through views whose
         # gradient sums over the devices holding the same head.
         module.tied_views = lambda: {n: tie_ranges(module._parameters[n], 0, r, comm, groups, where) for n, r in tied.items()}

@@ -78,7 +78,8 @@ class LateAdapters:
     wrappers: dict[str, Wrapper] = field(default_factory=dict)
     tensors: dict[str, tuple[str, str]] = field(default_factory=dict)  # new tensor -> (owner module, wrapper)
     splits: dict[str, tuple | None] = field(default_factory=dict)  # new tensor -> split (None: whole)
-    # module -> (style, its splits, the head groups of its layer, the name its collectives go by)
+    # module -> (style, its splits, the head groups of its layer, the name its collectives go by, its layer's balanced
+    # plain sizes (plans/balance.py) or None)
     attach: dict[str, tuple] = field(default_factory=dict)
 
     def moved_name(self, name: str) -> str:
@@ -214,9 +215,9 @@ def _plan_wrapper(named, modules, zero, w: Wrapper, late: LateAdapters, engine: 
         splits = style.beside(named[owner], part) if style is not None else {}
         late.splits[t] = splits.get(t.rsplit(".", 1)[1])
         if style is not None:
-            late.attach[owner] = (style, splits, w.base.heads, owner)
+            late.attach[owner] = (style, splits, w.base.heads, owner, w.base.plain_sizes)
     if w.fresh:
-        late.attach[w.name] = (styles[w.name], {}, w.base.heads, w.name)
+        late.attach[w.name] = (styles[w.name], {}, w.base.heads, w.name, w.base.plain_sizes)
 
 
 def _plan_copies(named, modules, zero, w: Wrapper, moved: str, late: LateAdapters, engine: str) -> None:
@@ -240,7 +241,7 @@ def _plan_copies(named, modules, zero, w: Wrapper, moved: str, late: LateAdapter
                 )
             late.splits[f"{name}.{attr}"] = ms.splits.get(attr) if ms is not None else None
         if ms is not None:  # the copy's collectives go by the original's name (one layer, as the plan sees it)
-            late.attach[name] = (ms.style, ms.splits, ms.heads, ms.name)
+            late.attach[name] = (ms.style, ms.splits, ms.heads, ms.name, ms.plain_sizes)
 
 
 def take_out_late_adapters(root: nn.Module, known: set[str], splits: dict) -> None:

@@ -126,11 +126,12 @@ def _attach_in_process(model, late: LateAdapters) -> None:
         return
     for rank, shard in enumerate(model.module_shards):
         comm = ThreadComm(model._group, rank)
-        for name, (style, splits, heads, where) in late.attach.items():
+        for name, (style, splits, heads, where, sizes) in late.attach.items():
             module = shard.get_submodule(name)
             module.__dict__.pop("forward", None)  # a modules_to_save copy runs its own forward, not the original's
             # its comm bound to the layer's name, as at split time (engines/inprocess/build.py)
-            style.attach(module, splits, ShardContext(rank=rank, world_size=world, name=where, comm=comm.at(where), heads=heads))
+            ctx = ShardContext(rank=rank, world_size=world, name=where, comm=comm.at(where), heads=heads, plain_sizes=sizes)
+            style.attach(module, splits, ctx)
 
 
 def _zero_candidates(model, late: LateAdapters) -> list[str]:

@@ -134,8 +134,8 @@ def _attach_under_torchrun(root: nn.Module, state, late: LateAdapters) -> None:
             module.__dict__.pop("forward", None)
     if world == 1:
         return
-    for name, (style, splits, heads, where) in late.attach.items():
-        ctx = ShardContext(rank=state.comm.rank, world_size=world, name=where, comm=state.comm, heads=heads)
+    for name, (style, splits, heads, where, sizes) in late.attach.items():
+        ctx = ShardContext(rank=state.comm.rank, world_size=world, name=where, comm=state.comm, heads=heads, plain_sizes=sizes)
         style.attach(root.get_submodule(name), splits, ctx)
 
 

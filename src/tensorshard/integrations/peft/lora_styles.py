@@ -149,10 +149,10 @@ class LoraFactor(Style):
         if type(module) is not nn.Linear:
             raise NotImplementedError(f"LoraFactor cannot split {ctx.name} ({type(module).__name__}); LoRA factors are nn.Linear")
         if self.split == "output":
-            part = block_partition(module.out_features, ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
+            part = block_partition(module.out_features, ctx.world_size, self.blocks, ctx.heads, where=ctx.name, plain_sizes=ctx.plain_sizes)
             return {"weight": (0, part)} | ({"bias": (0, part)} if module.bias is not None else {})
         if self.split == "input":
-            part = block_partition(module.in_features, ctx.world_size, self.blocks, ctx.heads, where=ctx.name)
+            part = block_partition(module.in_features, ctx.world_size, self.blocks, ctx.heads, where=ctx.name, plain_sizes=ctx.plain_sizes)
             if part.overlapping:
                 raise NotImplementedError(f"{ctx.name}: a LoRA A matrix cannot read replicated KV heads")
             return {"weight": (1, part)}
@@ -167,7 +167,7 @@ class LoraFactor(Style):
                 return  # a plain local matmul: its input's gradient stays partial, summed by A's copy_to_parallel
             # Replicated KV heads (fewer than devices): each holder of such rows sees only its query heads' share
             # of their gradient; tie sums it over the holders, as ColwiseParallel does for the base weight.
-            tied = kv_local_ranges(part.size, ctx.world_size, self.blocks or (), ctx.heads, ctx.rank)
+            tied = kv_local_ranges(part.size, ctx.world_size, self.blocks or (), ctx.heads, ctx.rank, ctx.plain_sizes)
             groups = ctx.heads.kv_sharers()
 
             def forward(a: torch.Tensor) -> torch.Tensor:
@@ -231,7 +231,7 @@ class LoraMagnitude(Style):
             raise NotImplementedError(f"LoraMagnitude cannot split {ctx.name} ({type(module).__name__}): expected "
                                       "PEFT's DoRA magnitude, a module holding one vector `weight`")
         if self.split == "output":
-            return {"weight": (0, block_partition(weight.shape[0], ctx.world_size, self.blocks, ctx.heads, where=ctx.name))}
+            return {"weight": (0, block_partition(weight.shape[0], ctx.world_size, self.blocks, ctx.heads, where=ctx.name, plain_sizes=ctx.plain_sizes))}
         return {}
 
     def attach(self, module: nn.Module, splits: Splits, ctx: ShardContext) -> None:
@@ -239,7 +239,7 @@ class LoraMagnitude(Style):
         if self.split == "output":
             part = splits["weight"][1]
             if part.overlapping:  # replicated KV heads: m's rows for them sum their gradient over the holders
-                tied = kv_local_ranges(part.size, ctx.world_size, self.blocks or (), ctx.heads, ctx.rank)
+                tied = kv_local_ranges(part.size, ctx.world_size, self.blocks or (), ctx.heads, ctx.rank, ctx.plain_sizes)
                 groups = ctx.heads.kv_sharers()
                 views = lambda: {"weight": tie_ranges(module.weight, 0, tied, comm, groups, name)}  # noqa: E731
                 wrap_forward(module, with_views(module, original_forward(module), views))
