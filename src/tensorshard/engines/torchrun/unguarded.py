@@ -75,6 +75,8 @@ class Unguarded:
         kind = tuple(_leaf(x) for x in leaves)
         autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
         seen = registrations()
+        if seen != self._wrappers_seen:
+            self.warm.clear()  # (the count only grows: keys of an earlier count never come back)
         return str(spec), kind, autocast, torch.is_inference_mode_enabled(), seen, self._settings(seen)
 
     def may_skip(self, key: Hashable, quiet: bool) -> bool:
