@@ -306,8 +306,8 @@ def unguarded_task(folder: str) -> dict:
                         output_logits=True)
         del skipped[:]
         with torch.no_grad():
-            got = split.generate(input_ids=ids, cache_implementation="static", compile_config=CompileConfig(backend="eager"),
-                                 **settings)
+            got = split.generate(input_ids=ids, cache_implementation="static",
+                                 compile_config=CompileConfig(backend="eager"), **settings)
             want = unsplit.generate(input_ids=ids, **settings)
         error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got.logits, want.logits))
         return torch.equal(got.sequences, want.sequences), error, list(skipped)
@@ -334,7 +334,8 @@ def unguarded_task(folder: str) -> dict:
             split.add_adapter("second", lora)
             split.save_pretrained(folder)  # every rank calls it; rank 0 writes
             dist.barrier()
-            unsplit = PeftModel.from_pretrained(ref, f"{folder}/first", adapter_name="first")  # (PEFT: a folder per name)
+            # (PEFT saves each adapter but "default" in a folder of its name)
+            unsplit = PeftModel.from_pretrained(ref, f"{folder}/first", adapter_name="first")
             unsplit.load_adapter(f"{folder}/second", adapter_name="second")
             split.eval()  # (PEFT makes its layers in training mode: every guard while they train, as above)
             unsplit.eval()
