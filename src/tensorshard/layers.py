@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,9 @@ class LayerWrapper:
     is_one: Callable[[nn.Module], bool]
     inner: str  # the attribute holding the wrapped layer
     reads_inner: bool = False  # its own forward reads the wrapped layer's tensors (not only through its forward)
+    # The plain state its forward depends on besides tensors (which adapter is active, merged, disabled, its scale),
+    # as one hashable: a compiled step run without dynamo's guards compares it instead (engines/torchrun/unguarded.py)
+    settings: Callable[[nn.Module], Hashable] | None = None
 
 
 _LAYER_WRAPPERS: list[LayerWrapper] = []

@@ -275,3 +275,103 @@ def test_a_compiled_call_puts_every_local_view_in_place_once(pool2):
         assert out["split"] > 0
         assert out["local_inside"] and out["active"] and out["same_logits"]
         assert out["restored"] and out["restored_after_error"] and out["untouched_with_grad"]
+
+
+def unguarded_task(folder: str) -> dict:
+    """Later decode steps run without dynamo's guard tree (engines/torchrun/unguarded.py). Each change below is one
+    the skipped guards would have caught: the call after it still gives the unsplit model's tokens and logits, and
+    is run with every guard. Dynamo alone (backend "eager"): guards do not depend on the backend. The unsplit
+    PeftModel holds the adapters the split one made (saved by it, loaded by plain PEFT)."""
+    import os
+
+    import torch.distributed as dist
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import CompileConfig
+
+    from tensorshard.engines.torchrun import unguarded
+
+    _fresh_dynamo()
+    ref, model = _split_pair()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    skipped: list[bool] = []
+    may_skip = unguarded.Unguarded.may_skip
+
+    def spy(self, key, quiet):
+        skipped.append(may_skip(self, key, quiet))
+        return skipped[-1]
+
+    def same(split, unsplit, ids) -> tuple[bool, float, list[bool]]:
+        """Greedy tokens and logits of both models; which of the split model's decode steps skipped the guards."""
+        settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                        output_logits=True)
+        del skipped[:]
+        with torch.no_grad():
+            got = split.generate(input_ids=ids, cache_implementation="static",
+                                 compile_config=CompileConfig(backend="eager"), **settings)
+            want = unsplit.generate(input_ids=ids, **settings)
+        error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got.logits, want.logits))
+        return torch.equal(got.sequences, want.sequences), error, list(skipped)
+
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=gen)
+    out = {}
+    unguarded.Unguarded.may_skip = spy
+    try:
+        with torch._dynamo.config.patch(recompile_limit=64):  # (every change below is a graph of its own)
+            out["first"] = same(model, ref, ids)  # compiles at its first step, every guard at the second
+            out["warm"] = same(model, ref, torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=gen))
+            out["longer prompt"] = same(model, ref, torch.randint(0, tiny_llama.VOCAB, (1, 8), generator=gen))
+            out["batch 2"] = same(model, ref, torch.randint(0, tiny_llama.VOCAB, (2, 5), generator=gen))
+            model.train()
+            ref.train()  # (no dropout in the tiny Llama: the same numbers, another graph)
+            out["training mode"] = same(model, ref, ids)
+            model.eval()
+            ref.eval()
+            out["eval again"] = same(model, ref, ids)
+            torch.manual_seed(1)
+            split = get_peft_model(model, lora, adapter_name="first")  # added after splitting: registrations
+            torch.manual_seed(2)
+            split.add_adapter("second", lora)
+            split.save_pretrained(folder)  # every rank calls it; rank 0 writes
+            dist.barrier()
+            # (PEFT saves each adapter but "default" in a folder of its name)
+            unsplit = PeftModel.from_pretrained(ref, f"{folder}/first", adapter_name="first")
+            unsplit.load_adapter(f"{folder}/second", adapter_name="second")
+            split.eval()  # (PEFT makes its layers in training mode: every guard while they train, as above)
+            unsplit.eval()
+            out["adapter added"] = same(split, unsplit, ids)
+            out["adapter warm"] = same(split, unsplit, ids)
+            for peft_model in (split, unsplit):
+                peft_model.set_adapter("second")
+            out["adapter switched"] = same(split, unsplit, ids)
+            for peft_model in (split, unsplit):
+                peft_model.set_adapter("first")
+            out["adapter switched back"] = same(split, unsplit, ids)
+            with split.disable_adapter(), unsplit.disable_adapter():
+                out["adapters disabled"] = same(split, unsplit, ids)
+            os.environ[unguarded.ENV] = "0"
+            try:
+                out["switched off"] = same(split, unsplit, ids)
+            finally:
+                del os.environ[unguarded.ENV]
+    finally:
+        unguarded.Unguarded.may_skip = may_skip
+    return out
+
+
+def test_later_decode_steps_skip_the_guards_and_still_follow_every_change(pool2, tmp_path):
+    for out in pool2.run(unguarded_task, str(tmp_path), timeout=300):
+        for case, (tokens, error, _) in out.items():
+            assert tokens and error < 1e-5, (case, out[case])  # fp32, the same kernels but summed per rank: ulps
+        steps = {case: skipped for case, (_, _, skipped) in out.items()}
+        assert steps["first"] == [False, False, True]  # compiled; every guard, nothing compiled; unguarded
+        assert steps["warm"] == [True] * 3  # another prompt of the same length: the same kind of call
+        # each change: its first steps run every guard (dynamo recompiles where it must), then unguarded again
+        for case in ("longer prompt", "batch 2", "adapter added", "adapter switched", "adapters disabled"):
+            assert steps[case][0] is False and steps[case][-1] is True, (case, steps[case])
+        # back to a kind already run: unguarded at once, dynamo's differentiating guards (the training flag and the
+        # adapter's name failed once, so they are among them) choosing its graph; the logits above say it did
+        for case in ("adapter warm", "eval again", "adapter switched back"):
+            assert steps[case] == [True] * 3, (case, steps[case])
+        assert steps["training mode"] == [False] * 3  # never without guards while a module trains
+        assert steps["switched off"] == [False] * 3  # TENSORSHARD_SKIP_GUARDS=0

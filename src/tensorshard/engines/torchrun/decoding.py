@@ -46,6 +46,7 @@ from ...comm.transport import connect_native
 from ...logs import get_logger
 from ..aliasing_guards import aliasing_guards_in_cpp
 from ..decode_decision import compileable_cache, decode_cache, describe_step, log_compiled
+from .unguarded import Unguarded
 
 logger = get_logger(__name__)
 
@@ -101,19 +102,26 @@ def _logging_compiles(model: nn.Module, compiled_call: Callable, guard, state) -
 def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state) -> Callable:
     name = type(model).__name__
     collectives: dict[str, list] = {}  # per kind of step (describe_step): the capturable collectives it traced
+    unguarded = Unguarded(model)
 
     def call(*args, **kwargs):
         connect_native(guard)  # once: every rank reaches the compiled step at the same point
         before = compiled_graphs()
         began = time.perf_counter()
+        key = unguarded.key(args, kwargs)
         try:
             # outside the graph: dynamo traces and guards no swap; on CUDA ranks of an NCCL group, collectives
             # that CUDA graphs capture
             with state.views.all_local(state.mesh), aliasing_guards_in_cpp(), capturing_decode() as traced:
-                out = compiled(*args, **kwargs)
+                # a kind of call that compiled nothing at its last guarded call: only dynamo's differentiating
+                # guards, our checks in place of the others (unguarded.py)
+                skip = unguarded.may_skip(key, quiet=state.views.active)
+                with unguarded.stance(skip):
+                    out = compiled(*args, **kwargs)
         except BaseException as e:
             guard.report(e, f"the compiled decode step of {name}")
             raise
+        unguarded.ran(key, skip, compiled_graphs() != before)
         # A replayed CUDA graph runs no Python: its collectives, noted while the step traced, are counted here.
         step = describe_step(kwargs, getattr(model, "dtype", None))
         if compiled_graphs() != before and traced:

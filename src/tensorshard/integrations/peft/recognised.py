@@ -47,6 +47,19 @@ def is_modules_to_save(module: nn.Module) -> bool:
     )
 
 
+def adapter_settings(module: nn.Module) -> tuple:
+    """What a PEFT wrapper's forward depends on besides tensors: the active adapter(s), whether adapters are
+    disabled, those merged into the weights, and each adapter's scale (LoRA's ``scaling``; `set_scale`)."""
+    active = getattr(module, "_active_adapter", None)
+    scaling = getattr(module, "scaling", None)
+    return (
+        tuple(active) if isinstance(active, list) else active,
+        getattr(module, "_disable_adapters", None),
+        tuple(getattr(module, "merged_adapters", ())),
+        tuple(scaling.items()) if isinstance(scaling, dict) else None,
+    )
+
+
 register_holder_kind(PEFT, is_peft_model)
-register_layer_wrapper(LayerWrapper(is_adapter_layer, "base_layer", reads_inner=True))
-register_layer_wrapper(LayerWrapper(is_modules_to_save, "original_module"))
+register_layer_wrapper(LayerWrapper(is_adapter_layer, "base_layer", reads_inner=True, settings=adapter_settings))
+register_layer_wrapper(LayerWrapper(is_modules_to_save, "original_module", settings=adapter_settings))
