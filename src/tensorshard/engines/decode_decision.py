@@ -1,5 +1,6 @@
-"""What both engines' fast decoding decides and says the same way: whether a cache is worth compiling for, and
-the line logged when a decode step compiled.
+"""What both engines' fast decoding decides and says the same way: whether a cache is worth compiling for, which
+settings of the model's layer wrappers a compiled step is specialised on, and the line logged when a decode step
+compiled.
 
 transformers' `generate` compiles the decode step when the cache is compileable (a static cache) and the device is
 a GPU; a split model compiles on every device type, in one process (integrations/transformers/fast_decode.py,
@@ -17,6 +18,10 @@ import logging
 from typing import Any, Mapping
 
 import torch
+from torch import nn
+
+from ..layers import layer_wrapper
+from ..registrations import registrations
 
 
 def decode_cache(model_kwargs: Mapping[str, Any]) -> Any:
@@ -61,3 +66,24 @@ def log_compiled(logger: logging.Logger, name: str, step: str, seconds: float, o
     where = f" on each of {devices} device(s)" if devices else ""
     logger.info("compiled the decode step of %s (%s)%s in %.1f s; torch.compile options %s",
                 name, step, where, seconds, dict(options))
+
+
+class WrapperSettings:
+    """The settings of every layer wrapper below `model` (layers.py `LayerWrapper.settings`: PEFT's active, merged
+    and disabled adapters and their scales), as one hashable. A compiled step that skips dynamo's guards (the
+    stitched and parallel steps in one process, the unguarded calls under torchrun) is specialised on them: a
+    `set_adapter` or `disable_adapter()` makes another kind of call. The wrappers are looked up again whenever a
+    module was registered (registrations.py)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._wrappers: list[tuple[nn.Module, Any]] = []  # (wrapper module, its settings reader)
+        self._seen = -1  # registrations.py's count when they were looked up
+
+    def __call__(self) -> tuple:
+        seen = registrations()
+        if seen != self._seen:
+            self._wrappers = [(m, w.settings) for m in self.model.modules()
+                              if (w := layer_wrapper(m)) is not None and w.settings is not None]
+            self._seen = seen
+        return tuple(read(m) for m, read in self._wrappers)

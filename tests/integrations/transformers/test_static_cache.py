@@ -285,6 +285,36 @@ def test_compiled_decoding_of_a_split_peft_model():
     assert torch.equal(compiled, _greedy(model, ids))
 
 
+@needs_stitching
+def test_a_stitched_step_follows_the_active_adapter():
+    """A stitched graph has no guards: switching a split PeftModel's adapter (set_adapter) after the step was
+    stitched must decode with the new adapter, as the unsplit model does (it used to replay the old one's graph)."""
+    import peft
+
+    lora = dict(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(**lora), adapter_name="a")
+    model.add_adapter("b", peft.LoraConfig(**lora))
+    model.eval()
+    ids = _ids()
+    expected = {}
+    for name in ("a", "b"):
+        model.set_adapter(name)
+        expected[name] = _greedy(model, ids)
+    assert not torch.equal(expected["a"], expected["b"])
+    model.set_adapter("a")
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
+    split.eval()
+    steps = compiled_call(split.get_base_model(), None)
+    for name in ("a", "b", "a"):
+        split.set_adapter(name)
+        assert torch.equal(_greedy(split, ids, cache_implementation="static"), expected[name]), name
+    assert steps.stitcher.steps, "the steps were stitched"  # (each adapter its own kind of call)
+    enabled = steps.settings()
+    with split.disable_adapter():  # another setting of the LoRA layers: another kind, so another stitched step
+        assert steps.settings() != enabled
+    assert steps.settings() == enabled
+
+
 def _meeting(run, world: int, threads: list[set[int]], skip_first: bool = False):
     """`run(rank, ...)` made to wait, inside the shard's step, until all `world` shards are inside theirs: a call
     whose shards run one after another breaks the barrier (BrokenBarrierError: the call fails). Each rank's threads

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from ...comm import thread_ops
 from ...logs import get_logger
-from ..decode_decision import describe_step, log_compiled
+from ..decode_decision import WrapperSettings, describe_step, log_compiled
 from .stitched_decode import Stitcher, call_settings
 
 logger = get_logger(__name__)
@@ -79,6 +79,8 @@ class CompiledSteps:
         self.compiled = [torch.compile(_entry(shard, rank), **self.options) for rank, shard in enumerate(model.module_shards)]
         self.kinds: set[Hashable] = set()  # kinds of call compiled so far
         self.together = False  # later calls always run the shards at the same time (`run_shards_together`)
+        # a stitched step has no guards: an adapter switched or disabled makes another kind (every shard alike)
+        self.settings = WrapperSettings(model.module_shards[0])
         self.stitcher = (
             Stitcher(model, [_entry(shard, rank) for rank, shard in enumerate(model.module_shards)], self.options, unwrap, rewrap)
             if stitch and prepare is not None and Stitcher.applies(model, self.options) else None
@@ -98,7 +100,8 @@ class CompiledSteps:
             args, kwargs = (), self.prepare(args, kwargs)
         leaves, spec = tree_flatten((args, kwargs))  # (once per call: the kind and the stitcher's settings read it)
         kind = _kind(leaves)
-        if self.stitcher is not None and self.stitcher.handles(stitch_kind := (kind, call_settings(leaves, spec)), kwargs):
+        stitch_kind = (kind, call_settings(leaves, spec), self.settings()) if self.stitcher is not None else None
+        if self.stitcher is not None and self.stitcher.handles(stitch_kind, kwargs):
             out = self.stitcher(stitch_kind, kwargs)
             if out is not None:
                 return out

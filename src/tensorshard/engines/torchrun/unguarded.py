@@ -45,8 +45,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ...layers import layer_wrapper
 from ...registrations import registrations
+from ..decode_decision import WrapperSettings
 
 _PLAIN = (bool, int, float, str, type(None))
 ENV = "TENSORSHARD_SKIP_GUARDS"  # "0": every guard evaluated on every call
@@ -66,8 +66,8 @@ class Unguarded:
         self.model = model
         self.warm: set[Hashable] = set()  # keys whose last guarded call compiled nothing
         self.supported = supported()
-        self._wrappers: list[nn.Module] = []  # the layer wrappers below the model
-        self._wrappers_seen = -1  # registrations.py's count when they were looked up
+        self.settings = WrapperSettings(model)
+        self._seen = -1  # registrations.py's count at the last call
 
     def key(self, args: tuple, kwargs: dict) -> Hashable:
         """What the guards left out are checked on, as one hashable (see the module docstring)."""
@@ -75,9 +75,10 @@ class Unguarded:
         kind = tuple(_leaf(x) for x in leaves)
         autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
         seen = registrations()
-        if seen != self._wrappers_seen:
+        if seen != self._seen:
             self.warm.clear()  # (the count only grows: keys of an earlier count never come back)
-        return str(spec), kind, autocast, torch.is_inference_mode_enabled(), seen, self._settings(seen)
+            self._seen = seen
+        return str(spec), kind, autocast, torch.is_inference_mode_enabled(), seen, self.settings()
 
     def may_skip(self, key: Hashable, quiet: bool) -> bool:
         """Run this call without the guard tree? `quiet`: `LocalViews.all_local` put the local views in place (no
@@ -98,19 +99,6 @@ class Unguarded:
             return contextlib.nullcontext()
         now = torch._dynamo.eval_frame._stance  # the caller's stance ("default", "eager_on_recompile"...) is kept
         return torch.compiler.set_stance(now.stance, skip_guard_eval_unsafe=True, force_backend=now.backend)
-
-    def _settings(self, seen: int) -> tuple:
-        """Every layer wrapper's settings below the model (looked up again when something was registered)."""
-        if seen != self._wrappers_seen:
-            self._wrappers = [m for m in self.model.modules() if _settings_of(m) is not None]
-            self._wrappers_seen = seen
-        return tuple(_settings_of(m)(m) for m in self._wrappers)
-
-
-def _settings_of(module: nn.Module):
-    """The function reading `module`'s settings, where it is a layer wrapper that has them (layers.py)."""
-    wrapper = layer_wrapper(module)
-    return None if wrapper is None else wrapper.settings
 
 
 def _leaf(x: Any) -> Hashable:
