@@ -24,7 +24,7 @@ from support import plans, spawned
 from support.harness import PG_TIMEOUT, child_env
 from support.models import TwoBlocks
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(240)  # the scenario's fixture: spawned.run's own limit (180 s), and more
 
 HERE = os.path.dirname(__file__)
 
