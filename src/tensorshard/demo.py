@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import tensorshard as tp
+from tensorshard.checkpoint.gguf import name_maps_made_once
 import torch
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,7 +86,8 @@ def load_smollm2(device: str | torch.device = "cpu"):
 
     folder = smollm2_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    with name_maps_made_once():  # (transformers would rebuild gguf's name map at each of its ~400 modules)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
     model.generation_config.compile_config = CompileConfig()
     model.generation_config.compile_config._compile_all_devices = True
     return model.to(device).eval(), tokenizer

@@ -124,35 +124,53 @@ def test_a_torchrun_split_model_under_peft_holds_the_peft_patch_until_it_is_gone
     assert gone == NOTHING
 
 
-@pytest.mark.timeout(450)
-@pytest.mark.parametrize("change, said", [
-    ("loading._reshard_dtensor_values_for_load = lambda model, state_dict, mesh: state_dict",
-     "takes ('model', 'state_dict', 'mesh')"),
-    ("del loading._reshard_dtensor_values_for_load", "has no such function"),
-], ids=["another signature", "gone"])
-def test_a_peft_whose_resharding_function_changed_is_refused_before_peft_wraps_anything(tmp_path, change, said):
-    (refused,) = _run(f"""
+# Two ways a future PEFT may change its resharding function, each with what the refusal says.
+CHANGES = {
+    "another signature": ("loading._reshard_dtensor_values_for_load = lambda model, state_dict, mesh: state_dict",
+                          "takes ('model', 'state_dict', 'mesh')"),
+    "gone": ("del loading._reshard_dtensor_values_for_load", "has no such function"),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict:
+    """Each change of CHANGES in turn in one fresh interpreter (one import of torch and PEFT for both): a model
+    parallelized after the change, then PEFT's own call on it, refused before PEFT wraps anything. The first
+    change leaves nothing installed (a refused hook stays uninstalled), so the second meets PEFT as it left it."""
+    rendezvous = tmp_path_factory.mktemp("refusals") / "rendezvous"
+    cases = "".join(f"""
+        {change}  # a future peft
+        refused({name!r}, {said!r})""" for name, (change, said) in CHANGES.items())
+    outcomes = _run(f"""
         import torch, torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         import peft
         import peft.utils.save_and_load as loading
         import tensorshard as tp
-        {change}  # a future peft
-        dist.init_process_group("gloo", init_method="file://{tmp_path}/rendezvous", rank=0, world_size=1)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
-        model = tp.parallelize(model, init_device_mesh("cpu", (1,)),
-                               plan={{"0": tp.ColwiseParallel(), "2": tp.RowwiseParallel()}})
-        try:
-            peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["0", "2"]))
-        except NotImplementedError as e:
-            assert {said!r} in str(e) and "before tp.parallelize" in str(e), e
-        else:
-            raise AssertionError("not refused")
-        assert not any("lora" in n for n, _ in model.named_modules()), "PEFT wrapped layers before the refusal"
-        print(json.dumps({{"refused": True}}))
+        dist.init_process_group("gloo", init_method="file://{rendezvous}", rank=0, world_size=1)
+
+        def refused(name, said):
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+            model = tp.parallelize(model, init_device_mesh("cpu", (1,)),
+                                   plan={{"0": tp.ColwiseParallel(), "2": tp.RowwiseParallel()}})
+            try:
+                peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["0", "2"]))
+            except NotImplementedError as e:
+                assert said in str(e) and "before tp.parallelize" in str(e), e
+            else:
+                raise AssertionError(f"{{name}}: not refused")
+            assert not any("lora" in n for n, _ in model.named_modules()), f"{{name}}: PEFT wrapped layers first"
+            print(json.dumps({{"refused": name}}))
+        {cases}
         dist.destroy_process_group()
     """)
-    assert refused == {"refused": True}
+    return {outcome["refused"]: outcome for outcome in outcomes}
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_peft_whose_resharding_function_changed_is_refused_before_peft_wraps_anything(refusals, change):
+    assert refusals.get(change) == {"refused": change}
 
 
 class _Owner:  # anything weak-referenceable holds a hook

@@ -57,11 +57,13 @@ def test_the_wheel_carries_the_native_collectives_source(wheel):
 
 
 def _fresh_venv(where: Path, wheel: Path, extra: str = "") -> Path:
-    """A venv holding the wheel (with `extra`) and what pip resolves for it, nothing else; returns its python."""
+    """A venv holding the wheel (with `extra`) and what pip resolves for it, nothing else; returns its python.
+    --no-compile: the .pyc files are left to the first import (most of torch's and sympy's modules are never
+    imported here); byte-compiling them all was most of pip's time."""
     subprocess.run([sys.executable, "-m", "venv", where], check=True, timeout=120)
     python = where / "bin" / "python"
-    _run([python, "-m", "pip", "install", "-q", f"tensorshard{extra} @ {wheel.as_uri()}", f"torch=={TORCH}"],
-         cwd=where, timeout=900)
+    _run([python, "-m", "pip", "install", "-q", "--no-compile", f"tensorshard{extra} @ {wheel.as_uri()}",
+          f"torch=={TORCH}"], cwd=where, timeout=900)
     return python
 
 

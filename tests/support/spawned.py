@@ -85,8 +85,10 @@ class Result:
     events: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
-def run(fn: Callable[[int], Any], world: int = 2, timeout: float = 60) -> Result:
-    """`fn(rank)` in `world` new processes; waits until all exit (or `timeout`, then kills them)."""
+def run(fn: Callable[[int], Any], world: int = 2, timeout: float = 180) -> Result:
+    """`fn(rank)` in `world` new processes; waits until all exit (or `timeout`, then kills them). The limit only
+    stops a hang: a run returns when its processes end (tests/reliability's 3 ranks: ~30 s, but 62 s on 2 cores
+    at load 19, where a 60 s limit killed them before they reported)."""
     ctx = mp.get_context("spawn")
     events = ctx.SimpleQueue()  # put() writes at once: a rank may kill itself right after reporting
     with tempfile.TemporaryDirectory(prefix="tensorshard-spawned-") as folder:

@@ -255,15 +255,6 @@ def test_a_step_that_cannot_be_stitched_runs_per_shard_and_says_why():
     assert any("compiled the decode step" in m for m in messages), messages
 
 
-def test_compiled_decoding_with_uneven_heads_over_3_devices():
-    """9 heads over 3 devices, through AOT autograd's tracing of the collectives (inductor left out for time)."""
-    model = tiny_model("qwen2")
-    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 3)
-    out = _greedy(split, _ids(), cache_implementation="static", compile_config=CompileConfig(backend="aot_eager"))
-    assert torch.equal(out, _greedy(model, _ids()))
-    assert split.__dict__["_tensorshard_compiled_steps"]
-
-
 def test_the_dynamic_cache_is_not_compiled():
     model = tiny_model("gpt2")
     split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
@@ -383,13 +374,18 @@ def test_heavy_steps_run_every_shard_at_the_same_time_on_its_own_thread(monkeypa
     assert torch.equal(_greedy(split, _ids(), cache_implementation="static", disable_compile=True), _greedy(model, _ids()))
 
 
-def test_shards_run_together_over_3_devices():
-    """`run_shards_together()` at 3 devices, 9 heads (3 each; AOT autograd's tracing, inductor left out for time):
-    every token's three steps are in flight at once, each on its own thread, and the tokens are the unsplit ones."""
+def test_compiled_decoding_over_3_devices_one_shard_at_a_time_then_all_together():
+    """9 heads over 3 devices (3 each; AOT autograd's tracing of the collectives, inductor left out for time): the
+    compiled steps give the unsplit tokens one shard at a time (the default without stitching), then, the same
+    graphs, with `run_shards_together()`: every token's three steps are in flight at once, each on its own thread."""
     model = tiny_model("qwen2")
     split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 3)
     config = CompileConfig(backend="aot_eager")
-    steps = compiled_call(split, config)
+    out = _greedy(split, _ids(), cache_implementation="static", compile_config=config)
+    assert torch.equal(out, _greedy(model, _ids()))
+    assert split.__dict__["_tensorshard_compiled_steps"]
+    steps = compiled_call(split, config)  # the steps that generate made
+    assert list(split.__dict__["_tensorshard_compiled_steps"].values()) == [steps]
     steps.run_shards_together()
     threads: list[set[int]] = [set(), set(), set()]
     compiled = list(steps.compiled)
