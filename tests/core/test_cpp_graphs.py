@@ -46,16 +46,28 @@ def test_a_cpp_graph_runs_while_another_thread_holds_the_gil():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (the worker's own thread does the products: its CPU clock sees them)
     try:
-        inside = threading.Event()
-        worker = threading.Thread(target=lambda: (inside.set(), run(*inputs)))
+        inside, stop = threading.Event(), threading.Event()
+
+        def work():
+            inside.set()
+            while not stop.is_set():  # (the graph again and again, so that every window below finds it running)
+                run(*inputs)
+
+        worker = threading.Thread(target=work)
         worker.start()
         clock = time.pthread_getcpuclockid(worker.ident)
         inside.wait()
-        time.sleep(0.02)  # (the GIL free: the worker enters the graph, ~50 GFLOP: longer than what follows)
-        worker_began, mine_began = time.clock_gettime(clock), time.thread_time()
-        sum(range(6_000_000))  # holds the GIL throughout
-        worker_cpu, my_cpu = time.clock_gettime(clock) - worker_began, time.thread_time() - mine_began
+        shares = []
+        # Three windows while the worker is inside the graph (~50 GFLOP a run). On a busy machine
+        # (the suite's other workers on the same cores) one window may find the worker simply not scheduled, so
+        # the best window counts; a worker waiting for the GIL gets next to nothing in every window.
+        for _ in range(3):
+            time.sleep(0.02)  # (the GIL free: the worker enters the graph, or goes on in it)
+            worker_began, mine_began = time.clock_gettime(clock), time.thread_time()
+            sum(range(6_000_000))  # holds the GIL throughout
+            shares.append((time.clock_gettime(clock) - worker_began, time.thread_time() - mine_began))
+        stop.set()
         worker.join(60)
     finally:
         torch.set_num_threads(threads)
-    assert worker_cpu > 0.3 * my_cpu, (worker_cpu, my_cpu)
+    assert any(worker_cpu > 0.3 * my_cpu for worker_cpu, my_cpu in shares), shares
