@@ -59,7 +59,7 @@ from pathlib import Path
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # suite/
 
-from suite.decoding_models import DESCRIPTIONS, build  # noqa: E402
+from suite.decoding_models import DESCRIPTIONS, build, gpu_shortage  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -73,14 +73,8 @@ def results_file(model: str, device: str = "cpu") -> Path:
 
 def device_problem(device: str, devices: list[int], gpus: int) -> str | None:
     """Why `--device`/`--devices` cannot run with `gpus` visible GPUs (None: they can)."""
-    if device != "cuda":
-        return None
-    if gpus == 0:
-        return "--device cuda: no GPU is visible here (torch.cuda.is_available() is False); run it on a CUDA machine"
-    if max(devices) > gpus:
-        return (f"--devices {' '.join(map(str, devices))}: the split rows need as many GPUs as devices (one GPU "
-                f"appears once in a device list) and {gpus} is visible; pass --devices up to {gpus}")
-    return None
+    return gpu_shortage(device, "--devices", devices, gpus,
+                        "the split rows need as many GPUs as devices (one GPU appears once in a device list)")
 
 
 def cuda_variants(model, devices: list[int]):

@@ -51,7 +51,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))  # suite/
 
-from suite.decoding_models import DESCRIPTIONS, MODELS, build  # noqa: E402
+from suite.decoding_models import DESCRIPTIONS, MODELS, build, gpu_shortage  # noqa: E402
 from suite.scaling_torchrun import run_script  # noqa: E402
 
 
@@ -192,14 +192,8 @@ def _same(tokens: list, reference: list) -> str:
 
 def gpu_problem(device: str, ranks: list[int], gpus: int) -> str | None:
     """Why `--device`/`--ranks` cannot run with `gpus` visible GPUs (None: they can)."""
-    if device != "cuda":
-        return None
-    if gpus == 0:
-        return "--device cuda: no GPU is visible here (torch.cuda.is_available() is False); run it on a CUDA machine"
-    if max(ranks) > gpus:
-        return (f"--ranks {' '.join(map(str, ranks))}: each rank needs a GPU of its own (NCCL refuses two ranks on one "
-                f"GPU) and {gpus} is visible; pass --ranks up to {gpus}")
-    return None
+    return gpu_shortage(device, "--ranks", ranks, gpus,
+                        "each rank needs a GPU of its own (NCCL refuses two ranks on one GPU)")
 
 
 def main(argv: list[str] | None = None) -> None:

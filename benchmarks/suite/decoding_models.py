@@ -7,6 +7,8 @@ in fp32, built the same way in every process (seed 0), so each process decodes t
   embeddings, rope theta 100000): a token reads ~540 MB of weights, so on CPU it is bound by memory bandwidth, the
   regime tensor parallelism is bought for;
 - "tiny": a check that a script runs (--quick).
+
+`gpu_shortage` is both scripts' check of `--device cuda` against the GPUs visible, before anything is built.
 """
 
 from __future__ import annotations
@@ -40,3 +42,15 @@ def build(name: str):
     sizes = dict(MODELS[name])
     sizes.setdefault("max_position_embeddings", 2048)
     return LlamaForCausalLM(LlamaConfig(**sizes)).eval()
+
+
+def gpu_shortage(device: str, flag: str, counts: list[int], gpus: int, need: str) -> str | None:
+    """Why `--device` with `flag` (`--devices`, `--ranks`) listing `counts` cannot run with `gpus` visible GPUs, `need`
+    saying what each count takes; None: it can."""
+    if device != "cuda":
+        return None
+    if gpus == 0:
+        return "--device cuda: no GPU is visible here (torch.cuda.is_available() is False); run it on a CUDA machine"
+    if max(counts) > gpus:
+        return f"{flag} {' '.join(map(str, counts))}: {need} and {gpus} is visible; pass {flag} up to {gpus}"
+    return None
