@@ -67,11 +67,24 @@ def _kill_self():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def late_split(group, rank: int) -> None:
+    """Rank 1 reaches parallelize 3 s after rank 0, whose limit is 1 s: report how each rank fails."""
+    if rank == 1:
+        time.sleep(3)
+    start = time.monotonic()
+    try:
+        split(group, timeout=1)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        spawned.report("late", {**spawned.describe(e), "seconds": time.monotonic() - start})
+
+
 def faults(rank: int) -> None:
-    """Rank 0 meets four faults in turn, each on its own process group (a group is out of step after a
-    fault); rank 1 causes three of them, rank 2 one."""
-    stalled, raising, early, killed = (dist.new_group(ranks) for ranks in ([0, 1], [0, 1], [0, 2], [0, 1]))
+    """Rank 0 meets five faults in turn, each on its own process group (a group is out of step after a
+    fault); rank 1 causes four of them, rank 2 one."""
+    late, stalled, raising, early, killed = (dist.new_group(ranks) for ranks in ([0, 1], [0, 1], [0, 1], [0, 2], [0, 1]))
     if rank in (0, 1):
+        # 0. Rank 1 reaches parallelize after rank 0's limit.
+        late_split(late, rank)
         # 1. Rank 1 is stuck in its own code, past the 2 s limit.
         model, gen = split(stalled), same_batches()
         # the 2 s limit once set up: parallelize's handshake waits for the slower rank under the limit in force
@@ -131,6 +144,19 @@ def test_a_stalled_rank_times_out_the_others_naming_it(result):
     # alive, waiting for it in case 2).
     assert stalled["type"] == "CollectiveAborted", stalled
     assert "rank 0 gave up at all_reduce at b2" in stalled["message"]
+
+
+def test_a_rank_late_to_parallelize_is_named_on_both_ranks(result):
+    """The ranks' meeting in parallelize is bounded by the limit like a collective: the rank that waited names
+    the late one and the fix, and the late one stops on arrival, naming the first (not torch's bare store
+    "wait timeout")."""
+    waiting, late = result.events[0]["late"], result.events[1]["late"]
+    assert waiting["type"] == "TimeoutError", waiting
+    assert "parallelize on rank 0" in waiting["message"] and "rank(s) [1] did not reach it within 1 s" in waiting["message"]
+    assert "timeout=S" in waiting["message"] and "TENSORSHARD_TIMEOUT" in waiting["message"]
+    assert waiting["seconds"] < 10
+    assert late["type"] == "CollectiveAborted", late
+    assert "rank 0 gave up at parallelize" in late["message"] and late["seconds"] < 5
 
 
 def test_a_raising_rank_stops_the_others_naming_rank_and_operation(result):

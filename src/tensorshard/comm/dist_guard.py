@@ -141,14 +141,15 @@ class GroupGuard:
             self.seconds += time.monotonic() - began
         self.completed = n
 
-    def local_pids(self, timeout: float) -> list[int] | None:
+    def local_pids(self) -> list[int] | None:
         """Every rank's process id, in group order, when all ranks run on this host (same pid namespace);
-        else None. Waits up to `timeout` s for the ranks' entries (each guard writes its own when created)."""
+        else None. Waits up to the time limit for the ranks' entries (each guard writes its own when created):
+        the point where every rank has reached parallelize."""
         if self.store is None:
             return None
-        keys = [PREFIX + f"pid/{r}" for r in self.ranks]
+        keys = {PREFIX + f"pid/{r}": r for r in self.ranks}
+        self.wait_keys(keys, "parallelize")
         try:
-            self.store.wait(keys, timedelta(seconds=timeout))
             entries = [self.store.get(k).decode() for k in keys]
         except Exception as e:  # noqa: BLE001 - no store to agree through: not shared memory
             logger.debug("%s: no process ids in the store (%s)", self.label, e)
@@ -156,6 +157,33 @@ class GroupGuard:
         here = _process_id().rsplit(" ", 1)[0]
         hosts = [e.rsplit(" ", 1) for e in entries]
         return [int(pid) for _, pid in hosts] if all(host == here for host, _ in hosts) else None
+
+    def wait_keys(self, keys: dict[str, int], what: str) -> None:
+        """Wait until the store holds every one of `keys` ({store key: the rank that writes it}), at most the
+        time limit; meanwhile stop at once if another rank reports a failure. Past the limit: a TimeoutError
+        naming the ranks whose keys are missing (torch's own store wait would say only "wait timeout")."""
+        began = time.monotonic()
+        interval, n = POLL_FIRST, self.entered + 1
+        while True:
+            try:
+                if self.store.check(list(keys)):
+                    return
+            except Exception as e:  # noqa: BLE001 - the store itself failed: say so, with what was waited for
+                raise RuntimeError(f"{what} on rank {self.rank} of {self.label}: the group's store failed ({e}) "
+                                   "while the ranks met; end the job and start it again") from e
+            self._stop_if_another_failed(n, what)
+            if time.monotonic() - began > self.timeout:
+                break
+            time.sleep(interval)
+            interval = min(2 * interval, POLL_MAX)
+        missing = sorted({r for k, r in keys.items() if not self.store.check([k])})
+        self._record(n - 1, f"gave up at {what} after {self.timeout:g} s: rank(s) {missing} did not arrive")
+        raise mark_reported(TimeoutError(
+            f"{what} on rank {self.rank} of {self.label}: rank(s) {missing} did not reach it within {self.timeout:g} "
+            "s of this rank. Every rank of the group must call it for the same model, at about the same time. If "
+            "some ranks legitimately take longer to get there (loading weights, a slow file system), raise the "
+            f"limit: parallelize(..., timeout=S) or TENSORSHARD_TIMEOUT=S. {_AFTERWARDS}"
+        ))
 
     def _wait(self, work, n: int, what: str, began: float) -> None:
         interval, announced = POLL_FIRST, False

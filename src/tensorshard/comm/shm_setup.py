@@ -1,6 +1,6 @@
 """Setting up the shared-memory transport of a process group (comm/shm.py), on every rank at the same point.
 
-    shm = connect(store, rank=r, world=n, pids=pids, timeout=300, label="group [0, 1]")   # or None everywhere
+    shm = connect(store, rank=r, world=n, pids=pids, wait=wait, label="group [0, 1]")   # or None everywhere
 
 Group rank 0 makes a private folder (in /dev/shm where it can write there) holding the segment, allocated at
 once so that a full /dev/shm fails here rather than with SIGBUS in a collective, and one FIFO per rank. Every
@@ -22,7 +22,7 @@ import os
 import select
 import shutil
 import tempfile
-from datetime import timedelta
+from typing import Callable
 
 from ..logs import get_logger
 from .native.ops import region_bytes as native_region_bytes
@@ -36,6 +36,8 @@ MAX_SLOT, MIN_SLOT = 2 << 20, 64 << 10  # 2 MiB: a (4, 128, 1024) fp32 activatio
 ALIGN = 64
 PREFIX = "tensorshard/shm/"
 
+Wait = Callable[[dict[str, int]], None]  # waits for store keys: {key: group index of the rank that writes it}
+
 
 def enabled() -> bool:
     """False when TENSORSHARD_SHM=0 (or another false word): gloo for every collective."""
@@ -47,14 +49,14 @@ def supported() -> bool:
     return hasattr(os, "mkfifo") and hasattr(select, "poll") and hasattr(os, "posix_fallocate")
 
 
-def connect(store, *, rank: int, world: int, pids: list[int] | None, timeout: float,
+def connect(store, *, rank: int, world: int, pids: list[int] | None, wait: Wait,
             label: str = "") -> SharedMemoryGroup | None:
     """The group's transport on every rank, or None on every rank (then gloo carries the collectives).
     `pids`: every rank's process id when all ranks run on this host (else None). Agreement goes through the
-    group's `store`; group rank 0 creates the segment and the FIFOs."""
+    group's `store`; group rank 0 creates the segment and the FIFOs. `wait` waits for store keys (the group's
+    guard: within its time limit, naming the ranks that did not write theirs)."""
     call = store.add(f"{PREFIX}connects/{rank}", 1)  # equal on all ranks: they connect in the same order
     key = f"{PREFIX}{call}/"
-    wait = timedelta(seconds=timeout)
     usable = pids is not None and enabled() and supported() and world <= 255
     folder = ""
     if rank == 0:
@@ -62,7 +64,7 @@ def connect(store, *, rank: int, world: int, pids: list[int] | None, timeout: fl
                                                      if pids is None else "turned off or unsupported here")
         store.set(key + "folder", folder or f"-{why}")
     else:
-        store.wait([key + "folder"], wait)
+        wait({key + "folder": 0})
         folder = store.get(key + "folder").decode()
     opened = None
     if usable and not folder.startswith("-"):
@@ -145,15 +147,15 @@ def _open(folder: str, rank: int, world: int) -> tuple[mmap.mmap, int]:
     return segment, fifo
 
 
-def agree(store, *, rank: int, world: int, ok: bool, timeout: float) -> bool:
+def agree(store, *, rank: int, world: int, ok: bool, wait: Wait) -> bool:
     """True on every rank of the group when `ok` is True on every rank (all call it at the same point)."""
     call = store.add(f"{PREFIX}agree/{rank}", 1)  # equal on all ranks: they agree in the same order
-    return _agree(store, f"{PREFIX}agree/{call}/", rank, world, ok, timedelta(seconds=timeout))
+    return _agree(store, f"{PREFIX}agree/{call}/", rank, world, ok, wait)
 
 
-def _agree(store, key: str, rank: int, world: int, ok: bool, wait: timedelta) -> bool:
+def _agree(store, key: str, rank: int, world: int, ok: bool, wait: Wait) -> bool:
     """True on every rank when `ok` is True on every rank."""
     store.set(f"{key}{rank}", "1" if ok else "0")
     keys = [f"{key}{r}" for r in range(world)]
-    store.wait(keys, wait)
+    wait({k: r for r, k in enumerate(keys)})
     return all(store.get(k) == b"1" for k in keys)

@@ -51,10 +51,10 @@ def connect(guard: GroupGuard, device_type: str) -> None:
     Collective: every rank of the group calls it at the same point; they all get one, or none."""
     if guard.shm is not None or len(guard.ranks) < 2 or device_type != "cpu" or guard.store is None:
         return  # the mesh's device type and the group are the same on every rank: they all return here
-    pids = guard.local_pids(guard.timeout)
+    pids = guard.local_pids()
     rank = guard.ranks.index(guard.rank)
     guard.shm = shm_setup.connect(guard.store, rank=rank, world=len(guard.ranks), pids=pids,
-                                  timeout=guard.timeout, label=guard.label)
+                                  wait=_waiter(guard), label=guard.label)
 
 
 def connect_native(guard: GroupGuard) -> int | None:
@@ -68,7 +68,7 @@ def connect_native(guard: GroupGuard) -> int | None:
     if shm is None:
         return None  # the same on every rank: connect() agreed on it
     loaded = native_ops.available()
-    if not shm_setup.agree(guard.store, rank=shm.rank, world=shm.world, ok=loaded, timeout=guard.timeout):
+    if not shm_setup.agree(guard.store, rank=shm.rank, world=shm.world, ok=loaded, wait=_waiter(guard)):
         if loaded and shm.rank == 0:
             logger.warning("%s: native collectives off: another rank could not load them (its log says why); "
                            "compiled graphs call the Python collectives", guard.label)
@@ -77,6 +77,12 @@ def connect_native(guard: GroupGuard) -> int | None:
     if shm.rank == 0:
         logger.debug("%s: compiled graphs call the native collectives", guard.label)
     return guard.native
+
+
+def _waiter(guard: GroupGuard):
+    """shm_setup's wait for store keys: ({key: group index of the rank writing it}) -> None, within the guard's
+    limit, naming the ranks that did not write theirs."""
+    return lambda keys: guard.wait_keys({k: guard.ranks[i] for k, i in keys.items()}, "parallelize")
 
 
 def op_name(op) -> str | None:
