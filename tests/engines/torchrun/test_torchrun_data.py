@@ -42,6 +42,31 @@ def test_diverging_batches_raise_on_every_rank_naming_the_input(pool2):
             assert "TensorParallelSampler" in message and "check_inputs=0" in message
 
 
+def compiled_inputs_task() -> list[str]:
+    """torch.compile(model) in training (a Trainer with torch_compile=True): the traced forward holds the check
+    as an operator (engines/torchrun/compiled_check.py), counted with the eager calls."""
+    torch.manual_seed(0)
+    model = tp.parallelize(FeedForward(16, 32), world_mesh(), plan=plans.FEED_FORWARD, check_inputs=3).train()
+    step = torch.compile(model, backend="aot_eager")
+    rank = dist.get_rank()
+    same = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    model(same)  # one eager call checked: 2 left
+    step(same).sum().backward()  # identical batches pass: 1 left
+    messages = []
+    with pytest.raises(tp.InputMismatchError) as info:
+        step(x=same.flip(0) if rank == 1 else same)  # by keyword: the last check
+    messages.append(str(info.value))
+    step(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).sum().backward()  # no checks left
+    messages.append(str(model.tensorshard.checks_left))
+    return messages
+
+
+def test_a_compiled_model_checks_its_first_training_calls(pool2):
+    for mismatch, left in pool2.run(compiled_inputs_task):
+        assert "input 'x' of FeedForward differs between rank 0" in mismatch and "TensorParallelSampler" in mismatch
+        assert left == "0"
+
+
 def keyword_inputs_task() -> str:
     from support import tiny_llama
 

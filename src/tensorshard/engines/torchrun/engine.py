@@ -66,7 +66,7 @@ from ..late_modules import adopt_late_modules
 from ..resplit import refuse_split_twice
 from ..shared_config import guard as guard_configurations
 from ..split_report import report_split
-from . import decoding
+from . import compiled_check, decoding
 from .copies import deep_copy, keep_skeleton
 from .data import check_same_inputs
 from .ddp_refusal import refuse_ddp
@@ -296,13 +296,18 @@ def _wrap_root(root: nn.Module, state: TorchrunState) -> None:
     if dropout is not None:
         dropout.install([root])
     outermost = {"depth": 0}
+    check_key = compiled_check.register(state) if state.checks_left > 0 and comm.world_size > 1 else None
+    parameter_names = list(signature.parameters) if signature is not None else []
 
     def forward(*args, **kwargs):
         if torch.compiler.is_compiling():
             # What torch.compile traces (docs/torchrun.md, "Compiled decoding"; docs/compile.md): the model's own
-            # computation and its collectives only. The host-side work (the input check, adopting late adapters,
-            # moving inputs, failure reports) is not part of a graph. Dropout in training draws the eager masks
-            # through operators of the graph (comm/dropout.py).
+            # computation and its collectives only. The host-side work (adopting late adapters, moving inputs,
+            # failure reports) is not part of a graph; in training, the first calls' input check is, as an
+            # operator (compiled_check.py). Dropout in training draws the eager masks through operators of the
+            # graph (comm/dropout.py).
+            if check_key is not None and root.training:
+                compiled_check.call(check_key, type(root).__name__, parameter_names, args, kwargs)
             try:
                 if dropout is not None and root.training:
                     with dropout.mode():
