@@ -354,7 +354,8 @@ def deferred_slot(bucket, owner, table_name: str, name: str) -> int:
     """A number naming the parameter `owner.<table_name>[name]` and its bucket in traced graphs (set up when the
     engine wraps the module, not while tracing)."""
     slot = next(_next_slot)
-    _deferred[slot] = (weakref.ref(bucket), weakref.ref(owner), table_name, name)
+    forget = lambda _, slot=slot: _deferred.pop(slot, None)  # noqa: E731 - the entry goes with its module
+    _deferred[slot] = (weakref.ref(bucket), weakref.ref(owner, forget), table_name, name)
     return slot
 
 
