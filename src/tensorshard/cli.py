@@ -47,6 +47,7 @@ def plan(
     dtype: str | None = None,
     expand: bool = False,
     quantize: str | None = None,
+    balance: bool = False,
 ) -> int:
     """Explain the plan for a model over N devices: style, local shapes, memory and communication per module.
 
@@ -61,6 +62,8 @@ def plan(
         expand: one row per module instead of one per repeated layer (layers.*.mlp).
         quantize: count memory as bitsandbytes stores it once loaded with tp.from_pretrained(...,
             quantization_config=...): nf4, fp4 (4-bit; add -double for double quantization: nf4-double) or int8.
+        balance: the sizes of a balanced split (tensor_parallel(..., balance=True)): each block's MLP sized per
+            device to even out the weights where the attention heads split unevenly.
     """
 
     if devices < 1:
@@ -85,7 +88,7 @@ def plan(
         for f in report.fallbacks:
             print(f"note: {f.line()}", file=sys.stderr)
     trace = trace or _trace(module)
-    explanation = explain(module, chosen, devices, trace=trace, dtype=act_dtype)
+    explanation = explain(module, chosen, devices, trace=trace, dtype=act_dtype, balance=balance)
     _print(module, model, devices, chosen, source, explanation, expand)
     if json is not None:
         chosen.save(json)

@@ -61,6 +61,27 @@ def test_the_memory_estimate_is_what_the_split_holds(tied):
     assert [e - explained_buffers for e in estimate] == held  # before, tied: the embedding counted twice
 
 
+def test_a_balanced_estimate_is_what_the_balanced_split_holds(capsys):
+    """3 KV heads over 2 devices: `balance=True` resizes each block's MLP, and the estimate (and `tensorshard plan
+    --balance`) shows those sizes and the memory the balanced split holds."""
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=144, intermediate_size=384, num_hidden_layers=2, num_attention_heads=9,
+        num_key_value_heads=3,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    even, balanced = (explain(model, tp.preset_for(model), 2, balance=b) for b in (False, True))
+    split = tp.tensor_parallel(copy.deepcopy(model), ["cpu"] * 2, balance=True)
+    buffers = [sum(b.numel() * b.element_size() for b in s.buffers()) for s in split.module_shards]
+    held = [m - b for m, b in zip(split.memory_per_device().values(), buffers)]
+    explained_buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert [e - explained_buffers for e in balanced.bytes_per_device] == held
+    assert balanced.bytes_per_device != even.bytes_per_device
+    gate = split.module_shards[0].model.layers[0].mlp.gate_proj.weight.shape[0]
+    row = next(r for r in balanced.rows if r.name == "model.layers.0.mlp.gate_proj")
+    assert row.shapes == [f"weight ({gate}|{384 - gate}, 144)"], row.shapes
+
+
 def test_a_checkpoint_folder_and_its_weights_file_explain_the_class_the_checkpoint_names(tmp_path, capsys):
     config = transformers.ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
                                     image_size=32, patch_size=8, num_labels=5)

@@ -29,6 +29,7 @@ from .. import quant
 from ..layers import layer_kind
 from ..styles import ColwiseParallel, EmbeddingParallel, RowwiseParallel, ShardParams, SumGradients
 from .plan import Plan
+from .balance import check_balance
 from .sharding import direct_tensors, shard_plan
 
 Cost = tuple[str, int]  # (collective, bytes per device)
@@ -67,14 +68,16 @@ class Explanation:
 
 
 def explain(
-    module: nn.Module, plan: Plan, world_size: int, *, trace=None, dtype: torch.dtype | None = None
+    module: nn.Module, plan: Plan, world_size: int, *, trace=None, dtype: torch.dtype | None = None,
+    balance: bool = False,
 ) -> Explanation:
     """Per-module shapes, memory and communication of `plan` on `module` over `world_size` devices.
 
     `trace`: a `plans.trace.Trace` of the model, for which columns share an input; `dtype`: the element type
-    of activations (default: each layer's weight dtype).
+    of activations (default: each layer's weight dtype); `balance`: the sizes of a balanced split, as
+    `tensor_parallel(..., balance=True)` makes it (plans/balance.py).
     """
-    sharded = shard_plan(module, plan, world_size)
+    sharded = shard_plan(module, plan, world_size, balance=check_balance(balance))
     shared_inputs = _shared_inputs(trace)
     seen_inputs: set[int] = set()
     rows: list[ModuleRow] = []
