@@ -5,6 +5,7 @@ guards: its kind is what picks it), and calls `generate` makes token after token
 
 from __future__ import annotations
 
+import enum
 from types import SimpleNamespace
 
 import pytest
@@ -51,6 +52,8 @@ CALLS = {
     "mask per type": _token(16, attention_mask={"full_attention": torch.ones(1, 1, 1, 48, dtype=torch.bool)}),
     "mask per type, longer": _token(16, attention_mask={"full_attention": torch.ones(1, 1, 1, 64, dtype=torch.bool)}),
     "tuple argument": _token(16, extra=(torch.zeros(2), 3)),
+    "an enum": _token(16, extra=enum.IntEnum("Mode", "A B").A),
+    "another enum value": _token(16, extra=enum.IntEnum("Mode", "A B").B),
 }
 
 
