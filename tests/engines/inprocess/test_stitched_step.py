@@ -121,3 +121,24 @@ def test_a_stitched_step_refuses_inputs_of_another_dtype_before_running():
     assert torch.equal(stitched(per_rank)["y"], stitched.module(*[k["x"] for k in per_rank])[0])
     with pytest.raises(StitchError, match="changed its dtype"):
         stitched([{"x": k["x"].double()} for k in per_rank])
+
+
+def test_the_input_reader_finds_what_each_source_finds_and_sees_a_replaced_weight():
+    """`InputReader` reads a graph's inputs in one pass (weights from their modules' tables, cache tensors from the
+    cache's layers, the rest through their sources): the same tensors as calling every source, in order, and a
+    weight replaced in its module's table is the new one at the next call."""
+    from types import SimpleNamespace
+
+    from tensorshard.engines.inprocess.stitched_step import Argument, CacheTensor, InputReader, Item, Weight
+
+    linear = torch.nn.Linear(3, 2)
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1), values=torch.ones(1)) for _ in range(2)])
+    kwargs = {"ids": torch.tensor([[4]]), "mask": {"full": torch.ones(1, 1)}, "cache": cache}
+    sources = [Argument("ids"), Weight(linear._parameters, "weight"), CacheTensor("cache", 1, "values"),
+               Item("mask", "full"), Weight(linear._parameters, "bias"), CacheTensor("cache", 0, "keys"),
+               lambda kw: kw["ids"]]  # (any other function of the arguments)
+    read = InputReader(sources)
+    assert all(a is b for a, b in zip(read(kwargs), [s(kwargs) for s in sources], strict=True))
+    assert [s.steady for s in sources[:-1]] == [False, True, True, False, True, True]
+    linear.weight = torch.nn.Parameter(torch.zeros(2, 3))
+    assert read(kwargs)[1] is linear.weight

@@ -37,7 +37,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 from ...comm import thread_ops
 from ...logs import get_logger
@@ -98,9 +98,8 @@ class CompiledSteps:
         world = len(self.compiled)
         if self.prepare is not None:
             args, kwargs = (), self.prepare(args, kwargs)
-        leaves, spec = tree_flatten((args, kwargs))  # (once per call: the kind and the stitcher's settings read it)
-        kind = _kind(leaves)
-        stitch_kind = (kind, call_settings(leaves, spec), self.settings()) if self.stitcher is not None else None
+        kind, settings = _call_kind(args, kwargs)
+        stitch_kind = (kind, settings, self.settings()) if self.stitcher is not None else None
         if self.stitcher is not None and self.stitcher.handles(stitch_kind, kwargs):
             out = self.stitcher(stitch_kind, kwargs)
             if out is not None:
@@ -148,6 +147,36 @@ def _entry(shard: nn.Module, rank: int) -> Callable[..., Any]:
 
     code = step.__code__.replace(co_name=f"shard{rank}_step_{id(shard):x}")
     return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _call_kind(args: tuple, kwargs: dict) -> tuple[Hashable, Hashable]:
+    """The call's kind (`_kind`) and what a stitched step is specialised on besides (stitched_decode.py's
+    `call_settings`), read in one pass over the keyword arguments where each is a leaf of the call's tree (a tensor,
+    a plain value, a cache or another object: a decode step's arguments), else through `tree_flatten`. Either way
+    two calls get the same pair exactly when their arguments' names, structure, tensor shapes and dtypes, caches'
+    kinds and lengths and plain values are the same. Per token (a small Llama's: input ids, positions, mask, cache
+    and three flags): ~7 us against ~24 for the flattened way."""
+    if not args:
+        kind, settings = [], []
+        for name, x in kwargs.items():
+            if isinstance(x, torch.Tensor):
+                kind.append((name, x.shape, x.dtype))
+            elif isinstance(x, _PLAIN):  # (by value, as `call_settings`: an IntEnum's members differ)
+                settings.append((name, type(x), x))
+            elif isinstance(x, tuple) or type(x) in SUPPORTED_NODES:  # a container: its leaves count
+                break
+            else:
+                if hasattr(x, "layers"):
+                    kind.append((name, _cache_lengths(x)))
+                settings.append((name, type(x).__name__))
+        else:
+            autocast = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+            return tuple(kind), (tuple(settings), autocast)
+    leaves, spec = tree_flatten((args, kwargs))
+    return _kind(leaves), call_settings(leaves, spec)
 
 
 def _kind(leaves: list) -> Hashable:

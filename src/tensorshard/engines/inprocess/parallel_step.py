@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 from typing import Any, Callable, Sequence
 
 import torch
@@ -46,7 +47,7 @@ from ...comm import thread_ops
 from ...comm.native import cpp_graphs
 from ...comm.native import ops as native
 from .step_threads import StepThreads
-from .stitched_step import Capture, StitchError
+from .stitched_step import Capture, InputReader, StitchError, build_output, output_builder
 
 
 # Inductor's C++ wrapper for each shard's graph (with the native collectives; see the docstring). TENSORSHARD_CPP_WRAPPER=0
@@ -82,11 +83,20 @@ class ParallelStep:
         # The C++ wrapper only pays with native collectives (a Python one inside it takes the GIL back anyway).
         self.cpp_wrapper = CPP_WRAPPER and self.native
         self.shared = 0  # shards that run another shard's compiled graph (the same graph, the same input shapes)
-        self._held = [cpp_graphs.Held() for _ in self.captures]  # each rank's inputs, held across calls (C++ wrapper)
+        self.readers = [InputReader(c.sources) for c in self.captures]
+        self.fields = [output_builder(c.fields) for c in self.captures]
+        # Each rank's inputs held across calls (C++ wrapper), in two parts: those that stay the same tensors from one
+        # token to the next (weights, the cache, the rank's numbers: held again only when one changes) and the
+        # token's own (input ids, positions, mask: held anew per call, a few tensors instead of every input).
+        self._held = [(cpp_graphs.Held(), cpp_graphs.Held()) for _ in self.captures]
+        self._steady = [[i for i, s in enumerate(c.sources) if getattr(s, "steady", False)] + list(range(len(c.sources), len(c.sources) + len(n)))
+                        for c, n in zip(self.captures, self.numbers)]
+        self._changing = [[i for i, s in enumerate(c.sources) if not getattr(s, "steady", False)] for c in self.captures]
+        self._ranks = threading.local()  # on this step's own threads: the native rank each set once (`_own_thread`)
         # Every collective native (no Python one left in any graph): nothing a shard runs per token needs the engine's
         # rendezvous, so the shards run on threads of this step's own (step_threads.py), rank 0 in the caller's.
         self.threads = (
-            StepThreads(world, labels or [f"rank {r}" for r in range(world)])
+            StepThreads(world, labels or [f"rank {r}" for r in range(world)], setup=self._own_thread)
             if STEP_THREADS and self.native and not any(_python_collectives(m) for m in self.modules) else None
         )
 
@@ -122,22 +132,30 @@ class ParallelStep:
             if [x.dtype for x in inputs[:len(dtypes)]] != dtypes:
                 raise StitchError("a weight, buffer or cache changed its dtype since the step was compiled")
 
+    def _own_thread(self, rank: int) -> None:
+        """In each of the step's own threads (`threads`), once: its native rank, which nothing else run there
+        changes (the caller's thread, and the engine's, set theirs per call)."""
+        if self.group is not None:
+            torch.ops.tensorshard.native_set_thread_rank(self.group.handle, rank)
+            self._ranks.rank = rank
+
     def inputs(self, rank: int, kwargs: dict) -> list:
         """Shard `rank`'s graph inputs for a call (`kwargs`: its own arguments, its cache among them)."""
-        return [read(kwargs) for read in self.captures[rank].sources] + self.numbers[rank]
+        return self.readers[rank](kwargs) + self.numbers[rank]
 
     def graph(self, rank: int, inputs: list) -> Any:
         """Shard `rank`'s compiled graph on its inputs, in its thread: the graph's outputs."""
-        if self.group is not None:
+        if self.group is not None and getattr(self._ranks, "rank", None) != rank:  # (set once on the step's threads)
             torch.ops.tensorshard.native_set_thread_rank(self.group.handle, rank)
-        if self.cpp_wrapper:
-            self._held[rank].hold(inputs)  # (no input's last C++ reference drops inside the graph: no GIL there)
+        if self.cpp_wrapper:  # (no input's last C++ reference drops inside the graph: no GIL there)
+            steady, changing = self._held[rank]
+            steady.hold([inputs[i] for i in self._steady[rank]])
+            changing.hold([inputs[i] for i in self._changing[rank]])
         return self.compiled[rank](*inputs)
 
     def output(self, rank: int, outs: Any, kwargs: dict) -> Any:
         """Shard `rank`'s output (its model output type) from its graph's outputs and its arguments."""
-        capture = self.captures[rank]
-        return capture.output_type(**{k: outs[v] if isinstance(v, int) else kwargs[v] for k, v in capture.fields.items()})
+        return build_output(self.captures[rank].output_type, self.fields[rank], outs, kwargs)
 
     def run(self, rank: int, kwargs: dict) -> Any:
         """Shard `rank`'s step, in its thread (`kwargs`: its own arguments, its cache among them): its output."""
@@ -150,7 +168,8 @@ class ParallelStep:
 
     def close(self) -> None:
         for held in self._held:
-            held.release()
+            for part in held:
+                part.release()
         if self.threads is not None:
             self.threads.close()
         if self.group is not None:

@@ -1,6 +1,6 @@
 """The threads that run a parallel decode step's shards (parallel_step.py), woken once per token.
 
-    threads = StepThreads(world=2, labels=["cpu[0]", "cpu[1]"], name="tensorshard-step")
+    threads = StepThreads(world=2, labels=["cpu[0]", "cpu[1]"], name="tensorshard-step", setup=None)
     value = threads.run(work, abort=step.abort, timeout=310.0)   # work(0) here, work(r) in thread r; returns work(0)
     threads.close()
 
@@ -12,7 +12,8 @@ needs none of that per token: its inputs are already each shard's own (stitched_
 compiled for the call's autocast and call no Python collective, and only rank 0's output is returned. Here each
 rank r > 0 has a thread of its own, parked on a lock of its own; a call hands it the work, releases that lock
 (one futex wake), runs rank 0 in the caller's thread and waits on each thread's "done" lock (the GIL released
-while it waits). A thread keeps no grad mode (set off once: the stitcher runs only no-gradient calls) and takes
+while it waits). `setup(rank)`, if given, runs once in each thread before its first work (a parallel step sets
+the thread's native rank there, not per token). A thread keeps no grad mode (set off once: the stitcher runs only no-gradient calls) and takes
 the caller's inference mode per call (a cache made under `torch.inference_mode` may only be written inside it).
 
 A shard that raises aborts the others (`abort(rank, error)`: a native group fails its ranks' waits at once); the
@@ -52,8 +53,9 @@ class _Seat:
 class StepThreads:
     """One parked thread per rank r > 0 (rank 0 runs in the caller's thread), started on first use."""
 
-    def __init__(self, world: int, labels: Sequence[str], name: str = "tensorshard-step") -> None:
-        self.world, self.labels, self.name = world, list(labels), name
+    def __init__(self, world: int, labels: Sequence[str], name: str = "tensorshard-step",
+                 setup: Callable[[int], None] | None = None) -> None:
+        self.world, self.labels, self.name, self.setup = world, list(labels), name, setup
         self._seats: list[_Seat] = []
         self.broken = False  # a thread was abandoned (stuck): this object must not run another call
         self._finalizer = weakref.finalize(self, _stop, self._seats)
@@ -61,7 +63,7 @@ class StepThreads:
     def _start(self) -> None:
         for rank in range(1, self.world):
             seat = _Seat()
-            threading.Thread(target=_loop, args=(seat, rank), name=f"{self.name}-{rank}", daemon=True).start()
+            threading.Thread(target=_loop, args=(seat, rank, self.setup), name=f"{self.name}-{rank}", daemon=True).start()
             self._seats.append(seat)
 
     def run(self, work: Callable[[int], Any], *, abort: Callable[[int, BaseException], None], timeout: float) -> Any:
@@ -120,13 +122,17 @@ def _first(errors: dict[int, BaseException], labels: Sequence[str]) -> BaseExcep
     return error
 
 
-def _loop(seat: _Seat, rank: int) -> None:
+def _loop(seat: _Seat, rank: int, setup: Callable[[int], None] | None) -> None:
     torch.set_grad_enabled(False)  # (thread-local) the parallel step serves no-gradient calls only
+    first = setup is not None
     while True:
         seat.go.acquire()
         if seat.stop:
             return
         try:  # (rank r's output is not used: dropped here, not in the caller's thread)
+            if first:  # (in the first call: a failure is the call's, reported as any other)
+                first = False
+                setup(rank)
             if seat.inference:
                 with torch.inference_mode():
                     seat.work(rank)

@@ -261,8 +261,8 @@ class Stitcher:
 
         def work(rank: int) -> Any:
             outs = step.graph(rank, inputs[rank])
-            if rank == 0:  # (made while the other ranks' threads leave their graphs)
-                return to_device(self.rewrap(step.output(0, outs, per_rank[0]), kwargs), self.model.output_device)
+            if rank == 0:  # (made while the other ranks' threads leave their graphs; on the output device already)
+                return self.rewrap(step.output(0, outs, per_rank[0]), kwargs)
             return None
 
         try:

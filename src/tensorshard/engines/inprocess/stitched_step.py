@@ -47,34 +47,34 @@ class Capture:
     the graph output index, or the name of the keyword argument it is)."""
 
     graph: fx.GraphModule
-    sources: list[Callable[[dict], torch.Tensor]]
+    sources: list[Source]
     fields: dict[str, int | str] = field(default_factory=dict)
     output_type: type | None = None
     last_outputs: Any = None  # the graph's outputs at its latest run (to match them with the shard's output)
 
 
-def locate_inputs(shard: nn.Module, kwargs: dict, inputs: Sequence[Any], names: Sequence[str] = ()) -> list[Callable[[dict], torch.Tensor]]:
-    """For each graph input (the real tensors dynamo passed to the backend), a function kwargs -> that input at a
-    later call: a weight or buffer of the shard (read from its module each call, so replaced weights are seen), a
-    tensor argument, a tensor in a dict argument (`attention_mask["full_attention"]`), or a tensor of a cache
-    argument's layer (`cache.layers[i].keys`)."""
-    where: dict[int, Callable[[dict], torch.Tensor]] = {}
+def locate_inputs(shard: nn.Module, kwargs: dict, inputs: Sequence[Any], names: Sequence[str] = ()) -> list["Source"]:
+    """For each graph input (the real tensors dynamo passed to the backend), where to find it at a later call (a
+    `Source`: a function kwargs -> that input): a weight or buffer of the shard (read from its module each call,
+    so replaced weights are seen), a tensor argument, a tensor in a dict argument (`attention_mask["full_attention"]`),
+    or a tensor of a cache argument's layer (`cache.layers[i].keys`)."""
+    where: dict[int, Source] = {}
     for name, module in shard.named_modules():
         for attr, tensors in (("_parameters", module._parameters), ("_buffers", module._buffers)):
             for key, t in tensors.items():
                 if t is not None:
-                    where.setdefault(id(t), _reader(module, attr, key))
+                    where.setdefault(id(t), Weight(tensors, key))
     for name, value in kwargs.items():
         if isinstance(value, torch.Tensor):
-            where.setdefault(id(value), operator.itemgetter(name))
+            where.setdefault(id(value), Argument(name))
         if isinstance(value, dict):  # a mask per attention type (Gemma2, Qwen2), an encoder's ModelOutput (T5)
             for key, t in value.items():
                 if isinstance(t, torch.Tensor):
-                    where.setdefault(id(t), _item_reader(name, key))
+                    where.setdefault(id(t), Item(name, key))
         for i, layer in enumerate(getattr(value, "layers", None) or ()):
             for attr, t in vars(layer).items():
                 if isinstance(t, torch.Tensor):
-                    where.setdefault(id(t), _cache_reader(name, i, attr))
+                    where.setdefault(id(t), CacheTensor(name, i, attr))
     found = []
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor) or id(x) not in where:
@@ -84,17 +84,76 @@ def locate_inputs(shard: nn.Module, kwargs: dict, inputs: Sequence[Any], names: 
     return found
 
 
-def _reader(module: nn.Module, attr: str, key: str) -> Callable[[dict], torch.Tensor]:
-    table = getattr(module, attr)
-    return lambda kwargs: table[key]
+class Source:
+    """Where one graph input is found at a call: `source(kwargs)` -> the tensor. `steady`: the same tensor from one
+    token to the next (a weight, a cache's tensor), unlike the token's own arguments."""
+
+    steady = False
+
+    def __call__(self, kwargs: dict) -> torch.Tensor:
+        raise NotImplementedError
 
 
-def _item_reader(name: str, key: Any) -> Callable[[dict], torch.Tensor]:
-    return lambda kwargs: kwargs[name][key]
+class Weight(Source):
+    """A parameter or buffer, read from its module's table each call (a weight replaced there is seen)."""
+
+    steady = True
+
+    def __init__(self, table: dict, key: str) -> None:
+        self.table, self.key = table, key
+
+    def __call__(self, kwargs: dict) -> torch.Tensor:
+        return self.table[self.key]
 
 
-def _cache_reader(name: str, layer: int, attr: str) -> Callable[[dict], torch.Tensor]:
-    return lambda kwargs: getattr(kwargs[name].layers[layer], attr)
+class Argument(Source):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, kwargs: dict) -> torch.Tensor:
+        return kwargs[self.name]
+
+
+class Item(Source):
+    def __init__(self, name: str, key: Any) -> None:
+        self.name, self.key = name, key
+
+    def __call__(self, kwargs: dict) -> torch.Tensor:
+        return kwargs[self.name][self.key]
+
+
+class CacheTensor(Source):
+    steady = True
+
+    def __init__(self, name: str, layer: int, attr: str) -> None:
+        self.name, self.layer, self.attr = name, layer, attr
+
+    def __call__(self, kwargs: dict) -> torch.Tensor:
+        return getattr(kwargs[self.name].layers[self.layer], self.attr)
+
+
+class InputReader:
+    """A graph's inputs at a call, in the graph's order, from its `sources`, in one pass: a weight is one lookup in
+    its module's table and a cache tensor one attribute of a layer of the cache, without a function call each (a
+    shard of the small Llama of BENCHMARKS.md section 5 reads 106 inputs per token: 8 us this way against 13)."""
+
+    def __init__(self, sources: Sequence[Source]) -> None:
+        self.caches = sorted({s.name for s in sources if type(s) is CacheTensor})
+        self.parts = [
+            (_WEIGHT, s.table, s.key) if type(s) is Weight else (_CACHE, s.name, (s.layer, s.attr)) if type(s) is CacheTensor
+            else (_OTHER, s, None)
+            for s in sources
+        ]
+
+    def __call__(self, kwargs: dict) -> list[torch.Tensor]:
+        layers = {name: kwargs[name].layers for name in self.caches}  # (each cache argument's layers, once)
+        return [
+            a[b] if kind is _WEIGHT else getattr(layers[a][b[0]], b[1]) if kind is _CACHE else a(kwargs)
+            for kind, a, b in self.parts
+        ]
+
+
+_WEIGHT, _CACHE, _OTHER = "weight", "cache", "other"
 
 
 def output_fields(output: Any, graph_outputs: Sequence[Any], kwargs: dict) -> dict[str, int | str]:
@@ -113,6 +172,17 @@ def output_fields(output: Any, graph_outputs: Sequence[Any], kwargs: dict) -> di
         else:
             raise StitchError(f"output field {key!r} is neither a graph output nor an argument")
     return fields
+
+
+def output_builder(fields: dict[str, int | str]) -> list[tuple[str, int, str | None]]:
+    """`fields` (output_fields) as (field, graph output index, None) or (field, -1, argument name), for
+    `build_output`."""
+    return [(k, v, None) if isinstance(v, int) else (k, -1, v) for k, v in fields.items()]
+
+
+def build_output(output_type: type, fields: list[tuple[str, int, str | None]], outs: Sequence[Any], kwargs: dict) -> Any:
+    """A shard's output (its ModelOutput type) from its graph's outputs and its arguments (`output_builder`)."""
+    return output_type(**{k: outs[i] if name is None else kwargs[name] for k, i, name in fields})
 
 
 def stitch(captures: Sequence[Capture], devices: Sequence[torch.device], src: int) -> "StitchedStep":
@@ -215,14 +285,16 @@ def _assemble(layout: list[int], dim: int, *pieces: torch.Tensor) -> torch.Tenso
 class StitchedStep:
     """The stitched graph, compiled with inductor on the first call, and how to feed it and read its output."""
 
-    def __init__(self, module: fx.GraphModule, sources: list[list[Callable]], src: Capture, rank: int, done: list) -> None:
+    def __init__(self, module: fx.GraphModule, sources: list[list[Source]], src: Capture, rank: int, done: list) -> None:
         self.module, self.sources, self.src, self.rank, self.collectives = module, sources, src, rank, done
+        self.readers = [InputReader(s) for s in sources]
+        self.fields = output_builder(src.fields)
         self.compiled: Callable[..., Any] | None = None
         self.dtypes: list[torch.dtype] = []  # of the inputs it was compiled for
         self.registrations = 0  # registrations.py's count when stitched: the graph is good while it stays
 
     def inputs(self, per_rank_kwargs: Sequence[dict]) -> list[torch.Tensor]:
-        return [read(kwargs) for sources, kwargs in zip(self.sources, per_rank_kwargs) for read in sources]
+        return [x for read, kwargs in zip(self.readers, per_rank_kwargs) for x in read(kwargs)]
 
     def compile(self, per_rank_kwargs: Sequence[dict], *, config_patches: dict | None = None) -> None:
         """Compile the graph with inductor for these inputs' shapes (no run: nothing changes)."""
@@ -242,5 +314,4 @@ class StitchedStep:
         outs = self.compiled(*inputs)
         for kind, nbytes, where in self.collectives:  # what the eager collectives report, once per call each
             record(kind, nbytes, "forward", where)
-        own = per_rank_kwargs[self.rank]
-        return self.src.output_type(**{k: outs[v] if isinstance(v, int) else own[v] for k, v in self.src.fields.items()})
+        return build_output(self.src.output_type, self.fields, outs, per_rank_kwargs[self.rank])
