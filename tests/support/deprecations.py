@@ -14,7 +14,9 @@ A tensorshard frame that only passes its caller's keyword arguments on (it holds
 **kwargs, with the deprecated keyword the warning names) is looked past, and so is the in-process engine
 (engines/inprocess/), which runs a split model's call in worker threads: then the call is the first frame
 outside tensorshard and the libraries, in that thread or, from a worker, in the thread that called the split
-model (the main thread).
+model (the main thread). A warning issued while a library imports one of its own modules (torch's modules
+decorating with `torch.jit.script_method` when inductor first loads them) is the library's, whoever caused
+the import.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def _caller(frame, library: str, names: set[str], *, past_tensorshard: bool = Fa
     arguments (past every tensorshard frame if asked)."""
     while frame is not None:
         name = frame.f_code.co_filename
+        if frame.f_code.co_name == "<module>" and _library(name) == library:
+            return None  # the library's own module body, run by an import: its deprecation, whoever imported it
         if name.startswith(FORWARDER) or (name.startswith(SRC) and _forwards(frame, names)):
             past_tensorshard = True  # forwarded: the call is whoever called this code
         elif not _passed(name, library) and not (past_tensorshard and name.startswith(SRC)):
