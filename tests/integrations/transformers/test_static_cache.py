@@ -18,6 +18,7 @@ import torch
 from transformers import CompileConfig, StaticCache
 
 import tensorshard as tp
+from tensorshard.engines.class_forwards import ClassForward
 from tensorshard.engines.inprocess import stitched_decode
 from tensorshard.engines.inprocess.stitched_decode import STITCHES
 from tensorshard.integrations.transformers.fast_decode import compiled_call
@@ -123,6 +124,17 @@ def test_compiled_decoding_gives_the_unsplit_tokens(compiled_llama):
     stitched = [m for m in messages if "stitched the decode steps" in m]
     assert len(stitched) == 1 and "2 shards" in stitched[0], messages
     assert not [m for m in messages if "compiled the decode step" in m or "not one stitched graph" in m], messages
+
+
+@needs_stitching
+def test_the_capture_leaves_every_split_layer_with_its_own_class_and_forward(compiled_llama):
+    """The capturing calls trace each split layer through a class forward (engines/class_forwards.py); after them
+    every layer is again of its own class with its style's forward, and a later eager call gives the same tokens."""
+    model, split, _, _ = compiled_llama
+    modules = [m for shard in split.module_shards for m in shard.modules()]
+    assert not [m for m in modules if isinstance(m, ClassForward) or "_instance_forward" in m.__dict__]
+    assert sum(callable(m.__dict__.get("forward")) for m in modules) >= 2 * 7  # (q, k, v, o, gate, up, down per shard)
+    assert torch.equal(_greedy(split, _ids()), _greedy(model, _ids()))
 
 
 @needs_stitching

@@ -40,6 +40,8 @@ from torch import nn
 from ...comm.native import ops as native
 from ...logs import get_logger
 from ...registrations import registrations
+from ..aliasing_guards import aliasing_guards_in_cpp
+from ..class_forwards import class_forwards
 from .boundary import to_device
 from .parallel_step import ParallelStep
 from .stitched_step import Capture, StitchError, StitchedStep, locate_inputs, output_fields, segments, stitch
@@ -133,7 +135,9 @@ class Stitcher:
             return self.rewrap(out, shard_kwargs)
 
         try:
-            with torch._dynamo.config.patch(suppress_errors=True):
+            # (what dynamo traces cheaper, engines/class_forwards.py and aliasing_guards.py: no graph changes)
+            with torch._dynamo.config.patch(suppress_errors=True), aliasing_guards_in_cpp(), \
+                    class_forwards(self.model.module_shards):
                 out = self.model.run_modules((), kwargs, run, serial=True)
         finally:
             self._now = None
