@@ -105,3 +105,30 @@ def test_inside_dynamo_does_not_trace_nn_modules_call_machinery_for_a_wrapped_mo
         torch._dynamo.reset()
     assert "_call_impl" in outside and "_call_impl" not in traced
     assert len(traced) < len(outside)
+
+
+def test_a_class_python_will_not_subclass_so_is_left_as_it_is():
+    class Final(nn.Module, metaclass=type("Ordinary", (type(nn.Module),), {})):  # (a metaclass that subclasses)
+        def forward(self, x):
+            return x
+
+    class Refusing(type(nn.Module)):
+        def __new__(mcs, name, bases, ns, **kw):
+            if any(getattr(b, "_done", False) for b in bases):
+                raise TypeError("no subclasses")
+            return super().__new__(mcs, name, bases, ns)
+
+    class Closed(nn.Module, metaclass=Refusing):
+        _done = True
+
+        def forward(self, x):
+            return x
+
+    closed, final = Closed(), Final()
+    closed.forward = lambda x: x + 1
+    final.forward = lambda x: x + 2
+    with class_forwards([closed, final]) as changed:
+        assert changed == 1 and type(closed) is Closed and "forward" in closed.__dict__
+        assert isinstance(final, ClassForward) and final(torch.zeros(1)).item() == 2
+        assert closed(torch.zeros(1)).item() == 1
+    assert type(final) is Final and final.__dict__["forward"](torch.zeros(1)).item() == 2

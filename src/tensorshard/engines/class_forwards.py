@@ -16,7 +16,7 @@ Inside `class_forwards(modules)` each module holding an instance forward is an i
 class (made once per class and kept: `ClassForward`, same name and module) whose class `forward` calls the
 instance's forward, kept meanwhile under `_instance_forward`; dynamo then takes its short way and inlines that
 one-line forward. What runs is the same function with the same arguments: the numbers and the graph are the same.
-Everything is put back on exit, also after an error.
+Everything is put back on exit, also after an error; a class Python will not subclass so is left as it is.
 
 Only for calls whose dynamo guards are never evaluated without it: dynamo guards the module classes it traced, so
 a compiled frame traced inside and called outside would compile again. The in-process engine's captured decode
@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator
 from torch import nn
 
 _KEPT = "_instance_forward"  # where an instance's own forward waits while its class's forward calls it
-_subclasses: dict[type, type] = {}  # class -> its ClassForward subclass (one per class: dynamo guards on it)
+_subclasses: dict[type, type | None] = {}  # class -> its ClassForward subclass (one per class: dynamo guards on it)
 
 
 class ClassForward:
@@ -45,14 +45,16 @@ class ClassForward:
         return getattr(self, _KEPT)(*args, **kwargs)
 
 
-def subclass_of(cls: type) -> type:
+def subclass_of(cls: type) -> type | None:
     """`cls` with `ClassForward`'s forward first (made once per class; named as `cls`, so logs and reprs read
-    the same)."""
-    sub = _subclasses.get(cls)
-    if sub is None:
-        sub = _subclasses[cls] = type(cls.__name__, (ClassForward, cls), {"__module__": cls.__module__,
-                                                                           "__qualname__": cls.__qualname__})
-    return sub
+    the same), or None where Python refuses such a subclass (a metaclass of its own, say)."""
+    if cls not in _subclasses:
+        try:
+            _subclasses[cls] = type(cls)(cls.__name__, (ClassForward, cls), {"__module__": cls.__module__,
+                                                                            "__qualname__": cls.__qualname__})
+        except TypeError:
+            _subclasses[cls] = None
+    return _subclasses[cls]
 
 
 @contextmanager
@@ -69,9 +71,16 @@ def class_forwards(roots: Iterable[nn.Module]) -> Iterator[int]:
                     continue
                 seen.add(id(module))
                 cls = type(module)
+                sub = subclass_of(cls)
+                if sub is None:  # (traced as before)
+                    continue
+                try:
+                    module.__class__ = sub
+                except TypeError:  # an object layout Python will not reassign: traced as before
+                    _subclasses[cls] = None
+                    continue
                 module.__dict__[_KEPT] = module.__dict__.pop("forward")
                 changed.append((module, cls, own))
-                module.__class__ = subclass_of(cls)
         yield len(changed)
     finally:
         for module, cls, own in reversed(changed):
