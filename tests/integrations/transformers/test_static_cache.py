@@ -123,6 +123,7 @@ def test_compiled_decoding_gives_the_unsplit_tokens(compiled_llama):
         return
     stitched = [m for m in messages if "stitched the decode steps" in m]
     assert len(stitched) == 1 and "2 shards" in stitched[0], messages
+    assert "inductor's cache, 1 graph: 1 " in stitched[0], stitched  # (found, or compiled anew: engines/inductor_cache.py)
     assert not [m for m in messages if "compiled the decode step" in m or "not one stitched graph" in m], messages
 
 
@@ -366,7 +367,7 @@ def test_heavy_steps_run_every_shard_at_the_same_time_on_its_own_thread(monkeypa
     ran = [m for m in messages if "on its own thread at the same time" in m]
     assert len(ran) == 1 and ("native collectives" if native.available() else "Python collectives") in ran[0], messages
     if native.available():
-        assert "(C++ wrapper; 1 of them sharing another's graph)" in ran[0], ran
+        assert "(C++ wrapper; 1 of them sharing another's graph; inductor's cache, 1 graph: 1 " in ran[0], ran  # one compile
     assert not [m for m in messages if "stitched the decode steps" in m or "compiled the decode step of" in m], messages
     assert all(len(t) >= 1 for t in threads) and not threads[0] & threads[1], threads  # each shard on its own thread
     steps = [step for s in split.__dict__["_tensorshard_compiled_steps"].values() for step in s.stitcher.steps.values()]
