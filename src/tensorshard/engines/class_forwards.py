@@ -50,10 +50,11 @@ def subclass_of(cls: type) -> type | None:
     the same), or None where Python refuses such a subclass (a metaclass of its own, say)."""
     if cls not in _subclasses:
         try:
-            _subclasses[cls] = type(cls)(cls.__name__, (ClassForward, cls), {"__module__": cls.__module__,
-                                                                            "__qualname__": cls.__qualname__})
+            made = type(cls)(cls.__name__, (ClassForward, cls), {"__module__": cls.__module__,
+                                                                "__qualname__": cls.__qualname__})
         except TypeError:
-            _subclasses[cls] = None
+            made = None
+        _subclasses.setdefault(cls, made)  # (two threads making one: both keep the first, which dynamo saw)
     return _subclasses[cls]
 
 
