@@ -18,6 +18,7 @@ import torch
 from transformers import CompileConfig, StaticCache
 
 import tensorshard as tp
+from tensorshard.engines.class_forwards import ClassForward
 from tensorshard.engines.inprocess import stitched_decode
 from tensorshard.engines.inprocess.stitched_decode import STITCHES
 from tensorshard.integrations.transformers.fast_decode import compiled_call
@@ -122,7 +123,19 @@ def test_compiled_decoding_gives_the_unsplit_tokens(compiled_llama):
         return
     stitched = [m for m in messages if "stitched the decode steps" in m]
     assert len(stitched) == 1 and "2 shards" in stitched[0], messages
+    assert "inductor's cache, 1 graph: 1 " in stitched[0], stitched  # (found, or compiled anew: engines/inductor_cache.py)
     assert not [m for m in messages if "compiled the decode step" in m or "not one stitched graph" in m], messages
+
+
+@needs_stitching
+def test_the_capture_leaves_every_split_layer_with_its_own_class_and_forward(compiled_llama):
+    """The capturing calls trace each split layer through a class forward (engines/class_forwards.py); after them
+    every layer is again of its own class with its style's forward, and a later eager call gives the same tokens."""
+    model, split, _, _ = compiled_llama
+    modules = [m for shard in split.module_shards for m in shard.modules()]
+    assert not [m for m in modules if isinstance(m, ClassForward) or "_instance_forward" in m.__dict__]
+    assert sum(callable(m.__dict__.get("forward")) for m in modules) >= 2 * 7  # (q, k, v, o, gate, up, down per shard)
+    assert torch.equal(_greedy(split, _ids()), _greedy(model, _ids()))
 
 
 @needs_stitching
@@ -354,7 +367,7 @@ def test_heavy_steps_run_every_shard_at_the_same_time_on_its_own_thread(monkeypa
     ran = [m for m in messages if "on its own thread at the same time" in m]
     assert len(ran) == 1 and ("native collectives" if native.available() else "Python collectives") in ran[0], messages
     if native.available():
-        assert "(C++ wrapper; 1 of them sharing another's graph)" in ran[0], ran
+        assert "(C++ wrapper; 1 of them sharing another's graph; inductor's cache, 1 graph: 1 " in ran[0], ran  # one compile
     assert not [m for m in messages if "stitched the decode steps" in m or "compiled the decode step of" in m], messages
     assert all(len(t) >= 1 for t in threads) and not threads[0] & threads[1], threads  # each shard on its own thread
     steps = [step for s in split.__dict__["_tensorshard_compiled_steps"].values() for step in s.stitcher.steps.values()]

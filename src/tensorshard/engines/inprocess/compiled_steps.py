@@ -41,6 +41,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten
 
 from ...comm import thread_ops
 from ...logs import get_logger
+from ..aliasing_guards import aliasing_guards_in_cpp
 from ..decode_decision import WrapperSettings, describe_step, log_compiled
 from .stitched_decode import Stitcher, call_settings
 
@@ -111,8 +112,10 @@ class CompiledSteps:
         # little between two collectives makes the threads hand the GIL back and forth; one at a time is faster).
         serial = True if first else (False if self.together else None)
         # A graph torch.compile fails to make (an internal error at a recompile) runs that frame eagerly, as a
-        # failure to compile does without graph breaks allowed: the numbers are the same, only slower.
-        with torch._dynamo.config.patch(suppress_errors=not self.options.get("fullgraph", False)):
+        # failure to compile does without graph breaks allowed: the numbers are the same, only slower. A compile
+        # builds its object-aliasing guards in C++ (aliasing_guards.py: each style wrapper holds its module and comm).
+        fullgraph = self.options.get("fullgraph", False)
+        with torch._dynamo.config.patch(suppress_errors=not fullgraph), aliasing_guards_in_cpp():
             out = self.model.run_modules(args, kwargs, self._run, serial=serial)
         if first:
             self.kinds.add(kind)

@@ -40,6 +40,9 @@ from torch import nn
 from ...comm.native import ops as native
 from ...logs import get_logger
 from ...registrations import registrations
+from ..aliasing_guards import aliasing_guards_in_cpp
+from ..class_forwards import class_forwards
+from ..inductor_cache import CacheUse
 from .boundary import to_device
 from .parallel_step import ParallelStep
 from .stitched_step import Capture, StitchError, StitchedStep, locate_inputs, output_fields, segments, stitch
@@ -133,7 +136,9 @@ class Stitcher:
             return self.rewrap(out, shard_kwargs)
 
         try:
-            with torch._dynamo.config.patch(suppress_errors=True):
+            # (what dynamo traces cheaper, engines/class_forwards.py and aliasing_guards.py: no graph changes)
+            with torch._dynamo.config.patch(suppress_errors=True), aliasing_guards_in_cpp(), \
+                    class_forwards(self.model.module_shards):
                 out = self.model.run_modules((), kwargs, run, serial=True)
         finally:
             self._now = None
@@ -275,7 +280,7 @@ class Stitcher:
     def _compile(self, kind: Hashable, step: StitchedStep | ParallelStep, per_rank: list[dict]) -> bool:
         """Compile the stitched graph, or each shard's (before it runs: a failure leaves every cache as it was),
         logged."""
-        started = time.perf_counter()
+        started, cache = time.perf_counter(), CacheUse()
         what = "the shards' graphs" if isinstance(step, ParallelStep) else "the stitched graph"
         try:
             step.compile(per_rank, config_patches=self.config_patches)
@@ -285,18 +290,18 @@ class Stitcher:
         if isinstance(step, ParallelStep):
             logger.info(
                 "compiled the decode steps of %s's %d shards in %.1f s (%s wrapper; %d of them sharing another's "
-                "graph); every later token runs each shard's graph on its own thread at the same time as the "
+                "graph; %s); every later token runs each shard's graph on its own thread at the same time as the "
                 "others' (%.1f MiB of weights per shard between two collectives; stitched into one graph below "
                 "%.1f MiB), with %s collectives",
                 type(self.model).__name__, len(self.tracing), time.perf_counter() - started,
-                "C++" if step.cpp_wrapper else "Python", step.shared,
+                "C++" if step.cpp_wrapper else "Python", step.shared, cache.since(),
                 self.parallel.get(kind, 0) / 2**20, parallel_bytes() / 2**20, "native" if step.native else "Python",
             )
         else:
             logger.info(
                 "stitched the decode steps of %s's %d shards into one graph and compiled it in %.1f s "
-                "(every later token runs it from the calling thread)",
-                type(self.model).__name__, len(self.tracing), time.perf_counter() - started,
+                "(%s; every later token runs it from the calling thread)",
+                type(self.model).__name__, len(self.tracing), time.perf_counter() - started, cache.since(),
             )
         return True
 
