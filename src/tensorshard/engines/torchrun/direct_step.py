@@ -1,0 +1,292 @@
+"""Later tokens of the compiled decode step under torchrun call the compiled graph itself: no dynamo frame, no
+guards, no generated code gathering the graph's inputs, no local views put in place per call.
+
+    direct = DirectSteps(model, state)                  # one per generating model (decoding.py)
+    config = direct.capturing(compile_config)           # what transformers compiles with: each graph noted
+    with direct.watching() as seen:                     # a call run by dynamo, every guard evaluated ...
+        out = compiled(*args, **kwargs)
+    direct.learn(key, seen, args, kwargs, out)          # ... that compiled nothing: its graph and inputs learnt
+    out = direct.run(key, args, kwargs)                 # a later call of that kind: the graph alone (None: not ready)
+
+Per token, a compiled step that dynamo runs pays, on each rank, dynamo's frame and its differentiating guards
+(engines/torchrun/unguarded.py), the local views put in place and taken out again (local_views.py: ~270 tensors
+for SmolLM2's shape at 2 ranks), and the generated code that gathers the graph's ~370 inputs one attribute chain
+at a time. The in-process engine calls its shards' graphs directly (engines/inprocess/stitched_step.py); this is
+the same for the one graph of a torchrun rank:
+
+1. transformers' `torch.compile` gets a backend of ours (`capturing`): the backend the compile config asks for
+   (inductor with its mode and options, as torch.compile would build it) compiles each graph as before, and each
+   compiled graph is wrapped to note its inputs and outputs while a call is watched;
+2. a call of a kind (unguarded.py's key) run with every guard that compiled nothing and ran exactly one graph is
+   the proof of which graph serves that kind: each graph input is found again by identity (a weight's local view,
+   named by its module's table and its DTensor's layout; a tensor argument; a tensor of a cache layer), and each
+   field of the output is a graph output or an argument (the cache); anything else and the kind stays with dynamo
+   (logged at DEBUG);
+3. later calls of that kind, where unguarded.py would skip the guards, run the graph with the inputs read afresh:
+   each weight's local view is kept from one call to the next while its DTensor and its local tensor are the
+   same objects (a weight replaced, or its local tensor, makes a new view), every input's dtype is checked
+   against the graph's (inductor's code checks sizes and strides, not dtypes), and the output is built as
+   dynamo's code built it.
+
+What dynamo's guards and code did beyond that is ours to keep: the kind of call, gradients, eval mode,
+registrations and adapter settings are unguarded.py's checks (a change makes another key: dynamo runs it, with
+every guard, and it is learnt again); a module training makes no direct call. Dynamo's code also replays Python
+side effects of the traced step: the decode step has one, the engine forgetting the traced call's gathered
+sequence (`comm.end_traced_call`, a reset to None that only tracing undoes), which the direct call leaves out.
+The collectives are the graph's own operators: `tp.count_collectives()` counts them as before.
+``TENSORSHARD_DIRECT_STEP=0`` leaves every call to dynamo (to compare, or to rule this out); GPU ranks (CUDA graphs,
+functional collectives) keep dynamo's path.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from contextlib import contextmanager
+from typing import Any, Callable, Hashable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ...logs import get_logger
+
+logger = get_logger(__name__)
+
+ENV = "TENSORSHARD_DIRECT_STEP"  # "0": every call through dynamo's frame
+
+
+class _Backend:
+    """The compile config's backend, built as torch.compile builds it, each compiled graph wrapped by `_Graph`.
+    One object per generating model and backend settings, so that transformers' comparison of compile configs
+    (dataclass equality, `copy.deepcopy` in `to_dict`) sees the same config from one generate() to the next."""
+
+    def __init__(self, owner: "DirectSteps", backend: Any, mode: str | None, options: dict | None, dynamic: bool | None) -> None:
+        self.owner = owner
+        if backend == "inductor":
+            self.inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+        else:
+            self.inner = torch._TorchCompileWrapper(backend, mode, options, dynamic)
+        self.__name__ = getattr(self.inner, "compiler_name", "backend")  # (torch.compile names a backend by it)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        return _Graph(self.owner, self.inner(gm, example_inputs)).wrapper()
+
+    def reset(self) -> None:
+        reset = getattr(self.inner, "reset", None)
+        if callable(reset):
+            reset()
+
+    def __deepcopy__(self, memo: dict) -> "_Backend":
+        return self
+
+
+class _Graph:
+    """One compiled graph as dynamo calls it, noting its inputs and outputs while a call is watched."""
+
+    def __init__(self, owner: "DirectSteps", compiled: Callable[..., Any]) -> None:
+        self.owner, self.compiled = owner, compiled
+
+    def wrapper(self) -> Callable[..., Any]:
+        compiled, owner = self.compiled, self.owner
+
+        def run(*inputs: Any) -> Any:
+            out = compiled(*inputs)
+            if owner.seen is not None:
+                owner.seen.append((self, inputs, out))
+            return out
+
+        try:
+            return functools.wraps(compiled)(run)
+        except (AttributeError, TypeError):  # (a callable object without a name)
+            return run
+
+
+class DirectSteps:
+    """The kinds of call of one generating model whose compiled graph is called directly (see the module doc)."""
+
+    def __init__(self, model: nn.Module, state) -> None:
+        self.model, self.state = model, state
+        self.steps: dict[Hashable, DirectStep] = {}
+        self.refused: set[Hashable] = set()
+        self.seen: list | None = None  # while a call is watched: (graph, inputs, outputs) per graph run
+        self._backends: dict[str, _Backend] = {}
+
+    # -- the compile ------------------------------------------------------------------------------------------
+
+    def capturing(self, compile_config):
+        """`compile_config` with our backend in place of its backend, mode and options (theirs, inside it); the
+        config itself where calling the graph directly does not apply (GPU ranks keep CUDA graphs and functional
+        collectives)."""
+        if self.state.mesh.device_type != "cpu" or not hasattr(torch, "_TorchCompileInductorWrapper"):
+            return compile_config
+        settings = (compile_config.backend, compile_config.mode, compile_config.options, compile_config.dynamic)
+        name = repr(settings)
+        if name not in self._backends:
+            self._backends[name] = _Backend(self, *settings)
+        ours = copy.copy(compile_config)
+        ours.backend, ours.mode, ours.options = self._backends[name], None, None
+        return ours
+
+    # -- learning a kind --------------------------------------------------------------------------------------
+
+    @contextmanager
+    def watching(self):
+        """Note the graphs run by the call inside (the list yielded)."""
+        self.seen = []
+        try:
+            yield self.seen
+        finally:
+            self.seen = None
+
+    def learn(self, key: Hashable, seen: list, args: tuple, kwargs: dict, out: Any) -> None:
+        """After a call of `key` run with every guard that compiled nothing (`seen`: the graphs it ran; the local
+        views still in place): its graph is this kind's, called directly from the next call on."""
+        if key in self.steps or key in self.refused or not enabled():
+            return
+        try:
+            if len(seen) != 1:
+                raise _NotDirect(f"the call ran {len(seen)} compiled graphs (one is needed)")
+            graph, inputs, outputs = seen[0]
+            self.steps[key] = DirectStep(graph.compiled, _sources(self.model, self.state, inputs, args, kwargs),
+                                         [x.dtype for x in inputs], _fields(out, outputs, args, kwargs), type(out))
+        except _NotDirect as why:
+            self.refused.add(key)
+            logger.debug("the compiled decode step of %s stays with dynamo for this kind of call: %s",
+                         type(self.model).__name__, why)
+
+    def run(self, key: Hashable, args: tuple, kwargs: dict) -> Any:
+        """The call through the graph learnt for `key`; None (nothing ran) where there is none or it does not
+        apply now."""
+        step = self.steps.get(key)
+        if step is None or not enabled():
+            return None
+        return step(args, kwargs)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+class _NotDirect(Exception):
+    """Why a kind of call keeps dynamo's path."""
+
+
+class DirectStep:
+    """One kind of call's compiled graph, how to find its inputs again, and how to build the call's output."""
+
+    def __init__(self, compiled: Callable[..., Any], sources: list[Callable[[tuple, dict], Any]], dtypes: list,
+                 fields: dict[str, tuple], output_type: type) -> None:
+        self.compiled, self.sources, self.dtypes = compiled, sources, dtypes
+        self.fields, self.output_type = fields, output_type
+        self.calls = 0  # (for tests: calls that ran here)
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        """The call (the caller checked, as for skipping the guards, that the local views could be put in place:
+        no gradients, no split module training); None, with nothing run, where an input is not as learnt."""
+        inputs = [read(args, kwargs) for read in self.sources]
+        # (`None in inputs` would compare every tensor with None through torch's __eq__: milliseconds)
+        if any(x is None for x in inputs) or [x.dtype for x in inputs] != self.dtypes:
+            return None  # a weight of another mesh, or a dtype changed (`.half()`): dynamo's path decides
+        outputs = self.compiled(*inputs)
+        self.calls += 1
+        return self.output_type(**{name: _field(how, outputs, args, kwargs) for name, how in self.fields.items()})
+
+
+def _field(how: tuple, outputs: Any, args: tuple, kwargs: dict) -> Any:
+    kind, where = how
+    if kind == "output":
+        return outputs[where]
+    return kwargs[where] if kind == "kwarg" else args[where]
+
+
+def _fields(out: Any, outputs: Any, args: tuple, kwargs: dict) -> dict[str, tuple]:
+    """Where each field of the call's output (a ModelOutput) comes from: a graph output or an argument."""
+    if not hasattr(out, "keys") or not isinstance(outputs, (list, tuple)):
+        raise _NotDirect(f"the step returned a {type(out).__name__}, not a ModelOutput of graph outputs")
+    index = {id(t): i for i, t in enumerate(outputs)}
+    given = {id(v): ("kwarg", k) for k, v in kwargs.items()}
+    given.update({id(v): ("arg", i) for i, v in enumerate(args)})
+    fields = {}
+    for name in out.keys():
+        value = out[name]
+        if id(value) in index:
+            fields[name] = ("output", index[id(value)])
+        elif id(value) in given:
+            fields[name] = given[id(value)]
+        else:
+            raise _NotDirect(f"output field {name!r} is neither a graph output nor an argument")
+    return fields
+
+
+def _sources(model: nn.Module, state, inputs: list, args: tuple, kwargs: dict) -> list[Callable[[tuple, dict], Any]]:
+    """For each graph input (the tensors dynamo passed, the local views in place), a reader (args, kwargs) -> that
+    input at a later call, outside the local views."""
+    layouts = {(id(getattr(owner, table_name)), name): layout
+               for _, entries in state.views.swaps for owner, table_name, name, layout, _ in entries}
+    where: dict[int, Callable[[tuple, dict], Any]] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if isinstance(t, torch.Tensor) and id(t) not in where:
+                    layout = layouts.get((id(table), name))
+                    where[id(t)] = _Weight(table, name, layout, state.mesh) if layout is not None else _Plain(table, name)
+    for name, value in kwargs.items():
+        _argument(where, value, lambda args, kwargs, name=name: kwargs[name])
+    for i, value in enumerate(args):
+        _argument(where, value, lambda args, kwargs, i=i: args[i])
+    found = []
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor) or id(x) not in where:
+            raise _NotDirect(f"graph input {i} ({type(x).__name__}) is neither a weight, a tensor argument nor a cache tensor")
+        found.append(where[id(x)])
+    return found
+
+
+def _argument(where: dict, value: Any, get: Callable[[tuple, dict], Any]) -> None:
+    """Readers of a call argument's tensors: itself, a dict's items, a cache's layers' tensors."""
+    if isinstance(value, torch.Tensor):
+        where.setdefault(id(value), get)
+    elif isinstance(value, dict):  # a mask per attention type
+        for key, t in value.items():
+            if isinstance(t, torch.Tensor):
+                where.setdefault(id(t), lambda args, kwargs, key=key: get(args, kwargs)[key])
+    for i, layer in enumerate(getattr(value, "layers", None) or ()):
+        for attr, t in vars(layer).items():
+            if isinstance(t, torch.Tensor):
+                where.setdefault(id(t), lambda args, kwargs, i=i, attr=attr: getattr(get(args, kwargs).layers[i], attr))
+
+
+class _Plain:
+    """A weight or buffer that is a plain tensor: read from its module's table."""
+
+    __slots__ = ("table", "name")
+
+    def __init__(self, table: dict, name: str) -> None:
+        self.table, self.name = table, name
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        return self.table[self.name]
+
+
+class _Weight:
+    """A split weight: its DTensor's local view (local_views.py's), kept while the DTensor and its local tensor are
+    the same objects; None for a DTensor of another mesh."""
+
+    __slots__ = ("table", "name", "layout", "mesh", "dtensor", "local", "view")
+
+    def __init__(self, table: dict, name: str, layout, mesh) -> None:
+        self.table, self.name, self.layout, self.mesh = table, name, layout, mesh
+        self.dtensor = self.local = self.view = None
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        t = self.table[self.name]
+        if t is self.dtensor and t._local_tensor is self.local:
+            return self.view
+        if not isinstance(t, DTensor):
+            return t  # (a plain tensor put in its place: as dynamo would read it)
+        if t.device_mesh != self.mesh:
+            return None
+        self.dtensor, self.local, self.view = t, t._local_tensor, self.layout.view(t._local_tensor)
+        return self.view
