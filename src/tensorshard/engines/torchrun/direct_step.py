@@ -71,7 +71,7 @@ class _Backend:
         self.__name__ = getattr(self.inner, "compiler_name", "backend")  # (torch.compile names a backend by it)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-        return _Graph(self.owner, self.inner(gm, example_inputs)).wrapper()
+        return _Graph(self.owner, self.inner(gm, example_inputs), _sizes(gm, example_inputs)).wrapper()
 
     def reset(self) -> None:
         reset = getattr(self.inner, "reset", None)
@@ -82,11 +82,32 @@ class _Backend:
         return self
 
 
+def _sizes(gm: torch.fx.GraphModule, example_inputs: list) -> list[tuple[int, int, str, int | None]] | None:
+    """The graph's int inputs (a dynamic size, stride or offset of another input, dynamic shapes) as (their index,
+    the tensor input's index, "size" / "stride" / "storage_offset", the dimension), from the sources dynamo notes
+    on its placeholders; None where an int input is not such a property of a tensor input."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sources = [getattr(node.meta.get("grapharg"), "source", None) for node in placeholders]
+    sizes = []
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor):
+            continue
+        source = sources[i] if i < len(sources) and len(sources) == len(example_inputs) else None
+        prop, base = getattr(source, "prop", None), getattr(source, "base", None)
+        if not isinstance(x, (int, torch.SymInt)) or prop is None or base is None or base not in sources:
+            return None
+        j = sources.index(base)
+        if not isinstance(example_inputs[j], torch.Tensor):
+            return None
+        sizes.append((i, j, prop.method_name(), getattr(source, "idx", None)))
+    return sizes
+
+
 class _Graph:
     """One compiled graph as dynamo calls it, noting its inputs and outputs while a call is watched."""
 
-    def __init__(self, owner: "DirectSteps", compiled: Callable[..., Any]) -> None:
-        self.owner, self.compiled = owner, compiled
+    def __init__(self, owner: "DirectSteps", compiled: Callable[..., Any], sizes: list | None) -> None:
+        self.owner, self.compiled, self.sizes = owner, compiled, sizes
 
     def wrapper(self) -> Callable[..., Any]:
         compiled, owner = self.compiled, self.owner
@@ -149,8 +170,11 @@ class DirectSteps:
             if len(seen) != 1:
                 raise _NotDirect(f"the call ran {len(seen)} compiled graphs (one is needed)")
             graph, inputs, outputs = seen[0]
-            self.steps[key] = DirectStep(graph.compiled, _sources(self.model, self.state, inputs, args, kwargs),
-                                         [x.dtype for x in inputs], _fields(out, outputs, args, kwargs), type(out))
+            if graph.sizes is None:
+                raise _NotDirect("an int input of the graph is not a size, stride or offset of a tensor input")
+            sources = _sources(self.model, self.state, inputs, args, kwargs, {i for i, *_ in graph.sizes})
+            self.steps[key] = DirectStep(graph.compiled, sources, graph.sizes, [_dtype(x) for x in inputs],
+                                         _fields(out, outputs, args, kwargs), type(out))
         except _NotDirect as why:
             self.refused.add(key)
             logger.debug("the compiled decode step of %s stays with dynamo for this kind of call: %s",
@@ -176,9 +200,9 @@ class _NotDirect(Exception):
 class DirectStep:
     """One kind of call's compiled graph, how to find its inputs again, and how to build the call's output."""
 
-    def __init__(self, compiled: Callable[..., Any], sources: list[Callable[[tuple, dict], Any]], dtypes: list,
-                 fields: dict[str, tuple], output_type: type) -> None:
-        self.compiled, self.sources, self.dtypes = compiled, sources, dtypes
+    def __init__(self, compiled: Callable[..., Any], sources: list[Callable[[tuple, dict], Any]], sizes: list,
+                 dtypes: list, fields: dict[str, tuple], output_type: type) -> None:
+        self.compiled, self.sources, self.sizes, self.dtypes = compiled, sources, sizes, dtypes
         self.fields, self.output_type = fields, output_type
         self.calls = 0  # (for tests: calls that ran here)
 
@@ -187,8 +211,11 @@ class DirectStep:
         no gradients, no split module training); None, with nothing run, where an input is not as learnt."""
         inputs = [read(args, kwargs) for read in self.sources]
         # (`None in inputs` would compare every tensor with None through torch's __eq__: milliseconds)
-        if any(x is None for x in inputs) or [x.dtype for x in inputs] != self.dtypes:
+        dtypes = [x.dtype for x in inputs] if not self.sizes else [_dtype(x) for x in inputs]
+        if any(x is None for x in inputs) or dtypes != self.dtypes:
             return None  # a weight of another mesh, or a dtype changed (`.half()`): dynamo's path decides
+        for i, j, prop, dim in self.sizes:  # dynamic shapes: a size (stride, offset) of a tensor input
+            inputs[i] = getattr(inputs[j], prop)() if dim is None else getattr(inputs[j], prop)(dim)
         outputs = self.compiled(*inputs)
         self.calls += 1
         return self.output_type(**{name: _field(how, outputs, args, kwargs) for name, how in self.fields.items()})
@@ -220,9 +247,14 @@ def _fields(out: Any, outputs: Any, args: tuple, kwargs: dict) -> dict[str, tupl
     return fields
 
 
-def _sources(model: nn.Module, state, inputs: list, args: tuple, kwargs: dict) -> list[Callable[[tuple, dict], Any]]:
+def _dtype(x: Any) -> Any:
+    return x.dtype if isinstance(x, torch.Tensor) else type(x)
+
+
+def _sources(model: nn.Module, state, inputs: list, args: tuple, kwargs: dict, sizes: set[int]) -> list[Callable[[tuple, dict], Any]]:
     """For each graph input (the tensors dynamo passed, the local views in place), a reader (args, kwargs) -> that
-    input at a later call, outside the local views."""
+    input at a later call, outside the local views; the int inputs at `sizes` are read from their tensors after
+    (a reader of 0 here)."""
     layouts = {(id(getattr(owner, table_name)), name): layout
                for _, entries in state.views.swaps for owner, table_name, name, layout, _ in entries}
     where: dict[int, Callable[[tuple, dict], Any]] = {}
@@ -238,10 +270,17 @@ def _sources(model: nn.Module, state, inputs: list, args: tuple, kwargs: dict) -
         _argument(where, value, lambda args, kwargs, i=i: args[i])
     found = []
     for i, x in enumerate(inputs):
+        if i in sizes:
+            found.append(_zero)
+            continue
         if not isinstance(x, torch.Tensor) or id(x) not in where:
             raise _NotDirect(f"graph input {i} ({type(x).__name__}) is neither a weight, a tensor argument nor a cache tensor")
         found.append(where[id(x)])
     return found
+
+
+def _zero(args: tuple, kwargs: dict) -> int:
+    return 0
 
 
 def _argument(where: dict, value: Any, get: Callable[[tuple, dict], Any]) -> None:
