@@ -245,7 +245,9 @@ def direct_task(folder: str) -> dict:
     call, run by dynamo with every guard, then learnt again), PEFT adapters added, switched and disabled (the
     unsplit PeftModel loads what the split one saved). Dynamo alone (backend "eager"): the graph called is
     whatever the backend made."""
+    import gc
     import os
+    import weakref
 
     import torch.distributed as dist
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -294,10 +296,13 @@ def direct_task(folder: str) -> dict:
             down._parameters["weight"] = nn.Parameter(down.weight.detach() * 2)  # no registration
             ref_down.weight.mul_(2)
         out["table written"] = same(ids)
+        replaced = weakref.ref(down.weight)
         with torch.no_grad():
             down.weight = nn.Parameter(down.weight.detach() * 3)  # registered: another kind of call
             ref_down.weight.mul_(3)
         out["assigned"] = same(ids)
+        gc.collect()
+        out["replaced weight freed"] = replaced() is None  # (the steps learnt before the registration dropped)
         out["assigned, warm"] = same(ids)
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
         torch.manual_seed(1)
@@ -331,6 +336,7 @@ def direct_task(folder: str) -> dict:
 
 def test_later_decode_steps_call_the_graph_directly_and_follow_changed_weights_and_adapters(pool2, tmp_path):
     for out in pool2.run(direct_task, str(tmp_path), timeout=300):
+        assert out.pop("replaced weight freed")
         for case, (tokens, error, _, _) in out.items():
             assert tokens and error < 1e-5, (case, out[case])  # fp32, the same kernels but summed per rank: ulps
         direct = {case: steps for case, (_, _, steps, _) in out.items()}

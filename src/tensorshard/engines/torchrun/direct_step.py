@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...logs import get_logger
+from ...registrations import registrations
 
 logger = get_logger(__name__)
 
@@ -133,6 +134,7 @@ class DirectSteps:
         self.refused: set[Hashable] = set()
         self.seen: list | None = None  # while a call is watched: (graph, inputs, outputs) per graph run
         self._backends: dict[str, _Backend] = {}
+        self._registrations = registrations()  # when the steps were learnt (their keys hold it: unguarded.py)
 
     # -- the compile ------------------------------------------------------------------------------------------
 
@@ -164,6 +166,7 @@ class DirectSteps:
     def learn(self, key: Hashable, seen: list, args: tuple, kwargs: dict, out: Any) -> None:
         """After a call of `key` run with every guard that compiled nothing (`seen`: the graphs it ran; the local
         views still in place): its graph is this kind's, called directly from the next call on."""
+        self._forget_old()
         if key in self.steps or key in self.refused or not enabled():
             return
         try:
@@ -183,10 +186,19 @@ class DirectSteps:
     def run(self, key: Hashable, args: tuple, kwargs: dict) -> Any:
         """The call through the graph learnt for `key`; None (nothing ran) where there is none or it does not
         apply now."""
+        self._forget_old()
         step = self.steps.get(key)
         if step is None or not enabled():
             return None
         return step(args, kwargs)
+
+    def _forget_old(self) -> None:
+        """Steps learnt before a registration never run again (their keys hold the count): dropped, with the weights
+        they keep (a weight replaced by assignment would otherwise stay alive in them)."""
+        if registrations() != self._registrations:
+            self.steps.clear()
+            self.refused.clear()
+            self._registrations = registrations()
 
 
 def enabled() -> bool:
