@@ -259,9 +259,11 @@ def direct_task(folder: str) -> dict:
     _fresh_dynamo()
     ref, model = _split_pair()
     ran: list[bool] = []
+    replayed: set[str] = set()  # attributes the direct steps set as dynamo's code did after the graph
     call = direct_step.DirectStep.__call__
 
     def spy(self, args, kwargs):
+        replayed.update(name for _, name, _ in self.stores)
         out = call(self, args, kwargs)
         ran.append(out is not None)
         return out
@@ -331,12 +333,14 @@ def direct_task(folder: str) -> dict:
             del os.environ[direct_step.ENV]
     finally:
         direct_step.DirectStep.__call__ = call
+    out["replayed"] = sorted(replayed)
     return out
 
 
 def test_later_decode_steps_call_the_graph_directly_and_follow_changed_weights_and_adapters(pool2, tmp_path):
     for out in pool2.run(direct_task, str(tmp_path), timeout=300):
         assert out.pop("replaced weight freed")
+        assert "_traced_gathered" in out.pop("replayed")  # the engine's reset after a traced call, as dynamo's code
         for case, (tokens, error, _, _) in out.items():
             assert tokens and error < 1e-5, (case, out[case])  # fp32, the same kernels but summed per rank: ulps
         direct = {case: steps for case, (_, _, steps, _) in out.items()}

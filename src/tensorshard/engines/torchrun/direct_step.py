@@ -30,9 +30,12 @@ the same for the one graph of a torchrun rank:
 
 What dynamo's guards and code did beyond that is ours to keep: the kind of call, gradients, eval mode,
 registrations and adapter settings are unguarded.py's checks (a change makes another key: dynamo runs it, with
-every guard, and it is learnt again); a module training makes no direct call. Dynamo's code also replays Python
-side effects of the traced step: the decode step has one, the engine forgetting the traced call's gathered
-sequence (`comm.end_traced_call`, a reset to None that only tracing undoes), which the direct call leaves out.
+every guard, and it is learnt again; the steps learnt before a registration are dropped); a module training makes
+no direct call. Dynamo's code also replays the Python side effects of the traced step after its graph: read from
+dynamo while it compiles the graph, attributes of existing objects set to constants are replayed by the direct
+call too (a decode step sets three: transformers' output-capturing context reset, `comm.end_traced_call`'s reset);
+a graph with any other side effect stays with dynamo. An int input (dynamic shapes) is read from the tensor input
+dynamo read it from (a size, stride or offset).
 The collectives are the graph's own operators: `tp.count_collectives()` counts them as before.
 ``TENSORSHARD_DIRECT_STEP=0`` leaves every call to dynamo (to compare, or to rule this out); GPU ranks (CUDA graphs,
 functional collectives) keep dynamo's path.
@@ -72,7 +75,8 @@ class _Backend:
         self.__name__ = getattr(self.inner, "compiler_name", "backend")  # (torch.compile names a backend by it)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-        return _Graph(self.owner, self.inner(gm, example_inputs), _sizes(gm, example_inputs)).wrapper()
+        stores = _stores()  # (while dynamo's translator of this frame is current)
+        return _Graph(self.owner, self.inner(gm, example_inputs), _sizes(gm, example_inputs), stores).wrapper()
 
     def reset(self) -> None:
         reset = getattr(self.inner, "reset", None)
@@ -104,11 +108,43 @@ def _sizes(gm: torch.fx.GraphModule, example_inputs: list) -> list[tuple[int, in
     return sizes
 
 
+def _stores() -> list[tuple[Any, str, Any]] | None:
+    """The Python side effects dynamo's code replays after this graph, as (object, attribute, constant) stores on
+    objects that existed before the call (SmolLM2's step: transformers' output-capturing context reset to None and
+    False, the engine's traced-call state to None); None where there are others (a list or dict changed, a value
+    that is not a constant, a hook: that graph stays with dynamo). What the call makes anew (its output) and the
+    tensors it changes in place (inside the graph) are not side effects to replay."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables import ConstantVariable, TensorVariable
+        from torch._dynamo.variables.base import AttributeMutationExisting, AttributeMutationNew, ValueMutationNew
+
+        effects = InstructionTranslator.current_tx().output.side_effects
+        if effects.tensor_hooks or effects.save_for_backward:
+            return None
+        stores = []
+        for var in effects._get_modified_vars():
+            changed = effects.store_attr_mutations.get(var, {})
+            if isinstance(var, TensorVariable) and not changed:
+                continue  # changed in place: an operation of the graph
+            if isinstance(var.mutation_type, (AttributeMutationNew, ValueMutationNew)):
+                continue  # made by the call
+            if not isinstance(var.mutation_type, AttributeMutationExisting) or not hasattr(var, "value"):
+                return None
+            for name, value in changed.items():
+                if not isinstance(value, ConstantVariable):
+                    return None
+                stores.append((var.value, name, value.as_python_constant()))
+        return stores
+    except Exception:  # another torch's dynamo: nothing known, nothing called directly
+        return None
+
+
 class _Graph:
     """One compiled graph as dynamo calls it, noting its inputs and outputs while a call is watched."""
 
-    def __init__(self, owner: "DirectSteps", compiled: Callable[..., Any], sizes: list | None) -> None:
-        self.owner, self.compiled, self.sizes = owner, compiled, sizes
+    def __init__(self, owner: "DirectSteps", compiled: Callable[..., Any], sizes: list | None, stores: list | None) -> None:
+        self.owner, self.compiled, self.sizes, self.stores = owner, compiled, sizes, stores
 
     def wrapper(self) -> Callable[..., Any]:
         compiled, owner = self.compiled, self.owner
@@ -175,9 +211,11 @@ class DirectSteps:
             graph, inputs, outputs = seen[0]
             if graph.sizes is None:
                 raise _NotDirect("an int input of the graph is not a size, stride or offset of a tensor input")
+            if graph.stores is None:
+                raise _NotDirect("the step has Python side effects other than attributes set to constants")
             sources = _sources(self.model, self.state, inputs, args, kwargs, {i for i, *_ in graph.sizes})
-            self.steps[key] = DirectStep(graph.compiled, sources, graph.sizes, [_dtype(x) for x in inputs],
-                                         _fields(out, outputs, args, kwargs), type(out))
+            self.steps[key] = DirectStep(graph.compiled, sources, graph.sizes, graph.stores,
+                                         [_dtype(x) for x in inputs], _fields(out, outputs, args, kwargs), type(out))
         except _NotDirect as why:
             self.refused.add(key)
             logger.debug("the compiled decode step of %s stays with dynamo for this kind of call: %s",
@@ -213,8 +251,8 @@ class DirectStep:
     """One kind of call's compiled graph, how to find its inputs again, and how to build the call's output."""
 
     def __init__(self, compiled: Callable[..., Any], sources: list[Callable[[tuple, dict], Any]], sizes: list,
-                 dtypes: list, fields: dict[str, tuple], output_type: type) -> None:
-        self.compiled, self.sources, self.sizes, self.dtypes = compiled, sources, sizes, dtypes
+                 stores: list, dtypes: list, fields: dict[str, tuple], output_type: type) -> None:
+        self.compiled, self.sources, self.sizes, self.stores, self.dtypes = compiled, sources, sizes, stores, dtypes
         self.fields, self.output_type = fields, output_type
         self.calls = 0  # (for tests: calls that ran here)
 
@@ -229,6 +267,8 @@ class DirectStep:
         for i, j, prop, dim in self.sizes:  # dynamic shapes: a size (stride, offset) of a tensor input
             inputs[i] = getattr(inputs[j], prop)() if dim is None else getattr(inputs[j], prop)(dim)
         outputs = self.compiled(*inputs)
+        for owner, name, value in self.stores:  # what dynamo's code sets after the graph
+            setattr(owner, name, value)
         self.calls += 1
         return self.output_type(**{name: _field(how, outputs, args, kwargs) for name, how in self.fields.items()})
 
