@@ -262,21 +262,26 @@ def direct_task(folder: str) -> dict:
     replayed: set[str] = set()  # attributes the direct steps set as dynamo's code did after the graph
     call = direct_step.DirectStep.__call__
 
+    graphs: list[int] = []  # the graph each direct step of a case called (its id)
+    every_graph: set[int] = set()  # ... of every case
+
     def spy(self, args, kwargs):
         replayed.update(name for _, name, _ in self.stores)
+        graphs.append(id(self.compiled))
+        every_graph.add(id(self.compiled))
         out = call(self, args, kwargs)
         ran.append(out is not None)
         return out
 
-    def same(ids, split=None, unsplit=None) -> tuple[bool, float, int, dict]:
+    def same(ids, split=None, unsplit=None, backend="eager") -> tuple[bool, float, int, dict]:
         """Greedy tokens and logits of both models; the split model's decode steps run directly; its collectives."""
         settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
                         output_logits=True)
-        del ran[:]
+        del ran[:], graphs[:]
         with torch.no_grad():
             with tp.count_collectives() as counted:
                 got = (split or model).generate(input_ids=ids, cache_implementation="static",
-                                                compile_config=CompileConfig(backend="eager"), **settings)
+                                                compile_config=CompileConfig(backend=backend), **settings)
             want = (unsplit or ref).generate(input_ids=ids, **settings)
         error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got.logits, want.logits))
         return torch.equal(got.sequences, want.sequences), error, sum(ran), counted.counts
@@ -326,6 +331,9 @@ def direct_task(folder: str) -> dict:
         out["adapter switched back"] = same(ids, split, unsplit)
         with split.disable_adapter(), unsplit.disable_adapter():
             out["adapters disabled"] = same(ids, split, unsplit)
+        eager_graphs = set(every_graph)
+        out["other compile config"] = same(ids, split, unsplit, backend="aot_eager")  # transformers compiles anew
+        out["graph of the new config"] = not eager_graphs & set(graphs)
         os.environ[direct_step.ENV] = "0"
         try:
             out["switched off"] = same(ids)
@@ -340,11 +348,13 @@ def direct_task(folder: str) -> dict:
 def test_later_decode_steps_call_the_graph_directly_and_follow_changed_weights_and_adapters(pool2, tmp_path):
     for out in pool2.run(direct_task, str(tmp_path), timeout=300):
         assert out.pop("replaced weight freed")
+        assert out.pop("graph of the new config")  # not the steps learnt with the former one
         assert "_traced_gathered" in out.pop("replayed")  # the engine's reset after a traced call, as dynamo's code
         for case, (tokens, error, _, _) in out.items():
             assert tokens and error < 1e-5, (case, out[case])  # fp32, the same kernels but summed per rank: ulps
         direct = {case: steps for case, (_, _, steps, _) in out.items()}
         assert direct["first"] == 1 and direct["warm"] == 3  # of 3 decode steps per generate
+        assert direct["other compile config"] == 1  # compiled, learnt, direct
         assert direct["in place"] == 3 and direct["table written"] == 3  # read afresh: the same kind of call
         # a new kind: its first step runs every guard (dynamo compiles nothing: weights are its inputs) and is learnt
         assert direct["assigned"] == 2 and direct["assigned, warm"] == 3

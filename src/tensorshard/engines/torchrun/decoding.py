@@ -95,6 +95,7 @@ def _logging_compiles(model: nn.Module, compiled_call: Callable, guard, state) -
         compiled = compiled_call(model, direct.capturing(compile_config))
         if id(compiled) not in wrapped:
             wrapped.clear()  # transformers made a new one (another CompileConfig): the old one is gone
+            direct.forget()  # (with the graphs it learnt)
             wrapped[id(compiled)] = _logged(model, compiled, compile_config, guard, state, direct)
         return wrapped[id(compiled)]
 

@@ -56,6 +56,13 @@ from torch.distributed.tensor import DTensor
 from ...logs import get_logger
 from ...registrations import registrations
 
+try:  # what dynamo knows of a frame's side effects as it compiles (torch 2.13's names; `_stores` says None without)
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._dynamo.variables import ConstantVariable, TensorVariable
+    from torch._dynamo.variables.base import AttributeMutationExisting, AttributeMutationNew, ValueMutationNew
+except ImportError:  # pragma: no cover
+    InstructionTranslator = None
+
 logger = get_logger(__name__)
 
 ENV = "TENSORSHARD_DIRECT_STEP"  # "0": every call through dynamo's frame
@@ -115,10 +122,6 @@ def _stores() -> list[tuple[Any, str, Any]] | None:
     that is not a constant, a hook: that graph stays with dynamo). What the call makes anew (its output) and the
     tensors it changes in place (inside the graph) are not side effects to replay."""
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        from torch._dynamo.variables import ConstantVariable, TensorVariable
-        from torch._dynamo.variables.base import AttributeMutationExisting, AttributeMutationNew, ValueMutationNew
-
         effects = InstructionTranslator.current_tx().output.side_effects
         if effects.tensor_hooks or effects.save_for_backward:
             return None
@@ -230,12 +233,16 @@ class DirectSteps:
             return None
         return step(args, kwargs)
 
+    def forget(self) -> None:
+        """Drop every step learnt (transformers compiled anew, for another compile config: its graphs are others)."""
+        self.steps.clear()
+        self.refused.clear()
+
     def _forget_old(self) -> None:
         """Steps learnt before a registration never run again (their keys hold the count): dropped, with the weights
         they keep (a weight replaced by assignment would otherwise stay alive in them)."""
         if registrations() != self._registrations:
-            self.steps.clear()
-            self.refused.clear()
+            self.forget()
             self._registrations = registrations()
 
 
@@ -254,7 +261,6 @@ class DirectStep:
                  stores: list, dtypes: list, fields: dict[str, tuple], output_type: type) -> None:
         self.compiled, self.sources, self.sizes, self.stores, self.dtypes = compiled, sources, sizes, stores, dtypes
         self.fields, self.output_type = fields, output_type
-        self.calls = 0  # (for tests: calls that ran here)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         """The call (the caller checked, as for skipping the guards, that the local views could be put in place:
@@ -269,7 +275,6 @@ class DirectStep:
         outputs = self.compiled(*inputs)
         for owner, name, value in self.stores:  # what dynamo's code sets after the graph
             setattr(owner, name, value)
-        self.calls += 1
         return self.output_type(**{name: _field(how, outputs, args, kwargs) for name, how in self.fields.items()})
 
 
