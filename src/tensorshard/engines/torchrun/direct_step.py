@@ -46,6 +46,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Hashable
 
@@ -68,13 +69,18 @@ logger = get_logger(__name__)
 ENV = "TENSORSHARD_DIRECT_STEP"  # "0": every call through dynamo's frame
 
 
+_watched = threading.local()  # .seen: while a call is watched (`DirectSteps.watching`), the graphs it ran
+_backends: dict[str, "_Backend"] = {}  # one per backend settings, shared by every model of the process
+
+
 class _Backend:
     """The compile config's backend, built as torch.compile builds it, each compiled graph wrapped by `_Graph`.
-    One object per generating model and backend settings, so that transformers' comparison of compile configs
-    (dataclass equality, `copy.deepcopy` in `to_dict`) sees the same config from one generate() to the next."""
+    One object per backend settings, so that transformers' comparison of compile configs (dataclass equality,
+    `copy.deepcopy` in `to_dict`) sees the same config from one generate() to the next, and that dynamo, which
+    keeps a frame's graphs per backend, sees one backend for every model as it would for the settings' own
+    (the frame, `nn.Module.__call__`, is every model's: a backend per model would fill its recompile limit)."""
 
-    def __init__(self, owner: "DirectSteps", backend: Any, mode: str | None, options: dict | None, dynamic: bool | None) -> None:
-        self.owner = owner
+    def __init__(self, backend: Any, mode: str | None, options: dict | None, dynamic: bool | None) -> None:
         if backend == "inductor":
             self.inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
         else:
@@ -83,7 +89,7 @@ class _Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         stores = _stores()  # (while dynamo's translator of this frame is current)
-        return _Graph(self.owner, self.inner(gm, example_inputs), _sizes(gm, example_inputs), stores).wrapper()
+        return _Graph(self.inner(gm, example_inputs), _sizes(gm, example_inputs), stores).wrapper()
 
     def reset(self) -> None:
         reset = getattr(self.inner, "reset", None)
@@ -146,16 +152,17 @@ def _stores() -> list[tuple[Any, str, Any]] | None:
 class _Graph:
     """One compiled graph as dynamo calls it, noting its inputs and outputs while a call is watched."""
 
-    def __init__(self, owner: "DirectSteps", compiled: Callable[..., Any], sizes: list | None, stores: list | None) -> None:
-        self.owner, self.compiled, self.sizes, self.stores = owner, compiled, sizes, stores
+    def __init__(self, compiled: Callable[..., Any], sizes: list | None, stores: list | None) -> None:
+        self.compiled, self.sizes, self.stores = compiled, sizes, stores
 
     def wrapper(self) -> Callable[..., Any]:
-        compiled, owner = self.compiled, self.owner
+        compiled = self.compiled
 
         def run(*inputs: Any) -> Any:
             out = compiled(*inputs)
-            if owner.seen is not None:
-                owner.seen.append((self, inputs, out))
+            seen = getattr(_watched, "seen", None)
+            if seen is not None:
+                seen.append((self, inputs, out))
             return out
 
         try:
@@ -171,8 +178,6 @@ class DirectSteps:
         self.model, self.state = model, state
         self.steps: dict[Hashable, DirectStep] = {}
         self.refused: set[Hashable] = set()
-        self.seen: list | None = None  # while a call is watched: (graph, inputs, outputs) per graph run
-        self._backends: dict[str, _Backend] = {}
         self._registrations = registrations()  # when the steps were learnt (their keys hold it: unguarded.py)
 
     # -- the compile ------------------------------------------------------------------------------------------
@@ -185,22 +190,22 @@ class DirectSteps:
             return compile_config
         settings = (compile_config.backend, compile_config.mode, compile_config.options, compile_config.dynamic)
         name = repr(settings)
-        if name not in self._backends:
-            self._backends[name] = _Backend(self, *settings)
+        if name not in _backends:
+            _backends[name] = _Backend(*settings)
         ours = copy.copy(compile_config)
-        ours.backend, ours.mode, ours.options = self._backends[name], None, None
+        ours.backend, ours.mode, ours.options = _backends[name], None, None
         return ours
 
     # -- learning a kind --------------------------------------------------------------------------------------
 
     @contextmanager
     def watching(self):
-        """Note the graphs run by the call inside (the list yielded)."""
-        self.seen = []
+        """Note the graphs run by the call inside, in this thread (the list yielded: (graph, inputs, outputs))."""
+        _watched.seen = seen = []
         try:
-            yield self.seen
+            yield seen
         finally:
-            self.seen = None
+            _watched.seen = None
 
     def learn(self, key: Hashable, seen: list, args: tuple, kwargs: dict, out: Any) -> None:
         """After a call of `key` run with every guard that compiled nothing (`seen`: the graphs it ran; the local
