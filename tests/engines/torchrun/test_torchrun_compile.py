@@ -237,6 +237,136 @@ def test_the_decode_step_with_capturable_collectives_gives_the_unsplit_tokens_an
 
 
 
+def direct_task(folder: str) -> dict:
+    """Later decode steps call the compiled graph itself, without dynamo (engines/torchrun/direct_step.py): the
+    unsplit model's tokens and logits, the dynamo path's collectives, and each change made once the direct call is
+    set up followed: weights changed in place, a split weight replaced by a write into its module's table (no
+    registration: read afresh, a new local view), one replaced by assignment (a registration: another kind of
+    call, run by dynamo with every guard, then learnt again), PEFT adapters added, switched and disabled (the
+    unsplit PeftModel loads what the split one saved). Dynamo alone (backend "eager"): the graph called is
+    whatever the backend made."""
+    import gc
+    import os
+    import weakref
+
+    import torch.distributed as dist
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from torch import nn
+    from transformers import CompileConfig
+
+    from tensorshard.engines.torchrun import direct_step
+
+    _fresh_dynamo()
+    ref, model = _split_pair()
+    ran: list[bool] = []
+    replayed: set[str] = set()  # attributes the direct steps set as dynamo's code did after the graph
+    call = direct_step.DirectStep.__call__
+
+    graphs: list[int] = []  # the graph each direct step of a case called (its id)
+    every_graph: set[int] = set()  # ... of every case
+
+    def spy(self, args, kwargs):
+        replayed.update(name for _, name, _ in self.stores)
+        graphs.append(id(self.compiled))
+        every_graph.add(id(self.compiled))
+        out = call(self, args, kwargs)
+        ran.append(out is not None)
+        return out
+
+    def same(ids, split=None, unsplit=None, backend="eager") -> tuple[bool, float, int, dict]:
+        """Greedy tokens and logits of both models; the split model's decode steps run directly; its collectives."""
+        settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                        output_logits=True)
+        del ran[:], graphs[:]
+        with torch.no_grad():
+            with tp.count_collectives() as counted:
+                got = (split or model).generate(input_ids=ids, cache_implementation="static",
+                                                compile_config=CompileConfig(backend=backend), **settings)
+            want = (unsplit or ref).generate(input_ids=ids, **settings)
+        error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got.logits, want.logits))
+        return torch.equal(got.sequences, want.sequences), error, sum(ran), counted.counts
+
+    ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=torch.Generator().manual_seed(5))
+    down, ref_down = model.model.layers[0].mlp.down_proj, ref.model.layers[0].mlp.down_proj
+    out = {}
+    direct_step.DirectStep.__call__ = spy
+    try:
+        out["first"] = same(ids)  # compiles at its first step, every guard at the second, direct at the third
+        out["warm"] = same(ids)
+        with torch.no_grad():
+            for split, unsplit in ((model, ref), (down, ref_down)):
+                for name in ("model.layers.1.self_attn.q_proj.weight", "model.norm.weight") if split is model else ("weight",):
+                    split.get_parameter(name).mul_(0.5)  # (a DTensor: its local tensor, in place)
+                    unsplit.get_parameter(name).mul_(0.5)
+        out["in place"] = same(ids)
+        with torch.no_grad():
+            down._parameters["weight"] = nn.Parameter(down.weight.detach() * 2)  # no registration
+            ref_down.weight.mul_(2)
+        out["table written"] = same(ids)
+        replaced = weakref.ref(down.weight)
+        with torch.no_grad():
+            down.weight = nn.Parameter(down.weight.detach() * 3)  # registered: another kind of call
+            ref_down.weight.mul_(3)
+        out["assigned"] = same(ids)
+        gc.collect()
+        out["replaced weight freed"] = replaced() is None  # (the steps learnt before the registration dropped)
+        out["assigned, warm"] = same(ids)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        torch.manual_seed(1)
+        split = get_peft_model(model, lora, adapter_name="first")  # added after splitting: registrations
+        torch.manual_seed(2)
+        split.add_adapter("second", lora)
+        split.save_pretrained(folder)  # every rank calls it; rank 0 writes
+        dist.barrier()
+        unsplit = PeftModel.from_pretrained(ref, f"{folder}/first", adapter_name="first")
+        unsplit.load_adapter(f"{folder}/second", adapter_name="second")
+        split.eval()
+        unsplit.eval()
+        out["adapter added"] = same(ids, split, unsplit)
+        for peft_model in (split, unsplit):
+            peft_model.set_adapter("second")
+        out["adapter switched"] = same(ids, split, unsplit)
+        for peft_model in (split, unsplit):
+            peft_model.set_adapter("first")
+        out["adapter switched back"] = same(ids, split, unsplit)
+        with split.disable_adapter(), unsplit.disable_adapter():
+            out["adapters disabled"] = same(ids, split, unsplit)
+        eager_graphs = set(every_graph)
+        out["other compile config"] = same(ids, split, unsplit, backend="aot_eager")  # transformers compiles anew
+        out["graph of the new config"] = not eager_graphs & set(graphs)
+        os.environ[direct_step.ENV] = "0"
+        try:
+            out["switched off"] = same(ids)
+        finally:
+            del os.environ[direct_step.ENV]
+    finally:
+        direct_step.DirectStep.__call__ = call
+    out["replayed"] = sorted(replayed)
+    return out
+
+
+def test_later_decode_steps_call_the_graph_directly_and_follow_changed_weights_and_adapters(pool2, tmp_path):
+    for out in pool2.run(direct_task, str(tmp_path), timeout=300):
+        assert out.pop("replaced weight freed")
+        assert out.pop("graph of the new config")  # not the steps learnt with the former one
+        assert "_traced_gathered" in out.pop("replayed")  # the engine's reset after a traced call, as dynamo's code
+        for case, (tokens, error, _, _) in out.items():
+            assert tokens and error < 1e-5, (case, out[case])  # fp32, the same kernels but summed per rank: ulps
+        direct = {case: steps for case, (_, _, steps, _) in out.items()}
+        assert direct["first"] == 1 and direct["warm"] == 3  # of 3 decode steps per generate
+        assert direct["other compile config"] == 1  # compiled, learnt, direct
+        assert direct["in place"] == 3 and direct["table written"] == 3  # read afresh: the same kind of call
+        # a new kind: its first step runs every guard (dynamo compiles nothing: weights are its inputs) and is learnt
+        assert direct["assigned"] == 2 and direct["assigned, warm"] == 3
+        # each adapter change: its first step runs every guard (dynamo compiles the new graph), the second is
+        # learnt, the third direct; back to the first adapter: direct at once
+        assert direct["adapter added"] == direct["adapter switched"] == direct["adapters disabled"] == 1, direct
+        assert direct["adapter switched back"] == 3
+        assert direct["switched off"] == 0  # TENSORSHARD_DIRECT_STEP=0
+        counts = [out[case][3] for case in ("first", "warm", "in place", "table written", "assigned", "switched off")]
+        assert all(c == counts[0] for c in counts), counts  # the direct steps' collectives counted as dynamo's
+
+
 def local_views_task() -> dict:
     """LocalViews.all_local (engines/torchrun/local_views.py), what generate's compiled step runs inside: without
     gradients in eval mode every DTensor is its local view for the call and each module's wrapper passes through
@@ -288,34 +418,42 @@ def unguarded_task(folder: str) -> dict:
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import CompileConfig
 
-    from tensorshard.engines.torchrun import unguarded
+    from tensorshard.engines.torchrun import direct_step, unguarded
 
     _fresh_dynamo()
     ref, model = _split_pair()
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     skipped: list[bool] = []
-    may_skip = unguarded.Unguarded.may_skip
+    direct: list[int] = []  # decode steps that called the graph directly (direct_step.py)
+    may_skip, direct_call = unguarded.Unguarded.may_skip, direct_step.DirectStep.__call__
 
     def spy(self, key, quiet):
         skipped.append(may_skip(self, key, quiet))
         return skipped[-1]
 
-    def same(split, unsplit, ids) -> tuple[bool, float, list[bool]]:
-        """Greedy tokens and logits of both models; which of the split model's decode steps skipped the guards."""
+    def direct_spy(self, args, kwargs):
+        out = direct_call(self, args, kwargs)
+        if out is not None:
+            direct.append(len(skipped) - 1)  # (the step's index)
+        return out
+
+    def same(split, unsplit, ids) -> tuple[bool, float, list[bool], list[int]]:
+        """Greedy tokens and logits of both models; which of the split model's decode steps skipped the guards,
+        and which of those called the graph directly."""
         settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
                         output_logits=True)
-        del skipped[:]
+        del skipped[:], direct[:]
         with torch.no_grad():
             got = split.generate(input_ids=ids, cache_implementation="static",
                                  compile_config=CompileConfig(backend="eager"), **settings)
             want = unsplit.generate(input_ids=ids, **settings)
         error = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got.logits, want.logits))
-        return torch.equal(got.sequences, want.sequences), error, list(skipped)
+        return torch.equal(got.sequences, want.sequences), error, list(skipped), list(direct)
 
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=gen)
     out = {}
-    unguarded.Unguarded.may_skip = spy
+    unguarded.Unguarded.may_skip, direct_step.DirectStep.__call__ = spy, direct_spy
     try:
         with torch._dynamo.config.patch(recompile_limit=64):  # (every change below is a graph of its own)
             out["first"] = same(model, ref, ids)  # compiles at its first step, every guard at the second
@@ -355,15 +493,20 @@ def unguarded_task(folder: str) -> dict:
             finally:
                 del os.environ[unguarded.ENV]
     finally:
-        unguarded.Unguarded.may_skip = may_skip
+        unguarded.Unguarded.may_skip, direct_step.DirectStep.__call__ = may_skip, direct_call
     return out
 
 
 def test_later_decode_steps_skip_the_guards_and_still_follow_every_change(pool2, tmp_path):
     for out in pool2.run(unguarded_task, str(tmp_path), timeout=300):
-        for case, (tokens, error, _) in out.items():
+        for case, (tokens, error, _, _) in out.items():
             assert tokens and error < 1e-5, (case, out[case])  # fp32, the same kernels but summed per rank: ulps
-        steps = {case: skipped for case, (_, _, skipped) in out.items()}
+        steps = {case: skipped for case, (_, _, skipped, _) in out.items()}
+        # every step that skipped the guards called the graph directly, once its kind was learnt
+        # (after the longer prompt, dynamo's graphs take the cache length and the batch as ints: dynamic shapes, read
+        # from the tensor inputs); the logits above say each change made after that was followed
+        for case, (_, _, skipped, direct) in out.items():
+            assert direct == [i for i, skip in enumerate(skipped) if skip], (case, skipped, direct)
         assert steps["first"] == [False, False, True]  # compiled; every guard, nothing compiled; unguarded
         assert steps["warm"] == [True] * 3  # another prompt of the same length: the same kind of call
         # each change: its first steps run every guard (dynamo recompiles where it must), then unguarded again

@@ -46,6 +46,7 @@ from ...comm.transport import connect_native
 from ...logs import get_logger
 from ..aliasing_guards import aliasing_guards_in_cpp
 from ..decode_decision import compileable_cache, decode_cache, describe_step, log_compiled
+from .direct_step import DirectSteps
 from .unguarded import Unguarded
 
 logger = get_logger(__name__)
@@ -87,37 +88,52 @@ def _default_compile_config(model: nn.Module):
 
 def _logging_compiles(model: nn.Module, compiled_call: Callable, guard, state) -> Callable:
     wrapped: dict[int, Callable] = {}  # id(compiled function) -> its logging wrapper
+    direct = DirectSteps(model, state)  # later tokens: the compiled graph called directly (direct_step.py)
 
     def get_compiled_call(compile_config) -> Callable:
-        compiled = compiled_call(model, compile_config)
+        compile_config = compile_config or _default_compile_config(model)
+        compiled = compiled_call(model, direct.capturing(compile_config))
         if id(compiled) not in wrapped:
             wrapped.clear()  # transformers made a new one (another CompileConfig): the old one is gone
-            wrapped[id(compiled)] = _logged(model, compiled, compile_config or _default_compile_config(model), guard,
-                                            state)
+            direct.forget()  # (with the graphs it learnt)
+            wrapped[id(compiled)] = _logged(model, compiled, compile_config, guard, state, direct)
         return wrapped[id(compiled)]
 
     return get_compiled_call
 
 
-def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state) -> Callable:
+def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state, direct: DirectSteps) -> Callable:
     name = type(model).__name__
     collectives: dict[str, list] = {}  # per kind of step (describe_step): the capturable collectives it traced
     unguarded = Unguarded(model)
 
     def call(*args, **kwargs):
         connect_native(guard)  # once: every rank reaches the compiled step at the same point
+        key = unguarded.key(args, kwargs)
+        # a kind of call that compiled nothing at its last guarded call: only dynamo's differentiating guards, our
+        # checks in place of the others (unguarded.py); where its graph is known, that graph alone (direct_step.py)
+        skip = unguarded.may_skip(key, quiet=state.views.quiet())
+        if skip:
+            try:
+                out = direct.run(key, args, kwargs)
+            except BaseException as e:
+                guard.report(e, f"the compiled decode step of {name}")
+                raise
+            if out is not None:
+                if collectives:  # (traced functional collectives, counted per call as below)
+                    report_collectives(collectives.get(describe_step(kwargs, getattr(model, "dtype", None)), ()))
+                return out
         before = compiled_graphs()
         began = time.perf_counter()
-        key = unguarded.key(args, kwargs)
         try:
             # outside the graph: dynamo traces and guards no swap; on CUDA ranks of an NCCL group, collectives
             # that CUDA graphs capture
             with state.views.all_local(state.mesh), aliasing_guards_in_cpp(), capturing_decode() as traced:
-                # a kind of call that compiled nothing at its last guarded call: only dynamo's differentiating
-                # guards, our checks in place of the others (unguarded.py)
-                skip = unguarded.may_skip(key, quiet=state.views.active)
-                with unguarded.stance(skip):
+                skip = skip and state.views.active  # (no views in place: a DTensor of another mesh)
+                with unguarded.stance(skip), direct.watching() as seen:
                     out = compiled(*args, **kwargs)
+                if not skip and state.views.active and compiled_graphs() == before:
+                    direct.learn(key, seen, args, kwargs, out)  # (the local views still in place)
         except BaseException as e:
             guard.report(e, f"the compiled decode step of {name}")
             raise

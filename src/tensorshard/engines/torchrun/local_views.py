@@ -38,8 +38,7 @@ class LocalViews:
         """For a call without gradients, every wrapped module in eval mode: each DTensor of `mesh` below the model
         replaced by its local view for the duration, the wrappers passing through. Otherwise (gradients on, a
         module training, already inside, a DTensor of another mesh): nothing changes, the wrappers swap as usual."""
-        quiet = not (self.active or torch.is_grad_enabled() or any(around.training for around, _ in self.swaps))
-        views = self._views(mesh) if quiet else None
+        views = self._views(mesh) if self.quiet() else None
         if views is None:
             yield
             return
@@ -52,6 +51,11 @@ class LocalViews:
             self.active = False
             for table, name, t, _ in views:
                 table[name] = t
+
+    def quiet(self) -> bool:
+        """Whether a call now could run on the local views (`all_local`): no gradients, no wrapped module training,
+        not inside another such call."""
+        return not (self.active or torch.is_grad_enabled() or any(around.training for around, _ in self.swaps))
 
     def _views(self, mesh) -> list | None:
         """(table, name, DTensor, its local view) for every swap; None where a DTensor of another mesh is among them

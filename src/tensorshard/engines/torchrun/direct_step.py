@@ -1,0 +1,393 @@
+"""Later tokens of the compiled decode step under torchrun call the compiled graph itself: no dynamo frame, no
+guards, no generated code gathering the graph's inputs, no local views put in place per call.
+
+    direct = DirectSteps(model, state)                  # one per generating model (decoding.py)
+    config = direct.capturing(compile_config)           # what transformers compiles with: each graph noted
+    with direct.watching() as seen:                     # a call run by dynamo, every guard evaluated ...
+        out = compiled(*args, **kwargs)
+    direct.learn(key, seen, args, kwargs, out)          # ... that compiled nothing: its graph and inputs learnt
+    out = direct.run(key, args, kwargs)                 # a later call of that kind: the graph alone (None: not ready)
+
+Per token, a compiled step that dynamo runs pays, on each rank, dynamo's frame and its differentiating guards
+(engines/torchrun/unguarded.py), the local views put in place and taken out again (local_views.py: ~270 tensors
+for SmolLM2's shape at 2 ranks), and the generated code that gathers the graph's ~370 inputs one attribute chain
+at a time. The in-process engine calls its shards' graphs directly (engines/inprocess/stitched_step.py); this is
+the same for the one graph of a torchrun rank:
+
+1. transformers' `torch.compile` gets a backend of ours (`capturing`): the backend the compile config asks for
+   (inductor with its mode and options, as torch.compile would build it) compiles each graph as before, and each
+   compiled graph is wrapped to note its inputs and outputs while a call is watched;
+2. a call of a kind (unguarded.py's key) run with every guard that compiled nothing and ran exactly one graph is
+   the proof of which graph serves that kind: each graph input is found again by identity (a weight's local view,
+   named by its module's table and its DTensor's layout; a tensor argument; a tensor of a cache layer), and each
+   field of the output is a graph output or an argument (the cache); anything else and the kind stays with dynamo
+   (logged at DEBUG);
+3. later calls of that kind, where unguarded.py would skip the guards, run the graph with the inputs read afresh:
+   each weight's local view is kept from one call to the next while its DTensor and its local tensor are the
+   same objects (a weight replaced, or its local tensor, makes a new view), every input's dtype is checked
+   against the graph's (inductor's code checks sizes and strides, not dtypes), and the output is built as
+   dynamo's code built it.
+
+What dynamo's guards and code did beyond that is ours to keep: the kind of call, gradients, eval mode,
+registrations and adapter settings are unguarded.py's checks (a change makes another key: dynamo runs it, with
+every guard, and it is learnt again; the steps learnt before a registration are dropped); a module training makes
+no direct call. Dynamo's code also replays the Python side effects of the traced step after its graph: read from
+dynamo while it compiles the graph, attributes of existing objects set to constants are replayed by the direct
+call too (a decode step sets three: transformers' output-capturing context reset, `comm.end_traced_call`'s reset);
+a graph with any other side effect stays with dynamo. An int input (dynamic shapes) is read from the tensor input
+dynamo read it from (a size, stride or offset).
+The collectives are the graph's own operators: `tp.count_collectives()` counts them as before.
+``TENSORSHARD_DIRECT_STEP=0`` leaves every call to dynamo (to compare, or to rule this out); GPU ranks (CUDA graphs,
+functional collectives) keep dynamo's path.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Hashable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ...logs import get_logger
+from ...registrations import registrations
+
+try:  # what dynamo knows of a frame's side effects as it compiles (torch 2.13's names; `_stores` says None without)
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+    from torch._dynamo.variables import ConstantVariable, TensorVariable
+    from torch._dynamo.variables.base import AttributeMutationExisting, AttributeMutationNew, ValueMutationNew
+except ImportError:  # pragma: no cover
+    InstructionTranslator = None
+
+logger = get_logger(__name__)
+
+ENV = "TENSORSHARD_DIRECT_STEP"  # "0": every call through dynamo's frame
+
+
+_watched = threading.local()  # .seen: while a call is watched (`DirectSteps.watching`), the graphs it ran
+_backends: dict[str, "_Backend"] = {}  # one per backend settings, shared by every model of the process
+
+
+class _Backend:
+    """The compile config's backend, built as torch.compile builds it, each compiled graph wrapped by `_Graph`.
+    One object per backend settings, so that transformers' comparison of compile configs (dataclass equality,
+    `copy.deepcopy` in `to_dict`) sees the same config from one generate() to the next, and that dynamo, which
+    keeps a frame's graphs per backend, sees one backend for every model as it would for the settings' own
+    (the frame, `nn.Module.__call__`, is every model's: a backend per model would fill its recompile limit)."""
+
+    def __init__(self, backend: Any, mode: str | None, options: dict | None, dynamic: bool | None) -> None:
+        if backend == "inductor":
+            self.inner = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+        else:
+            self.inner = torch._TorchCompileWrapper(backend, mode, options, dynamic)
+        self.__name__ = getattr(self.inner, "compiler_name", "backend")  # (torch.compile names a backend by it)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        stores = _stores()  # (while dynamo's translator of this frame is current)
+        return _Graph(self.inner(gm, example_inputs), _sizes(gm, example_inputs), stores).wrapper()
+
+    def reset(self) -> None:
+        reset = getattr(self.inner, "reset", None)
+        if callable(reset):
+            reset()
+
+    def __deepcopy__(self, memo: dict) -> "_Backend":
+        return self
+
+
+def _sizes(gm: torch.fx.GraphModule, example_inputs: list) -> list[tuple[int, int, str, int | None]] | None:
+    """The graph's int inputs (a dynamic size, stride or offset of another input, dynamic shapes) as (their index,
+    the tensor input's index, "size" / "stride" / "storage_offset", the dimension), from the sources dynamo notes
+    on its placeholders; None where an int input is not such a property of a tensor input."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sources = [getattr(node.meta.get("grapharg"), "source", None) for node in placeholders]
+    sizes = []
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor):
+            continue
+        source = sources[i] if i < len(sources) and len(sources) == len(example_inputs) else None
+        prop, base = getattr(source, "prop", None), getattr(source, "base", None)
+        if not isinstance(x, (int, torch.SymInt)) or prop is None or base is None or base not in sources:
+            return None
+        j = sources.index(base)
+        if not isinstance(example_inputs[j], torch.Tensor):
+            return None
+        sizes.append((i, j, prop.method_name(), getattr(source, "idx", None)))
+    return sizes
+
+
+def _stores() -> list[tuple[Any, str, Any]] | None:
+    """The Python side effects dynamo's code replays after this graph, as (object, attribute, constant) stores on
+    objects that existed before the call (SmolLM2's step: transformers' output-capturing context reset to None and
+    False, the engine's traced-call state to None); None where there are others (a list or dict changed, a value
+    that is not a constant, a hook: that graph stays with dynamo). What the call makes anew (its output) and the
+    tensors it changes in place (inside the graph) are not side effects to replay."""
+    try:
+        effects = InstructionTranslator.current_tx().output.side_effects
+        if effects.tensor_hooks or effects.save_for_backward:
+            return None
+        stores = []
+        for var in effects._get_modified_vars():
+            changed = effects.store_attr_mutations.get(var, {})
+            if isinstance(var, TensorVariable) and not changed:
+                continue  # changed in place: an operation of the graph
+            if isinstance(var.mutation_type, (AttributeMutationNew, ValueMutationNew)):
+                continue  # made by the call
+            if not isinstance(var.mutation_type, AttributeMutationExisting) or not hasattr(var, "value"):
+                return None
+            for name, value in changed.items():
+                if not isinstance(value, ConstantVariable):
+                    return None
+                stores.append((var.value, name, value.as_python_constant()))
+        return stores
+    except Exception:  # another torch's dynamo: nothing known, nothing called directly
+        return None
+
+
+class _Graph:
+    """One compiled graph as dynamo calls it, noting its inputs and outputs while a call is watched."""
+
+    def __init__(self, compiled: Callable[..., Any], sizes: list | None, stores: list | None) -> None:
+        self.compiled, self.sizes, self.stores = compiled, sizes, stores
+
+    def wrapper(self) -> Callable[..., Any]:
+        compiled = self.compiled
+
+        def run(*inputs: Any) -> Any:
+            out = compiled(*inputs)
+            seen = getattr(_watched, "seen", None)
+            if seen is not None:
+                seen.append((self, inputs, out))
+            return out
+
+        try:
+            return functools.wraps(compiled)(run)
+        except (AttributeError, TypeError):  # (a callable object without a name)
+            return run
+
+
+class DirectSteps:
+    """The kinds of call of one generating model whose compiled graph is called directly (see the module doc)."""
+
+    def __init__(self, model: nn.Module, state) -> None:
+        self.model, self.state = model, state
+        self.steps: dict[Hashable, DirectStep] = {}
+        self.refused: set[Hashable] = set()
+        self._registrations = registrations()  # when the steps were learnt (their keys hold it: unguarded.py)
+
+    # -- the compile ------------------------------------------------------------------------------------------
+
+    def capturing(self, compile_config):
+        """`compile_config` with our backend in place of its backend, mode and options (theirs, inside it); the
+        config itself where calling the graph directly does not apply (GPU ranks keep CUDA graphs and functional
+        collectives)."""
+        if self.state.mesh.device_type != "cpu" or not hasattr(torch, "_TorchCompileInductorWrapper"):
+            return compile_config
+        settings = (compile_config.backend, compile_config.mode, compile_config.options, compile_config.dynamic)
+        name = repr(settings)
+        if name not in _backends:
+            _backends[name] = _Backend(*settings)
+        ours = copy.copy(compile_config)
+        ours.backend, ours.mode, ours.options = _backends[name], None, None
+        return ours
+
+    # -- learning a kind --------------------------------------------------------------------------------------
+
+    @contextmanager
+    def watching(self):
+        """Note the graphs run by the call inside, in this thread (the list yielded: (graph, inputs, outputs))."""
+        _watched.seen = seen = []
+        try:
+            yield seen
+        finally:
+            _watched.seen = None
+
+    def learn(self, key: Hashable, seen: list, args: tuple, kwargs: dict, out: Any) -> None:
+        """After a call of `key` run with every guard that compiled nothing (`seen`: the graphs it ran; the local
+        views still in place): its graph is this kind's, called directly from the next call on."""
+        self._forget_old()
+        if key in self.steps or key in self.refused or not enabled():
+            return
+        try:
+            if len(seen) != 1:
+                raise _NotDirect(f"the call ran {len(seen)} compiled graphs (one is needed)")
+            graph, inputs, outputs = seen[0]
+            if graph.sizes is None:
+                raise _NotDirect("an int input of the graph is not a size, stride or offset of a tensor input")
+            if graph.stores is None:
+                raise _NotDirect("the step has Python side effects other than attributes set to constants")
+            sources = _sources(self.model, self.state, inputs, args, kwargs, {i for i, *_ in graph.sizes})
+            self.steps[key] = DirectStep(graph.compiled, sources, graph.sizes, graph.stores,
+                                         [_dtype(x) for x in inputs], _fields(out, outputs, args, kwargs), type(out))
+        except _NotDirect as why:
+            self.refused.add(key)
+            logger.debug("the compiled decode step of %s stays with dynamo for this kind of call: %s",
+                         type(self.model).__name__, why)
+
+    def run(self, key: Hashable, args: tuple, kwargs: dict) -> Any:
+        """The call through the graph learnt for `key`; None (nothing ran) where there is none or it does not
+        apply now."""
+        self._forget_old()
+        step = self.steps.get(key)
+        if step is None or not enabled():
+            return None
+        return step(args, kwargs)
+
+    def forget(self) -> None:
+        """Drop every step learnt (transformers compiled anew, for another compile config: its graphs are others)."""
+        self.steps.clear()
+        self.refused.clear()
+
+    def _forget_old(self) -> None:
+        """Steps learnt before a registration never run again (their keys hold the count): dropped, with the weights
+        they keep (a weight replaced by assignment would otherwise stay alive in them)."""
+        if registrations() != self._registrations:
+            self.forget()
+            self._registrations = registrations()
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+class _NotDirect(Exception):
+    """Why a kind of call keeps dynamo's path."""
+
+
+class DirectStep:
+    """One kind of call's compiled graph, how to find its inputs again, and how to build the call's output."""
+
+    def __init__(self, compiled: Callable[..., Any], sources: list[Callable[[tuple, dict], Any]], sizes: list,
+                 stores: list, dtypes: list, fields: dict[str, tuple], output_type: type) -> None:
+        self.compiled, self.sources, self.sizes, self.stores, self.dtypes = compiled, sources, sizes, stores, dtypes
+        self.fields, self.output_type = fields, output_type
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        """The call (the caller checked, as for skipping the guards, that the local views could be put in place:
+        no gradients, no split module training); None, with nothing run, where an input is not as learnt."""
+        inputs = [read(args, kwargs) for read in self.sources]
+        # (`None in inputs` would compare every tensor with None through torch's __eq__: milliseconds)
+        dtypes = [x.dtype for x in inputs] if not self.sizes else [_dtype(x) for x in inputs]
+        if any(x is None for x in inputs) or dtypes != self.dtypes:
+            return None  # a weight of another mesh, or a dtype changed (`.half()`): dynamo's path decides
+        for i, j, prop, dim in self.sizes:  # dynamic shapes: a size (stride, offset) of a tensor input
+            inputs[i] = getattr(inputs[j], prop)() if dim is None else getattr(inputs[j], prop)(dim)
+        outputs = self.compiled(*inputs)
+        for owner, name, value in self.stores:  # what dynamo's code sets after the graph
+            setattr(owner, name, value)
+        return self.output_type(**{name: _field(how, outputs, args, kwargs) for name, how in self.fields.items()})
+
+
+def _field(how: tuple, outputs: Any, args: tuple, kwargs: dict) -> Any:
+    kind, where = how
+    if kind == "output":
+        return outputs[where]
+    return kwargs[where] if kind == "kwarg" else args[where]
+
+
+def _fields(out: Any, outputs: Any, args: tuple, kwargs: dict) -> dict[str, tuple]:
+    """Where each field of the call's output (a ModelOutput) comes from: a graph output or an argument."""
+    if not hasattr(out, "keys") or not isinstance(outputs, (list, tuple)):
+        raise _NotDirect(f"the step returned a {type(out).__name__}, not a ModelOutput of graph outputs")
+    index = {id(t): i for i, t in enumerate(outputs)}
+    given = {id(v): ("kwarg", k) for k, v in kwargs.items()}
+    given.update({id(v): ("arg", i) for i, v in enumerate(args)})
+    fields = {}
+    for name in out.keys():
+        value = out[name]
+        if id(value) in index:
+            fields[name] = ("output", index[id(value)])
+        elif id(value) in given:
+            fields[name] = given[id(value)]
+        else:
+            raise _NotDirect(f"output field {name!r} is neither a graph output nor an argument")
+    return fields
+
+
+def _dtype(x: Any) -> Any:
+    return x.dtype if isinstance(x, torch.Tensor) else type(x)
+
+
+def _sources(model: nn.Module, state, inputs: list, args: tuple, kwargs: dict, sizes: set[int]) -> list[Callable[[tuple, dict], Any]]:
+    """For each graph input (the tensors dynamo passed, the local views in place), a reader (args, kwargs) -> that
+    input at a later call, outside the local views; the int inputs at `sizes` are read from their tensors after
+    (a reader of 0 here)."""
+    layouts = {(id(getattr(owner, table_name)), name): layout
+               for _, entries in state.views.swaps for owner, table_name, name, layout, _ in entries}
+    where: dict[int, Callable[[tuple, dict], Any]] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if isinstance(t, torch.Tensor) and id(t) not in where:
+                    layout = layouts.get((id(table), name))
+                    where[id(t)] = _Weight(table, name, layout, state.mesh) if layout is not None else _Plain(table, name)
+    for name, value in kwargs.items():
+        _argument(where, value, lambda args, kwargs, name=name: kwargs[name])
+    for i, value in enumerate(args):
+        _argument(where, value, lambda args, kwargs, i=i: args[i])
+    found = []
+    for i, x in enumerate(inputs):
+        if i in sizes:
+            found.append(_zero)
+            continue
+        if not isinstance(x, torch.Tensor) or id(x) not in where:
+            raise _NotDirect(f"graph input {i} ({type(x).__name__}) is neither a weight, a tensor argument nor a cache tensor")
+        found.append(where[id(x)])
+    return found
+
+
+def _zero(args: tuple, kwargs: dict) -> int:
+    return 0
+
+
+def _argument(where: dict, value: Any, get: Callable[[tuple, dict], Any]) -> None:
+    """Readers of a call argument's tensors: itself, a dict's items, a cache's layers' tensors."""
+    if isinstance(value, torch.Tensor):
+        where.setdefault(id(value), get)
+    elif isinstance(value, dict):  # a mask per attention type
+        for key, t in value.items():
+            if isinstance(t, torch.Tensor):
+                where.setdefault(id(t), lambda args, kwargs, key=key: get(args, kwargs)[key])
+    for i, layer in enumerate(getattr(value, "layers", None) or ()):
+        for attr, t in vars(layer).items():
+            if isinstance(t, torch.Tensor):
+                where.setdefault(id(t), lambda args, kwargs, i=i, attr=attr: getattr(get(args, kwargs).layers[i], attr))
+
+
+class _Plain:
+    """A weight or buffer that is a plain tensor: read from its module's table."""
+
+    __slots__ = ("table", "name")
+
+    def __init__(self, table: dict, name: str) -> None:
+        self.table, self.name = table, name
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        return self.table[self.name]
+
+
+class _Weight:
+    """A split weight: its DTensor's local view (local_views.py's), kept while the DTensor and its local tensor are
+    the same objects; None for a DTensor of another mesh."""
+
+    __slots__ = ("table", "name", "layout", "mesh", "dtensor", "local", "view")
+
+    def __init__(self, table: dict, name: str, layout, mesh) -> None:
+        self.table, self.name, self.layout, self.mesh = table, name, layout, mesh
+        self.dtensor = self.local = self.view = None
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        t = self.table[self.name]
+        if t is self.dtensor and t._local_tensor is self.local:
+            return self.view
+        if not isinstance(t, DTensor):
+            return t  # (a plain tensor put in its place: as dynamo would read it)
+        if t.device_mesh != self.mesh:
+            return None
+        self.dtensor, self.local, self.view = t, t._local_tensor, self.layout.view(t._local_tensor)
+        return self.view
