@@ -163,6 +163,35 @@ def test_recompiles_are_bounded_and_disable_compile_is_honoured(pool2, pool3, wo
         assert by_hand == 0  # a StaticCache of the shape generate makes: the same graph
 
 
+def recompile_limit_task() -> dict:
+    """A second split model in a process whose decode frame is at dynamo's recompile limit (1 here; 8 by default,
+    reached by the 9th model a long session splits): dynamo runs its frame eagerly. The calls after that must
+    not skip the guards (unguarded.py): under that stance dynamo refuses to compile and raises."""
+    from transformers import CompileConfig
+
+    from tensorshard.engines.torchrun.decoding import compiled_graphs
+
+    _fresh_dynamo()
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, cache_implementation="static",
+                    compile_config=CompileConfig(backend="eager"))
+    ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
+    out, graphs = [], []
+    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
+        for build in (tiny_llama.build, tiny_llama.build_uneven_heads):  # the second's shapes fail the first's guards
+            ref = build()
+            model = tp.parallelize(copy.deepcopy(ref), world_mesh(), plan=tp.preset_for(ref))
+            before = compiled_graphs()
+            tokens = [model.generate(ids, **settings).tolist() for _ in range(2)]
+            out.append(tokens == [ref.generate(ids, **settings).tolist()] * 2)
+            graphs.append(compiled_graphs() - before)
+    return {"same": out, "graphs": graphs}
+
+
+def test_a_model_past_the_recompile_limit_decodes_eagerly_instead_of_failing(pool2):
+    for out in pool2.run(recompile_limit_task, timeout=INDUCTOR_TASK):
+        assert out["same"] == [True, True] and out["graphs"] == [1, 0], out
+
+
 def compiled_training_task() -> dict:
     """A training step through the compiled forward: the ops' backward (comm/dist_ops.py) gives eager's gradients."""
     import torch.nn.functional as F

@@ -137,7 +137,10 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state, 
         except BaseException as e:
             guard.report(e, f"the compiled decode step of {name}")
             raise
-        unguarded.ran(key, skip, compiled_graphs() != before)
+        # a call that ran no compiled graph (dynamo ran the frame eagerly: its recompile limit, a frame it skips)
+        # does not warm its kind: under the stance dynamo would refuse to compile it again
+        ran_graph = bool(seen) or not direct.sees_graphs()
+        unguarded.ran(key, skip, compiled_graphs() != before, ran_graph=ran_graph)
         # A replayed CUDA graph runs no Python: its collectives, noted while the step traced, are counted here.
         step = describe_step(kwargs, getattr(model, "dtype", None))
         if compiled_graphs() != before and traced:

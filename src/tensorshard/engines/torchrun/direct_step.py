@@ -182,11 +182,15 @@ class DirectSteps:
 
     # -- the compile ------------------------------------------------------------------------------------------
 
+    def sees_graphs(self) -> bool:
+        """Whether the graphs this model's step runs are ours to watch (`capturing` hands dynamo our backend)."""
+        return self.state.mesh.device_type == "cpu" and hasattr(torch, "_TorchCompileInductorWrapper")
+
     def capturing(self, compile_config):
         """`compile_config` with our backend in place of its backend, mode and options (theirs, inside it); the
         config itself where calling the graph directly does not apply (GPU ranks keep CUDA graphs and functional
         collectives)."""
-        if self.state.mesh.device_type != "cpu" or not hasattr(torch, "_TorchCompileInductorWrapper"):
+        if not self.sees_graphs():
             return compile_config
         settings = (compile_config.backend, compile_config.mode, compile_config.options, compile_config.dynamic)
         name = repr(settings)

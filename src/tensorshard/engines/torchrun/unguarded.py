@@ -86,9 +86,10 @@ class Unguarded:
         return (quiet and key in self.warm and not self.model.training and self.supported
                 and os.environ.get(ENV, "1") != "0")
 
-    def ran(self, key: Hashable, skipped: bool, compiled: bool) -> None:
-        """Note a call of `key`: guarded and compiling nothing, it warms the key; compiling, it cools it."""
-        if compiled:
+    def ran(self, key: Hashable, skipped: bool, compiled: bool, *, ran_graph: bool = True) -> None:
+        """Note a call of `key`: guarded, compiling nothing and running a compiled graph, it warms the key; compiling,
+        or running none (dynamo fell back to running the frame eagerly: past its recompile limit), it cools it."""
+        if compiled or not ran_graph:
             self.warm.discard(key)
         elif not skipped:
             self.warm.add(key)
