@@ -266,6 +266,37 @@ def test_the_decode_step_with_capturable_collectives_gives_the_unsplit_tokens_an
 
 
 
+def _two_adapters(model, ref, lora, folder: str) -> tuple:
+    """LoRA adapters "first" and "second" added to the split `model` after splitting (registrations), saved, and
+    loaded by plain PEFT into the unsplit `ref`; both in eval mode (PEFT makes its layers in training mode)."""
+    import torch.distributed as dist
+    from peft import PeftModel, get_peft_model
+
+    torch.manual_seed(1)
+    split = get_peft_model(model, lora, adapter_name="first")
+    torch.manual_seed(2)
+    split.add_adapter("second", lora)
+    split.save_pretrained(folder)  # every rank calls it; rank 0 writes (each adapter but "default" in its folder)
+    dist.barrier()
+    unsplit = PeftModel.from_pretrained(ref, f"{folder}/first", adapter_name="first")
+    unsplit.load_adapter(f"{folder}/second", adapter_name="second")
+    return split.eval(), unsplit.eval()
+
+
+def _adapter_changes(split, unsplit, check, out: dict, *, warm: bool = False) -> None:
+    """`check()` (split against unsplit) into `out` with the adapter just added (and once more: `warm`), switched,
+    switched back and disabled on both models alike."""
+    out["adapter added"] = check()
+    if warm:
+        out["adapter warm"] = check()
+    for name, label in (("second", "adapter switched"), ("first", "adapter switched back")):
+        for peft_model in (split, unsplit):
+            peft_model.set_adapter(name)
+        out[label] = check()
+    with split.disable_adapter(), unsplit.disable_adapter():
+        out["adapters disabled"] = check()
+
+
 def direct_task(folder: str) -> dict:
     """Later decode steps call the compiled graph itself, without dynamo (engines/torchrun/direct_step.py): the
     unsplit model's tokens and logits, the dynamo path's collectives, and each change made once the direct call is
@@ -279,7 +310,7 @@ def direct_task(folder: str) -> dict:
     import weakref
 
     import torch.distributed as dist
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig
     from torch import nn
     from transformers import CompileConfig
 
@@ -341,25 +372,8 @@ def direct_task(folder: str) -> dict:
         out["replaced weight freed"] = replaced() is None  # (the steps learnt before the registration dropped)
         out["assigned, warm"] = same(ids)
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        torch.manual_seed(1)
-        split = get_peft_model(model, lora, adapter_name="first")  # added after splitting: registrations
-        torch.manual_seed(2)
-        split.add_adapter("second", lora)
-        split.save_pretrained(folder)  # every rank calls it; rank 0 writes
-        dist.barrier()
-        unsplit = PeftModel.from_pretrained(ref, f"{folder}/first", adapter_name="first")
-        unsplit.load_adapter(f"{folder}/second", adapter_name="second")
-        split.eval()
-        unsplit.eval()
-        out["adapter added"] = same(ids, split, unsplit)
-        for peft_model in (split, unsplit):
-            peft_model.set_adapter("second")
-        out["adapter switched"] = same(ids, split, unsplit)
-        for peft_model in (split, unsplit):
-            peft_model.set_adapter("first")
-        out["adapter switched back"] = same(ids, split, unsplit)
-        with split.disable_adapter(), unsplit.disable_adapter():
-            out["adapters disabled"] = same(ids, split, unsplit)
+        split, unsplit = _two_adapters(model, ref, lora, folder)
+        _adapter_changes(split, unsplit, lambda: same(ids, split, unsplit), out)
         eager_graphs = set(every_graph)
         out["other compile config"] = same(ids, split, unsplit, backend="aot_eager")  # transformers compiles anew
         out["graph of the new config"] = not eager_graphs & set(graphs)
@@ -444,7 +458,7 @@ def unguarded_task(folder: str) -> dict:
     import os
 
     import torch.distributed as dist
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import LoraConfig
     from transformers import CompileConfig
 
     from tensorshard.engines.torchrun import direct_step, unguarded
@@ -495,27 +509,8 @@ def unguarded_task(folder: str) -> dict:
             model.eval()
             ref.eval()
             out["eval again"] = same(model, ref, ids)
-            torch.manual_seed(1)
-            split = get_peft_model(model, lora, adapter_name="first")  # added after splitting: registrations
-            torch.manual_seed(2)
-            split.add_adapter("second", lora)
-            split.save_pretrained(folder)  # every rank calls it; rank 0 writes
-            dist.barrier()
-            # (PEFT saves each adapter but "default" in a folder of its name)
-            unsplit = PeftModel.from_pretrained(ref, f"{folder}/first", adapter_name="first")
-            unsplit.load_adapter(f"{folder}/second", adapter_name="second")
-            split.eval()  # (PEFT makes its layers in training mode: every guard while they train, as above)
-            unsplit.eval()
-            out["adapter added"] = same(split, unsplit, ids)
-            out["adapter warm"] = same(split, unsplit, ids)
-            for peft_model in (split, unsplit):
-                peft_model.set_adapter("second")
-            out["adapter switched"] = same(split, unsplit, ids)
-            for peft_model in (split, unsplit):
-                peft_model.set_adapter("first")
-            out["adapter switched back"] = same(split, unsplit, ids)
-            with split.disable_adapter(), unsplit.disable_adapter():
-                out["adapters disabled"] = same(split, unsplit, ids)
+            split, unsplit = _two_adapters(model, ref, lora, folder)
+            _adapter_changes(split, unsplit, lambda: same(split, unsplit, ids), out, warm=True)
             os.environ[unguarded.ENV] = "0"
             try:
                 out["switched off"] = same(split, unsplit, ids)
