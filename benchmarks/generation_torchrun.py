@@ -6,6 +6,7 @@ path and on the fast path (static cache + compiled decode step), with the first 
     python benchmarks/generation_torchrun.py --model smollm  # SmolLM2-135M's shape, random weights (weights-bound)
     python benchmarks/generation_torchrun.py --quick         # a tiny Llama, 1 round: a check that it runs
     python benchmarks/generation_torchrun.py --model smollm --balance  # + the split rows with balance=True
+    python benchmarks/generation_torchrun.py --model smollm --wrappers  # + the split fast row on the Python wrapper
     python benchmarks/generation_torchrun.py --device cuda --model smollm --ranks 2   # GPUs: one per rank, NCCL
 
 Rows, all `generate(prompt, do_sample=False)` on the same random Llama (seed 0, batch 1, prompt of 16 tokens; the
@@ -22,6 +23,9 @@ models are benchmarks/suite/decoding_models.py's):
   (engines/torchrun/decoding.py), collectives inside the graph (the native C++ operators of comm/native/;
   with TENSORSHARD_NATIVE=0, comm/dist_ops.py's Python operators, as before them; benchmarks/decode_collectives.py
   compares the two in one job)
+- with `--wrappers`, split fast, Python wrapper: the same job's fast path with TENSORSHARD_CPP_WRAPPER=0 between its
+  calls (engines/torchrun/cpp_step.py: later tokens then run inductor's Python-wrapper graph instead of the C++ one),
+  interleaved with the other rows' rounds
 - with `--balance`, split balanced default / fast: a job of its own with `tp.parallelize(..., balance=True)`
   (plans/balance.py: the MLP evens out each rank's weights where the heads split unevenly)
 
@@ -32,7 +36,8 @@ NCCL calls, comm/graph_collectives.py). The N-thread rows are CPU rows, left out
 
 Per token: the decode steps only, the median gap between consecutive tokens of one generate() (a logits
 processor notes the time of each), then the median over rounds; split rows take the slowest rank's (a barrier
-before each call, the maximum over ranks after). First call: the first fast generate() of `new` tokens, compile
+before each call, the maximum over ranks after). CPU per token: the same gaps on the calling thread's CPU clock
+(`time.thread_time`; for split rows the larger of the ranks'). First call: the first fast generate() of `new` tokens, compile
 included. Each process uses one intra-op thread, and TORCHINDUCTOR_COMPILE_THREADS=1 (inductor's compile
 workers slow every later eager run of the process). The greedy tokens of every row are compared with the
 unsplit eager ones. The load average is printed: on a shared machine the times are only as good as it is low.
@@ -63,13 +68,16 @@ class _StepClock:
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.cpu: list[float] = []
 
     def __call__(self, input_ids, scores):
         self.times.append(time.perf_counter())
+        self.cpu.append(time.thread_time())
         return scores
 
-    def intervals(self) -> list[float]:
-        return [b - a for a, b in zip(self.times, self.times[1:])]
+    def intervals(self, cpu: bool = False) -> list[float]:
+        times = self.cpu if cpu else self.times
+        return [b - a for a, b in zip(times, times[1:])]
 
 
 def _job(args) -> None:
@@ -104,35 +112,47 @@ def _job(args) -> None:
         config._compile_all_devices = True  # transformers' fast path, which it takes by itself on CUDA only
         fast["compile_config"] = config
     paths = {"default": {}, "fast": fast}
+    if split and args.wrappers:
+        paths["fast_python_wrapper"] = fast  # (with TENSORSHARD_CPP_WRAPPER=0 around the call)
 
-    def timed(extra: dict) -> tuple[float, float, list]:
-        """One generate(): its wall time, the median time between decode steps, and the new tokens."""
+    def timed(extra: dict, python_wrapper: bool = False) -> tuple[float, float, float, list]:
+        """One generate(): its wall time, the median time and CPU time between decode steps, and the new tokens."""
         clock = _StepClock()
         if split:
             dist.barrier()
+        if python_wrapper:
+            os.environ["TENSORSHARD_CPP_WRAPPER"] = "0"
         began = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(prompt, max_new_tokens=args.new, do_sample=False, pad_token_id=0,
-                                 logits_processor=LogitsProcessorList([clock]), **extra)
+        try:
+            with torch.no_grad():
+                out = model.generate(prompt, max_new_tokens=args.new, do_sample=False, pad_token_id=0,
+                                     logits_processor=LogitsProcessorList([clock]), **extra)
+        finally:
+            os.environ.pop("TENSORSHARD_CPP_WRAPPER", None)
         if cuda:
             torch.cuda.synchronize()
         took, step = time.perf_counter() - began, statistics.median(clock.intervals())
+        cpu = statistics.median(clock.intervals(cpu=True))
         if split:  # the slowest rank's times
-            slowest = torch.tensor([took, step], dtype=torch.float64, device=args.device)
+            slowest = torch.tensor([took, step, cpu], dtype=torch.float64, device=args.device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            took, step = slowest.tolist()
-        return took, step, out[0, args.prompt:].tolist()
+            took, step, cpu = slowest.tolist()
+        return took, step, cpu, out[0, args.prompt:].tolist()
 
     result = {"load_before": os.getloadavg()[0]}
-    result["first_call_s"], _, _ = timed(fast)  # compiles the decode step
+    result["first_call_s"], _, _, _ = timed(fast)  # compiles the decode step
     timed(paths["default"])  # warm-up
     per_token: dict[str, list[float]] = {p: [] for p in paths}
+    cpu_per_token: dict[str, list[float]] = {p: [] for p in paths}
     tokens = {}
     for _ in range(args.rounds):
         for path, extra in paths.items():  # interleaved: load drifts hit both paths alike
-            _, step, tokens[path] = timed(extra)
+            _, step, cpu, tokens[path] = timed(extra, python_wrapper=path == "fast_python_wrapper")
             per_token[path].append(step)
+            cpu_per_token[path].append(cpu)
     result.update({f"{p}_s": statistics.median(v) for p, v in per_token.items()}, tokens=tokens)
+    result.update({f"{p}_cpu_s": statistics.median(v) for p, v in cpu_per_token.items()})
+    result["rounds_s"] = per_token
     result["load_after"] = os.getloadavg()[0]
     if not split or dist.get_rank() == 0:
         with open(args.out, "w") as f:
@@ -145,13 +165,14 @@ def _job(args) -> None:
 
 
 def _run(model: str, ranks: int, *, new: int, prompt: int, rounds: int, timeout: float, threads: int = 1,
-         device: str = "cpu", balanced: bool = False) -> dict:
+         device: str = "cpu", balanced: bool = False, wrappers: bool = False) -> dict:
     """One job (`ranks` 0: the unsplit model in one process, with `threads` intra-op threads; `balanced`: the split
     with balance=True); its result."""
     args = ["--job", "--model", model, "--new", str(new), "--prompt", str(prompt), "--rounds", str(rounds)]
     args += ["--device", device]
     args += ["--split"] if ranks else ["--threads", str(threads)]
     args += ["--balanced"] if balanced else []
+    args += ["--wrappers"] if wrappers and ranks else []
     return run_script(HERE, args, ranks=ranks, timeout=timeout, env={"TORCHINDUCTOR_COMPILE_THREADS": "1"})
 
 
@@ -165,25 +186,34 @@ def _table(model: str, unsplit: dict, split: dict[int, dict], new: int, threaded
         f"{DESCRIPTIONS[model]}, batch 1, greedy, {new} new tokens, on {device}; per token (decode steps only), "
         "ratios against the unsplit fast path and unsplit eager; one intra-op thread per process unless said",
         "",
-        "| run | per token | vs unsplit fast | vs unsplit eager | first call (compile) | tokens as unsplit |",
-        "|---|---:|---:|---:|---:|---|",
-        f"| unsplit eager | {eager * 1e3:.2f} ms | {eager / fast:.2f}x | 1.00x | | yes |",
-        f"| unsplit fast (static + compile, {how}) | {fast * 1e3:.2f} ms | 1.00x | {fast / eager:.2f}x | "
-        f"{unsplit['first_call_s']:.1f} s | {_same(unsplit['tokens']['fast'], reference)} |",
+        "| run | per token | CPU per token | vs unsplit fast | vs unsplit eager | first call (compile) | tokens as unsplit |",
+        "|---|---:|---:|---:|---:|---:|---|",
+        f"| unsplit eager | {eager * 1e3:.2f} ms | {_cpu(unsplit, 'default')} | {eager / fast:.2f}x | 1.00x | | yes |",
+        f"| unsplit fast (static + compile, {how}) | {fast * 1e3:.2f} ms | {_cpu(unsplit, 'fast')} | 1.00x | "
+        f"{fast / eager:.2f}x | {unsplit['first_call_s']:.1f} s | {_same(unsplit['tokens']['fast'], reference)} |",
     ]
     for threads, r in sorted((threaded or {}).items()):
         s = r["fast_s"]
-        lines.append(f"| unsplit fast, {threads} intra-op threads | {s * 1e3:.2f} ms | {s / fast:.2f}x | {s / eager:.2f}x | "
-                     f"{r['first_call_s']:.1f} s | {_same(r['tokens']['fast'], reference)} |")
+        lines.append(f"| unsplit fast, {threads} intra-op threads | {s * 1e3:.2f} ms | {_cpu(r, 'fast')} | {s / fast:.2f}x | "
+                     f"{s / eager:.2f}x | {r['first_call_s']:.1f} s | {_same(r['tokens']['fast'], reference)} |")
     rows = [(ranks, r, "") for ranks, r in sorted(split.items())]
     rows += [(ranks, r, ", balanced") for ranks, r in sorted((balanced or {}).items())]
+    labels = (("default", "split default"), ("fast", "split fast (static + compile)"),
+              ("fast_python_wrapper", "split fast, Python wrapper"))
     for ranks, r, kind in rows:
-        for path, label in (("default", "split default"), ("fast", "split fast (static + compile)")):
+        for path, label in labels:
+            if f"{path}_s" not in r:
+                continue
             first = f"{r['first_call_s']:.1f} s" if path == "fast" else ""
             s = r[f"{path}_s"]
-            lines.append(f"| {label}, {ranks} ranks{kind} | {s * 1e3:.2f} ms | {s / fast:.2f}x | {s / eager:.2f}x | "
-                         f"{first} | {_same(r['tokens'][path], reference)} |")
+            lines.append(f"| {label}, {ranks} ranks{kind} | {s * 1e3:.2f} ms | {_cpu(r, path)} | {s / fast:.2f}x | "
+                         f"{s / eager:.2f}x | {first} | {_same(r['tokens'][path], reference)} |")
     return "\n".join(lines)
+
+
+def _cpu(result: dict, path: str) -> str:
+    cpu = result.get(f"{path}_cpu_s")
+    return f"{cpu * 1e3:.2f} ms" if cpu is not None else ""
 
 
 def _same(tokens: list, reference: list) -> str:
@@ -208,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo ranks) or cuda (NCCL ranks)")
     parser.add_argument("--balance", action="store_true", help="also run each split with balance=True (a job of its own)")
+    parser.add_argument("--wrappers", action="store_true",
+                        help="also run each split fast path on inductor's Python wrapper (TENSORSHARD_CPP_WRAPPER=0), interleaved")
+    parser.add_argument("--no-threaded", action="store_true", help="leave out the unsplit fast path at N intra-op threads")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--balanced", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
@@ -230,8 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     settings = dict(new=args.new, prompt=args.prompt, rounds=args.rounds, timeout=args.timeout, device=args.device)
     unsplit = _run(args.model, 0, **settings)
     threaded = {n: _run(args.model, 0, threads=n, **settings) for n in sorted(set(args.ranks))
-                if n > 1 and args.device == "cpu"}
-    split = {n: _run(args.model, n, **settings) for n in args.ranks}
+                if n > 1 and args.device == "cpu" and not args.no_threaded}
+    split = {n: _run(args.model, n, wrappers=args.wrappers, **settings) for n in args.ranks}
     balanced = {n: _run(args.model, n, balanced=True, **settings) for n in args.ranks} if args.balance else {}
     print(_table(args.model, unsplit, split, args.new, threaded, device=args.device, balanced=balanced))
     print(f"load average after: {os.getloadavg()}")

@@ -70,38 +70,70 @@ def test_compiled_forward_gives_the_unsplit_logits_with_the_collectives_in_the_g
 
 
 def generate_static_task() -> dict:
-    """generate()'s own path on a split model, as a user calls it: static cache, default CompileConfig (inductor)."""
+    """generate()'s own path on a split model, as a user calls it: static cache, default CompileConfig (inductor).
+    Later tokens call the learnt graph built with inductor's C++ wrapper (engines/torchrun/cpp_step.py), and its
+    Python wrapper's graph with TENSORSHARD_CPP_WRAPPER=0."""
+    import os
+
+    from tensorshard.engines.torchrun import cpp_step, direct_step
     from tensorshard.engines.torchrun.decoding import compiled_graphs
 
     _fresh_dynamo()
-    logged, stop_logging = log_messages("tensorshard.engines.torchrun.decoding", logging.INFO)
+    logged, stop_logging = log_messages("tensorshard.engines.torchrun", logging.INFO)
     ref, model = _split_pair()
     ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
     settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        expected = ref.generate(ids, **settings)  # the unsplit model, its default (dynamic) cache, eager
-        before = compiled_graphs()
-        first = model.generate(ids, cache_implementation="static", **settings)
-        after_first = compiled_graphs()
-        with tp.count_collectives() as counted, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            second = model.generate(ids, cache_implementation="static", **settings)
-        with tp.count_collectives() as eager:
-            model.generate(ids, cache_implementation="static", disable_compile=True, **settings)
+    ran: list[str] = []  # per direct step: which wrapper's graph it called
+    call = direct_step.DirectStep.__call__
+
+    def spy(self, args, kwargs):
+        ran.append("C++" if self.cpp is not None and self.graph() is self.cpp else "Python")
+        return call(self, args, kwargs)
+
+    direct_step.DirectStep.__call__ = spy
+    try:
+        with torch.no_grad():
+            expected = ref.generate(ids, **settings)  # the unsplit model, its default (dynamic) cache, eager
+            before = compiled_graphs()
+            first = model.generate(ids, cache_implementation="static", **settings)
+            after_first = compiled_graphs()
+            del ran[:]
+            with tp.count_collectives() as counted, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                second = model.generate(ids, cache_implementation="static", **settings)
+            wrappers = [list(ran)]
+            with tp.count_collectives() as eager:
+                model.generate(ids, cache_implementation="static", disable_compile=True, **settings)
+            del ran[:]
+            os.environ[cpp_step.ENV] = "0"
+            try:
+                with tp.count_collectives() as python_wrapper:
+                    third = model.generate(ids, cache_implementation="static", **settings)
+            finally:
+                del os.environ[cpp_step.ENV]
+            wrappers.append(list(ran))
+    finally:
+        direct_step.DirectStep.__call__ = call
     stop_logging()
     called = sorted({e.name for e in prof.events() if e.name.startswith("tensorshard::")})
-    return {"tokens": [first.tolist(), second.tolist()], "expected": expected.tolist(), "logged": logged,
-            "graphs": [after_first - before, compiled_graphs() - after_first], "called": called,
-            "counts": [counted.counts, eager.counts], "native": native.available()}
+    return {"tokens": [first.tolist(), second.tolist(), third.tolist()], "expected": expected.tolist(), "logged": logged,
+            "graphs": [after_first - before, compiled_graphs() - after_first], "called": called, "wrappers": wrappers,
+            "counts": [counted.counts, eager.counts, python_wrapper.counts], "native": native.available()}
 
 
 def test_generate_with_a_static_cache_compiles_the_decode_step_and_gives_the_unsplit_tokens(pool2):
     results = pool2.run(generate_static_task, timeout=INDUCTOR_TASK)
     for rank, out in enumerate(results):
-        assert out["tokens"] == [out["expected"]] * 2
+        assert out["tokens"] == [out["expected"]] * 3
         assert out["graphs"][0] >= 1 and out["graphs"][1] == 0  # compiled once, the second generate reuses it
-        assert out["counts"][0] == out["counts"][1]  # the compiled steps' collectives counted as the eager ones
+        # the compiled steps' collectives counted as the eager ones, on either wrapper
+        assert out["counts"][0] == out["counts"][1] == out["counts"][2]
         if out["native"]:  # the decode step's collectives are the C++ ops (comm/native/): none enters Python
             assert out["called"] == ["tensorshard::native_all_gather", "tensorshard::native_all_reduce"], out["called"]
+            # 4 decode steps per generate, learnt in the first: every one called directly, on the C++ wrapper's graph
+            # (one C++ call per token: cpp_step.py), then on the Python wrapper's with TENSORSHARD_CPP_WRAPPER=0
+            assert out["wrappers"] == [["C++"] * 4, ["Python"] * 4], out["wrappers"]
+            built = [line for line in out["logged"] if line.startswith("built the decode step of LlamaForCausalLM with inductor's C++")]
+            assert len(built) == (1 if rank == 0 else 0), out["logged"]
         compiled = [line for line in out["logged"] if line.startswith("compiled the decode step of LlamaForCausalLM")]
         assert len(compiled) == (1 if rank == 0 else 0), out["logged"]  # rank 0 logs it, with its duration
         if compiled:

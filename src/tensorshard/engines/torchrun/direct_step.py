@@ -36,7 +36,9 @@ dynamo while it compiles the graph, attributes of existing objects set to consta
 call too (a decode step sets three: transformers' output-capturing context reset, `comm.end_traced_call`'s reset);
 a graph with any other side effect stays with dynamo. An int input (dynamic shapes) is read from the tensor input
 dynamo read it from (a size, stride or offset).
-The collectives are the graph's own operators: `tp.count_collectives()` counts them as before.
+The collectives are the graph's own operators: `tp.count_collectives()` counts them as before. Where inductor
+compiled the graph and it calls only aten, prims and the native collectives, the learnt step also builds it with
+inductor's C++ wrapper (cpp_step.py), and later calls run that one: a token is one C++ call, no Python per kernel.
 ``TENSORSHARD_DIRECT_STEP=0`` leaves every call to dynamo (to compare, or to rule this out); GPU ranks (CUDA graphs,
 functional collectives) keep dynamo's path.
 """
@@ -56,6 +58,7 @@ from torch.distributed.tensor import DTensor
 
 from ...logs import get_logger
 from ...registrations import registrations
+from . import cpp_step
 
 try:  # what dynamo knows of a frame's side effects as it compiles (torch 2.13's names; `_stores` says None without)
     from torch._dynamo.symbolic_convert import InstructionTranslator
@@ -89,7 +92,9 @@ class _Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         stores = _stores()  # (while dynamo's translator of this frame is current)
-        return _Graph(self.inner(gm, example_inputs), _sizes(gm, example_inputs), stores).wrapper()
+        # inductor's graphs keep their FX graph and settings: a learnt step may build it again with the C++ wrapper
+        again = (gm, self.inner.config) if isinstance(self.inner, torch._TorchCompileInductorWrapper) else None
+        return _Graph(self.inner(gm, example_inputs), _sizes(gm, example_inputs), stores, again).wrapper()
 
     def reset(self) -> None:
         reset = getattr(self.inner, "reset", None)
@@ -152,8 +157,10 @@ def _stores() -> list[tuple[Any, str, Any]] | None:
 class _Graph:
     """One compiled graph as dynamo calls it, noting its inputs and outputs while a call is watched."""
 
-    def __init__(self, compiled: Callable[..., Any], sizes: list | None, stores: list | None) -> None:
+    def __init__(self, compiled: Callable[..., Any], sizes: list | None, stores: list | None,
+                 again: tuple[torch.fx.GraphModule, dict] | None = None) -> None:
         self.compiled, self.sizes, self.stores = compiled, sizes, stores
+        self.again = again  # (the FX graph, inductor's settings): what cpp_step.py builds with the C++ wrapper
 
     def wrapper(self) -> Callable[..., Any]:
         compiled = self.compiled
@@ -228,6 +235,7 @@ class DirectSteps:
             sources = _sources(self.model, self.state, inputs, args, kwargs, {i for i, *_ in graph.sizes})
             self.steps[key] = DirectStep(graph.compiled, sources, graph.sizes, graph.stores,
                                          [_dtype(x) for x in inputs], _fields(out, outputs, args, kwargs), type(out))
+            self.steps[key].cpp = cpp_step.build(graph.again, inputs, dynamic=bool(graph.sizes), model=self.model)
         except _NotDirect as why:
             self.refused.add(key)
             logger.debug("the compiled decode step of %s stays with dynamo for this kind of call: %s",
@@ -270,6 +278,11 @@ class DirectStep:
                  stores: list, dtypes: list, fields: dict[str, tuple], output_type: type) -> None:
         self.compiled, self.sources, self.sizes, self.stores, self.dtypes = compiled, sources, sizes, stores, dtypes
         self.fields, self.output_type = fields, output_type
+        self.cpp: Callable[..., Any] | None = None  # the same graph built with inductor's C++ wrapper (cpp_step.py)
+
+    def graph(self) -> Callable[..., Any]:
+        """The compiled graph a call runs now: the C++-wrapper one where it was built and is not switched off."""
+        return self.cpp if self.cpp is not None and cpp_step.enabled() else self.compiled
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         """The call (the caller checked, as for skipping the guards, that the local views could be put in place:
@@ -281,7 +294,7 @@ class DirectStep:
             return None  # a weight of another mesh, or a dtype changed (`.half()`): dynamo's path decides
         for i, j, prop, dim in self.sizes:  # dynamic shapes: a size (stride, offset) of a tensor input
             inputs[i] = getattr(inputs[j], prop)() if dim is None else getattr(inputs[j], prop)(dim)
-        outputs = self.compiled(*inputs)
+        outputs = self.graph()(*inputs)
         for owner, name, value in self.stores:  # what dynamo's code sets after the graph
             setattr(owner, name, value)
         return self.output_type(**{name: _field(how, outputs, args, kwargs) for name, how in self.fields.items()})
