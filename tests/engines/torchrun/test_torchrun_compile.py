@@ -87,20 +87,23 @@ def generate_static_task() -> dict:
     call = direct_step.DirectStep.__call__
 
     def spy(self, args, kwargs):
-        ran.append("C++" if self.cpp is not None and self.graph() is self.cpp else "Python")
-        return call(self, args, kwargs)
+        out = call(self, args, kwargs)
+        ran.append("C++" if self.cpp is not None and self.graph() is self.cpp else "Python")  # (the graph it ran)
+        return out
 
     direct_step.DirectStep.__call__ = spy
+    build_after, cpp_step.BUILD_AFTER = cpp_step.BUILD_AFTER, 2  # (64 tokens: the test's kind is built at its 3rd)
     try:
         with torch.no_grad():
             expected = ref.generate(ids, **settings)  # the unsplit model, its default (dynamic) cache, eager
             before = compiled_graphs()
             first = model.generate(ids, cache_implementation="static", **settings)
             after_first = compiled_graphs()
+            wrappers = [list(ran)]
             del ran[:]
             with tp.count_collectives() as counted, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 second = model.generate(ids, cache_implementation="static", **settings)
-            wrappers = [list(ran)]
+            wrappers.append(list(ran))
             with tp.count_collectives() as eager:
                 model.generate(ids, cache_implementation="static", disable_compile=True, **settings)
             del ran[:]
@@ -113,6 +116,7 @@ def generate_static_task() -> dict:
             wrappers.append(list(ran))
     finally:
         direct_step.DirectStep.__call__ = call
+        cpp_step.BUILD_AFTER = build_after
     stop_logging()
     called = sorted({e.name for e in prof.events() if e.name.startswith("tensorshard::")})
     return {"tokens": [first.tolist(), second.tolist(), third.tolist()], "expected": expected.tolist(), "logged": logged,
@@ -129,9 +133,10 @@ def test_generate_with_a_static_cache_compiles_the_decode_step_and_gives_the_uns
         assert out["counts"][0] == out["counts"][1] == out["counts"][2]
         if out["native"]:  # the decode step's collectives are the C++ ops (comm/native/): none enters Python
             assert out["called"] == ["tensorshard::native_all_gather", "tensorshard::native_all_reduce"], out["called"]
-            # 4 decode steps per generate, learnt in the first: every one called directly, on the C++ wrapper's graph
-            # (one C++ call per token: cpp_step.py), then on the Python wrapper's with TENSORSHARD_CPP_WRAPPER=0
-            assert out["wrappers"] == [["C++"] * 4, ["Python"] * 4], out["wrappers"]
+            # 4 decode steps per generate: the first generate's last two called directly on the Python wrapper's
+            # graph (BUILD_AFTER 2 here), the C++ one built at the next (cpp_step.py: one C++ call per token) and run
+            # from then on; the Python wrapper's again with TENSORSHARD_CPP_WRAPPER=0
+            assert out["wrappers"] == [["Python"] * 2, ["C++"] * 4, ["Python"] * 4], out["wrappers"]
             built = [line for line in out["logged"] if line.startswith("built the decode step of LlamaForCausalLM with inductor's C++")]
             assert len(built) == (1 if rank == 0 else 0), out["logged"]
         compiled = [line for line in out["logged"] if line.startswith("compiled the decode step of LlamaForCausalLM")]

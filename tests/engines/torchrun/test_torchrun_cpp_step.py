@@ -51,14 +51,19 @@ def test_only_graphs_of_aten_prims_and_native_collectives_run_without_python():
         assert cpp_step.why_not(fx.symbolic_trace(collective)) is None
 
 
-def test_nothing_is_built_for_another_backend_dynamic_shapes_or_when_switched_off(monkeypatch):
-    gm = fx.symbolic_trace(lambda x: torch.relu(x))
-    model, x = nn.Linear(2, 2), torch.ones(2)
-    assert cpp_step.build(None, [x], dynamic=False, model=model) is None  # ("eager", "aot_eager": no inductor graph)
-    assert cpp_step.build((gm, {}), [x], dynamic=True, model=model) is None  # (an int input: a dynamic size)
+def test_no_candidate_for_another_backend_dynamic_shapes_or_a_python_operator():
+    gm, x = fx.symbolic_trace(lambda x: torch.relu(x)), torch.ones(2)
+    assert cpp_step.candidate((gm, {}), [x], dynamic=False, name="M") == (gm, {})
+    assert cpp_step.candidate(None, [x], dynamic=False, name="M") is None  # ("eager", "aot_eager": no inductor graph)
+    assert cpp_step.candidate((gm, {}), [x], dynamic=True, name="M") is None  # (an int input: a dynamic size)
+    python_op = fx.symbolic_trace(lambda x: torch.ops.tensorshard_test.python_double.default(x))
+    assert cpp_step.candidate((python_op, {}), [x], dynamic=False, name="M") is None
+
+
+def test_the_switch_is_read_at_each_call(monkeypatch):
+    assert cpp_step.enabled()
     monkeypatch.setenv(cpp_step.ENV, "0")
     assert not cpp_step.enabled()
-    assert cpp_step.build((gm, {}), [x], dynamic=False, model=model) is None
 
 
 def _learn_and_run(model: nn.Module):
@@ -84,5 +89,5 @@ def _learn_and_run(model: nn.Module):
 @pytest.mark.timeout(300)
 def test_a_graph_holding_a_python_operator_keeps_the_python_wrapper_and_still_runs_directly():
     step, got, expected = _learn_and_run(_Step(python_op=True))
-    assert step.cpp is None and step.graph() is step.compiled  # no C++ wrapper built for it
+    assert step.pending is None and step.cpp is None and step.graph() is step.compiled  # no C++ wrapper to build
     torch.testing.assert_close(got["y"], expected["y"])  # fp32, inductor's fused kernels: a few ulps

@@ -1,7 +1,8 @@
 """A learnt torchrun decode step's graph built again with inductor's C++ wrapper: a later token is one C++ call.
 
-    run = cpp_step.build((gm, inductor_settings), inputs, dynamic=False, model=model)   # None: keep the Python one
-    outputs = run(*inputs)                         # direct_step.py's call, while `enabled()`
+    again = cpp_step.candidate((gm, inductor_settings), inputs, dynamic=False, name="LlamaForCausalLM")
+    run = cpp_step.build(again, inputs, name="LlamaForCausalLM")  # after BUILD_AFTER direct calls (None: failed)
+    outputs = run(*inputs)                                          # direct_step.py's call, while `enabled()`
 
 Once a kind of call is learnt (direct_step.py), its token is the compiled graph called by the engine. Inductor's
 default wrapper is Python: for SmolLM2-135M's shape at 2 ranks, each token runs ~400 extern kernel calls and ~900
@@ -17,9 +18,11 @@ inductor graph), runs them without Python. Built when:
   library is not built) keeps the Python wrapper: its call would enter Python from C++ anyway;
 - ``TENSORSHARD_CPP_WRAPPER`` is not "0" (read at each call too: "0" runs the Python wrapper's graph, to compare).
 
-A build that fails keeps the Python wrapper (logged as a warning). The build is paid once per machine (inductor's
-cache): cold, the C++ wrapper is a long function (~4000 lines for SmolLM2's shape) compiled apart from the kernels;
-docs/generation.md has the figures.
+The build waits until the kind has run `BUILD_AFTER` tokens directly on the Python wrapper's graph (a kind in use,
+not a one-off short call), then happens in that call, once per process and kind, logged at INFO; inductor's cache
+keeps it for later processes (cold, the C++ wrapper is a long function, ~4000 lines for SmolLM2's shape, compiled
+apart from the kernels: minutes; warm, ~2 s; docs/generation.md has the figures). A build that fails keeps the
+Python wrapper (logged as a warning).
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ from ..inductor_cache import CacheUse
 logger = get_logger(__name__)
 
 ENV = "TENSORSHARD_CPP_WRAPPER"  # "0": the Python wrapper's graph (the in-process engine's switch too)
+# Direct calls of a kind on the Python wrapper's graph before its C++ one is built: the build costs ~2 s with
+# inductor's cache warm and minutes cold (SmolLM2's shape), and saves ~2 ms of CPU per token, so a one-off short
+# generate() never pays it and the first call stays what it was; a kind in use pays it once, at its 65th token.
+BUILD_AFTER = 64
 _NAMESPACES = {"aten", "prims"}  # operators inductor lowers or calls as C++ kernels
 
 
@@ -62,21 +69,26 @@ def why_not(gm: fx.GraphModule) -> str | None:
     return None
 
 
-def build(again: tuple[fx.GraphModule, dict] | None, inputs: Sequence[Any], *, dynamic: bool,
-          model: torch.nn.Module) -> Callable[..., Any] | None:
-    """The graph `again` holds (dynamo's FX graph and inductor's settings, None for another backend) built with
-    the C++ wrapper for `inputs` (a learnt call's graph inputs: real tensors); None where it is not built (see the
-    module doc), with the reason at DEBUG."""
-    if again is None or not enabled():
+def candidate(again: tuple[fx.GraphModule, dict] | None, inputs: Sequence[Any], *, dynamic: bool,
+              name: str) -> tuple[fx.GraphModule, dict] | None:
+    """`again` (dynamo's FX graph and inductor's settings; None for another backend) where the graph of a learnt
+    call with these graph `inputs` can be built with the C++ wrapper (see the module doc); else None, with the
+    reason at DEBUG."""
+    if again is None:
         return None
-    gm, settings = again
-    why = "its shapes are dynamic (an int input)" if dynamic else why_not(gm)
+    why = "its shapes are dynamic (an int input)" if dynamic else why_not(again[0])
     if why is None and not all(isinstance(x, torch.Tensor) for x in inputs):
         why = "an input is not a tensor"
-    name = type(model).__name__
     if why is not None:
         logger.debug("the decode step of %s keeps inductor's Python wrapper: %s", name, why)
         return None
+    return again
+
+
+def build(again: tuple[fx.GraphModule, dict], inputs: Sequence[Any], *, name: str) -> Callable[..., Any] | None:
+    """The graph `again` holds (a `candidate`) built with the C++ wrapper for `inputs` (a call's graph inputs: real
+    tensors); None where the build fails (logged: the Python wrapper's graph goes on)."""
+    gm, settings = again
     began, cache = time.perf_counter(), CacheUse()
     # (CUDA graphs, "reduce-overhead"'s, do not apply to CPU ranks, and inductor refuses them beside the C++ wrapper)
     settings = {k: v for k, v in settings.items() if not k.startswith("triton.cudagraph")}
@@ -87,6 +99,7 @@ def build(again: tuple[fx.GraphModule, dict] | None, inputs: Sequence[Any], *, d
                        name, type(error).__name__, error)
         return None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.info("built the decode step of %s with inductor's C++ wrapper in %.1f s (%s); later tokens of this "
-                    "kind call it (%s=0 keeps the Python wrapper)", name, time.perf_counter() - began, cache.since(), ENV)
+        logger.info("built the decode step of %s with inductor's C++ wrapper in %.1f s (%s), after %d tokens of this "
+                    "kind; later tokens call it (%s=0 keeps the Python wrapper)", name, time.perf_counter() - began,
+                    cache.since(), BUILD_AFTER, ENV)
     return compiled

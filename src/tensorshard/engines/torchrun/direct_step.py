@@ -37,8 +37,9 @@ call too (a decode step sets three: transformers' output-capturing context reset
 a graph with any other side effect stays with dynamo. An int input (dynamic shapes) is read from the tensor input
 dynamo read it from (a size, stride or offset).
 The collectives are the graph's own operators: `tp.count_collectives()` counts them as before. Where inductor
-compiled the graph and it calls only aten, prims and the native collectives, the learnt step also builds it with
-inductor's C++ wrapper (cpp_step.py), and later calls run that one: a token is one C++ call, no Python per kernel.
+compiled the graph and it calls only aten, prims and the native collectives, the learnt step builds it again with
+inductor's C++ wrapper once the kind has run `cpp_step.BUILD_AFTER` tokens directly, and later calls run that one:
+a token is then one C++ call, no Python per kernel (cpp_step.py).
 ``TENSORSHARD_DIRECT_STEP=0`` leaves every call to dynamo (to compare, or to rule this out); GPU ranks (CUDA graphs,
 functional collectives) keep dynamo's path.
 """
@@ -235,7 +236,9 @@ class DirectSteps:
             sources = _sources(self.model, self.state, inputs, args, kwargs, {i for i, *_ in graph.sizes})
             self.steps[key] = DirectStep(graph.compiled, sources, graph.sizes, graph.stores,
                                          [_dtype(x) for x in inputs], _fields(out, outputs, args, kwargs), type(out))
-            self.steps[key].cpp = cpp_step.build(graph.again, inputs, dynamic=bool(graph.sizes), model=self.model)
+            self.steps[key].name = type(self.model).__name__
+            self.steps[key].pending = cpp_step.candidate(graph.again, inputs, dynamic=bool(graph.sizes),
+                                                          name=type(self.model).__name__)
         except _NotDirect as why:
             self.refused.add(key)
             logger.debug("the compiled decode step of %s stays with dynamo for this kind of call: %s",
@@ -279,6 +282,9 @@ class DirectStep:
         self.compiled, self.sources, self.sizes, self.stores, self.dtypes = compiled, sources, sizes, stores, dtypes
         self.fields, self.output_type = fields, output_type
         self.cpp: Callable[..., Any] | None = None  # the same graph built with inductor's C++ wrapper (cpp_step.py)
+        self.pending: tuple | None = None  # what cpp_step.build builds it from, until it is built (or fails)
+        self.calls = 0  # direct calls while it is pending
+        self.name = output_type.__name__  # (the model's class name, for the log: DirectSteps.learn sets it)
 
     def graph(self) -> Callable[..., Any]:
         """The compiled graph a call runs now: the C++-wrapper one where it was built and is not switched off."""
@@ -294,6 +300,10 @@ class DirectStep:
             return None  # a weight of another mesh, or a dtype changed (`.half()`): dynamo's path decides
         for i, j, prop, dim in self.sizes:  # dynamic shapes: a size (stride, offset) of a tensor input
             inputs[i] = getattr(inputs[j], prop)() if dim is None else getattr(inputs[j], prop)(dim)
+        if self.pending is not None and cpp_step.enabled():
+            self.calls += 1
+            if self.calls > cpp_step.BUILD_AFTER:  # a kind in use: its C++ wrapper's graph, built once (cpp_step.py)
+                self.cpp, self.pending = cpp_step.build(self.pending, inputs, name=self.name), None
         outputs = self.graph()(*inputs)
         for owner, name, value in self.stores:  # what dynamo's code sets after the graph
             setattr(owner, name, value)
