@@ -24,8 +24,8 @@ models are benchmarks/suite/decoding_models.py's):
   with TENSORSHARD_NATIVE=0, comm/dist_ops.py's Python operators, as before them; benchmarks/decode_collectives.py
   compares the two in one job)
 - with `--wrappers`, split fast, Python wrapper: the same job's fast path with TENSORSHARD_CPP_WRAPPER=0 between its
-  calls (engines/torchrun/cpp_step.py: later tokens then run inductor's Python-wrapper graph instead of the C++ one),
-  interleaved with the other rows' rounds
+  calls (engines/torchrun/cpp_step.py: later tokens then run inductor's Python-wrapper graph instead of the C++ one,
+  which a kind gets after 64 tokens: two fast calls of warm-up go past that), interleaved with the other rows' rounds
 - with `--balance`, split balanced default / fast: a job of its own with `tp.parallelize(..., balance=True)`
   (plans/balance.py: the MLP evens out each rank's weights where the heads split unevenly)
 
@@ -142,6 +142,8 @@ def _job(args) -> None:
     result = {"load_before": os.getloadavg()[0]}
     result["first_call_s"], _, _, _ = timed(fast)  # compiles the decode step
     timed(paths["default"])  # warm-up
+    for _ in range(2):  # ... and past 64 tokens of the fast kind: under torchrun its C++-wrapper graph is built then
+        timed(fast)  # (engines/torchrun/cpp_step.py BUILD_AFTER), so the rounds below time the graph a kind in use runs
     per_token: dict[str, list[float]] = {p: [] for p in paths}
     cpu_per_token: dict[str, list[float]] = {p: [] for p in paths}
     tokens = {}
