@@ -22,7 +22,9 @@ The build waits until the kind has run `BUILD_AFTER` tokens directly on the Pyth
 not a one-off short call), then happens in that call, once per process and kind, logged at INFO; inductor's cache
 keeps it for later processes (cold, the C++ wrapper is a long function, ~4000 lines for SmolLM2's shape, compiled
 apart from the kernels: minutes; warm, ~2 s; docs/generation.md has the figures). A build that fails keeps the
-Python wrapper (logged as a warning).
+Python wrapper (logged as a warning). Every rank builds at the same token (they count the same calls), each its own
+graph; a rank whose build ends first waits for the others at the graph's first collective, within the group's time
+limit (300 s by default), as at the first call's compile.
 """
 
 from __future__ import annotations
