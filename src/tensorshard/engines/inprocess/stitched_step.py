@@ -32,8 +32,7 @@ from torch import fx, nn
 from ...comm import thread_ops as collectives
 from ...comm.counter import record
 from ...comm.native.cpp_graphs import inductor_compile
-# (Argument, CacheTensor, Item and Weight: the sources a Capture holds, importable from here as before)
-from ..graph_inputs import Argument, CacheTensor, InputReader, Item, Source, Weight, build_output, output_builder
+from ..graph_inputs import Argument, InputReader, Source, build_output, output_builder
 
 _ALL_REDUCE, _ALL_GATHER = collectives.all_reduce, collectives.all_gather
 
