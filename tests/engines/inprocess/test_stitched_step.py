@@ -129,7 +129,7 @@ def test_the_input_reader_finds_what_each_source_finds_and_sees_a_replaced_weigh
     weight replaced in its module's table is the new one at the next call."""
     from types import SimpleNamespace
 
-    from tensorshard.engines.inprocess.stitched_step import Argument, CacheTensor, InputReader, Item, Weight
+    from tensorshard.engines.graph_inputs import Argument, CacheTensor, InputReader, Item, Weight
 
     linear = torch.nn.Linear(3, 2)
     cache = SimpleNamespace(layers=[SimpleNamespace(keys=torch.zeros(1), values=torch.ones(1)) for _ in range(2)])

@@ -46,8 +46,9 @@ from torch import fx
 from ...comm import thread_ops
 from ...comm.native import cpp_graphs
 from ...comm.native import ops as native
+from ..graph_inputs import InputReader, build_output, output_builder
 from .step_threads import StepThreads
-from .stitched_step import Capture, InputReader, StitchError, build_output, output_builder
+from .stitched_step import Capture, StitchError
 
 
 # Inductor's C++ wrapper for each shard's graph (with the native collectives; see the docstring). TENSORSHARD_CPP_WRAPPER=0

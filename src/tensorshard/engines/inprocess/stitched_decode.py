@@ -42,10 +42,11 @@ from ...logs import get_logger
 from ...registrations import registrations
 from ..aliasing_guards import aliasing_guards_in_cpp
 from ..class_forwards import class_forwards
+from ..graph_inputs import NotLocated, locate_inputs, output_fields
 from ..inductor_cache import CacheUse
 from .boundary import to_device
 from .parallel_step import ParallelStep
-from .stitched_step import Capture, StitchError, StitchedStep, locate_inputs, output_fields, segments, stitch
+from .stitched_step import Capture, StitchError, StitchedStep, segments, stitch
 
 logger = get_logger(__name__)
 
@@ -131,7 +132,7 @@ class Stitcher:
                 if capture.output_type is None:
                     try:
                         capture.fields, capture.output_type = output_fields(out, capture.last_outputs, own[rank]), type(out)
-                    except StitchError as error:
+                    except NotLocated as error:
                         self._refuse(kind, f"shard {rank}: {error}")
             return self.rewrap(out, shard_kwargs)
 
@@ -189,7 +190,7 @@ class Stitcher:
             else:
                 try:
                     capture = Capture(gm, locate_inputs(self.model.module_shards[rank], own[rank], example_inputs, _input_names(gm)))
-                except StitchError as error:
+                except NotLocated as error:
                     why = f"shard {rank}: {error}"
             if why is not None:
                 self._refuse(kind, why)

@@ -20,8 +20,8 @@ the same for the one graph of a torchrun rank:
 2. a call of a kind (unguarded.py's key) run with every guard that compiled nothing and ran exactly one graph is
    the proof of which graph serves that kind: each graph input is found again by identity (a weight's local view,
    named by its module's table and its DTensor's layout; a tensor argument; a tensor of a cache layer), and each
-   field of the output is a graph output or an argument (the cache); anything else and the kind stays with dynamo
-   (logged at DEBUG);
+   field of the output is a graph output or an argument (the cache), as the in-process engine finds its shards'
+   (engines/graph_inputs.py); anything else and the kind stays with dynamo (logged at DEBUG);
 3. later calls of that kind, where unguarded.py would skip the guards, run the graph with the inputs read afresh:
    each weight's local view is kept from one call to the next while its DTensor and its local tensor are the
    same objects (a weight replaced, or its local tensor, makes a new view), every input's dtype is checked
@@ -55,10 +55,10 @@ from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ...logs import get_logger
 from ...registrations import registrations
+from ..graph_inputs import InputReader, NotLocated, build_output, call_arguments, locate_inputs, output_builder, output_fields
 from . import cpp_step
 
 try:  # what dynamo knows of a frame's side effects as it compiles (torch 2.13's names; `_stores` says None without)
@@ -233,13 +233,18 @@ class DirectSteps:
                 raise _NotDirect("an int input of the graph is not a size, stride or offset of a tensor input")
             if graph.stores is None:
                 raise _NotDirect("the step has Python side effects other than attributes set to constants")
-            sources = _sources(self.model, self.state, inputs, args, kwargs, {i for i, *_ in graph.sizes})
-            self.steps[key] = DirectStep(graph.compiled, sources, graph.sizes, graph.stores,
-                                         [_dtype(x) for x in inputs], _fields(out, outputs, args, kwargs), type(out))
+            arguments = call_arguments(args, kwargs)
+            # each split weight's layout, by its module's table and name: the graph read its local view
+            layouts = {(id(getattr(owner, table)), name): layout
+                       for _, entries in self.state.views.swaps for owner, table, name, layout, _ in entries}
+            sources = locate_inputs(self.model, arguments, inputs, local_views=layouts, mesh=self.state.mesh,
+                                    sizes={i for i, *_ in graph.sizes})
+            self.steps[key] = DirectStep(graph.compiled, InputReader(sources), graph.sizes, graph.stores,
+                                         [_dtype(x) for x in inputs], output_fields(out, outputs, arguments), type(out))
             self.steps[key].name = type(self.model).__name__
             self.steps[key].pending = cpp_step.candidate(graph.again, inputs, dynamic=bool(graph.sizes),
                                                           name=type(self.model).__name__)
-        except _NotDirect as why:
+        except (_NotDirect, NotLocated) as why:
             self.refused.add(key)
             logger.debug("the compiled decode step of %s stays with dynamo for this kind of call: %s",
                          type(self.model).__name__, why)
@@ -275,12 +280,13 @@ class _NotDirect(Exception):
 
 
 class DirectStep:
-    """One kind of call's compiled graph, how to find its inputs again, and how to build the call's output."""
+    """One kind of call's compiled graph, how to find its inputs again, and how to build the call's output
+    (engines/graph_inputs.py)."""
 
-    def __init__(self, compiled: Callable[..., Any], sources: list[Callable[[tuple, dict], Any]], sizes: list,
-                 stores: list, dtypes: list, fields: dict[str, tuple], output_type: type) -> None:
-        self.compiled, self.sources, self.sizes, self.stores, self.dtypes = compiled, sources, sizes, stores, dtypes
-        self.fields, self.output_type = fields, output_type
+    def __init__(self, compiled: Callable[..., Any], read: InputReader, sizes: list, stores: list, dtypes: list,
+                 fields: dict[str, Any], output_type: type) -> None:
+        self.compiled, self.read, self.sizes, self.stores, self.dtypes = compiled, read, sizes, stores, dtypes
+        self.fields, self.output_type = output_builder(fields), output_type
         self.cpp: Callable[..., Any] | None = None  # the same graph built with inductor's C++ wrapper (cpp_step.py)
         self.pending: tuple | None = None  # what cpp_step.build builds it from, until it is built (or fails)
         self.calls = 0  # direct calls while it is pending
@@ -293,7 +299,8 @@ class DirectStep:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         """The call (the caller checked, as for skipping the guards, that the local views could be put in place:
         no gradients, no split module training); None, with nothing run, where an input is not as learnt."""
-        inputs = [read(args, kwargs) for read in self.sources]
+        arguments = call_arguments(args, kwargs)
+        inputs = self.read(arguments)
         # (`None in inputs` would compare every tensor with None through torch's __eq__: milliseconds)
         dtypes = [x.dtype for x in inputs] if not self.sizes else [_dtype(x) for x in inputs]
         if any(x is None for x in inputs) or dtypes != self.dtypes:
@@ -307,114 +314,8 @@ class DirectStep:
         outputs = self.graph()(*inputs)
         for owner, name, value in self.stores:  # what dynamo's code sets after the graph
             setattr(owner, name, value)
-        return self.output_type(**{name: _field(how, outputs, args, kwargs) for name, how in self.fields.items()})
-
-
-def _field(how: tuple, outputs: Any, args: tuple, kwargs: dict) -> Any:
-    kind, where = how
-    if kind == "output":
-        return outputs[where]
-    return kwargs[where] if kind == "kwarg" else args[where]
-
-
-def _fields(out: Any, outputs: Any, args: tuple, kwargs: dict) -> dict[str, tuple]:
-    """Where each field of the call's output (a ModelOutput) comes from: a graph output or an argument."""
-    if not hasattr(out, "keys") or not isinstance(outputs, (list, tuple)):
-        raise _NotDirect(f"the step returned a {type(out).__name__}, not a ModelOutput of graph outputs")
-    index = {id(t): i for i, t in enumerate(outputs)}
-    given = {id(v): ("kwarg", k) for k, v in kwargs.items()}
-    given.update({id(v): ("arg", i) for i, v in enumerate(args)})
-    fields = {}
-    for name in out.keys():
-        value = out[name]
-        if id(value) in index:
-            fields[name] = ("output", index[id(value)])
-        elif id(value) in given:
-            fields[name] = given[id(value)]
-        else:
-            raise _NotDirect(f"output field {name!r} is neither a graph output nor an argument")
-    return fields
+        return build_output(self.output_type, self.fields, outputs, arguments)
 
 
 def _dtype(x: Any) -> Any:
     return x.dtype if isinstance(x, torch.Tensor) else type(x)
-
-
-def _sources(model: nn.Module, state, inputs: list, args: tuple, kwargs: dict, sizes: set[int]) -> list[Callable[[tuple, dict], Any]]:
-    """For each graph input (the tensors dynamo passed, the local views in place), a reader (args, kwargs) -> that
-    input at a later call, outside the local views; the int inputs at `sizes` are read from their tensors after
-    (a reader of 0 here)."""
-    layouts = {(id(getattr(owner, table_name)), name): layout
-               for _, entries in state.views.swaps for owner, table_name, name, layout, _ in entries}
-    where: dict[int, Callable[[tuple, dict], Any]] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, t in table.items():
-                if isinstance(t, torch.Tensor) and id(t) not in where:
-                    layout = layouts.get((id(table), name))
-                    where[id(t)] = _Weight(table, name, layout, state.mesh) if layout is not None else _Plain(table, name)
-    for name, value in kwargs.items():
-        _argument(where, value, lambda args, kwargs, name=name: kwargs[name])
-    for i, value in enumerate(args):
-        _argument(where, value, lambda args, kwargs, i=i: args[i])
-    found = []
-    for i, x in enumerate(inputs):
-        if i in sizes:
-            found.append(_zero)
-            continue
-        if not isinstance(x, torch.Tensor) or id(x) not in where:
-            raise _NotDirect(f"graph input {i} ({type(x).__name__}) is neither a weight, a tensor argument nor a cache tensor")
-        found.append(where[id(x)])
-    return found
-
-
-def _zero(args: tuple, kwargs: dict) -> int:
-    return 0
-
-
-def _argument(where: dict, value: Any, get: Callable[[tuple, dict], Any]) -> None:
-    """Readers of a call argument's tensors: itself, a dict's items, a cache's layers' tensors."""
-    if isinstance(value, torch.Tensor):
-        where.setdefault(id(value), get)
-    elif isinstance(value, dict):  # a mask per attention type
-        for key, t in value.items():
-            if isinstance(t, torch.Tensor):
-                where.setdefault(id(t), lambda args, kwargs, key=key: get(args, kwargs)[key])
-    for i, layer in enumerate(getattr(value, "layers", None) or ()):
-        for attr, t in vars(layer).items():
-            if isinstance(t, torch.Tensor):
-                where.setdefault(id(t), lambda args, kwargs, i=i, attr=attr: getattr(get(args, kwargs).layers[i], attr))
-
-
-class _Plain:
-    """A weight or buffer that is a plain tensor: read from its module's table."""
-
-    __slots__ = ("table", "name")
-
-    def __init__(self, table: dict, name: str) -> None:
-        self.table, self.name = table, name
-
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        return self.table[self.name]
-
-
-class _Weight:
-    """A split weight: its DTensor's local view (local_views.py's), kept while the DTensor and its local tensor are
-    the same objects; None for a DTensor of another mesh."""
-
-    __slots__ = ("table", "name", "layout", "mesh", "dtensor", "local", "view")
-
-    def __init__(self, table: dict, name: str, layout, mesh) -> None:
-        self.table, self.name, self.layout, self.mesh = table, name, layout, mesh
-        self.dtensor = self.local = self.view = None
-
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        t = self.table[self.name]
-        if t is self.dtensor and t._local_tensor is self.local:
-            return self.view
-        if not isinstance(t, DTensor):
-            return t  # (a plain tensor put in its place: as dynamo would read it)
-        if t.device_mesh != self.mesh:
-            return None
-        self.dtensor, self.local, self.view = t, t._local_tensor, self.layout.view(t._local_tensor)
-        return self.view
