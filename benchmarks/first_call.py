@@ -3,6 +3,8 @@
     TORCHINDUCTOR_COMPILE_THREADS=1 python benchmarks/first_call.py --model smollm --cache warm
     python benchmarks/first_call.py --model smollm --cache cold --variants unsplit inprocess
     python benchmarks/first_call.py --quick        # the tiny Llama, warm: a check that it runs
+    python benchmarks/first_call.py --cache cold --cache-dir /tmp/fc && \
+        python benchmarks/first_call.py --cache warm --cache-dir /tmp/fc   # cold, then warm on what cold filled
 
 Variants (the models of benchmarks/suite/decoding_models.py, batch 1, a 16-token prompt, 32 new tokens, greedy,
 one intra-op thread per process or device, as benchmarks/generation.py and generation_torchrun.py time them):
@@ -146,17 +148,21 @@ def _count_bytecodes() -> dict[str, int]:
 # --- the launcher ---------------------------------------------------------------------------------------
 
 
-def measure(variant: str, *, model: str, cache: str, devices: int = 2, new: int = 32, timeout: float = 1800) -> dict:
-    """The first fast call of `variant` in a fresh process (see the module doc), with caches as `cache` says."""
-    with tempfile.TemporaryDirectory(prefix="tensorshard-first-call-") as folder:
-        env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"),
-               "TENSORSHARD_CACHE_DIR": os.path.join(folder, "tensorshard"),
-               "TORCHINDUCTOR_COMPILE_THREADS": os.environ["TORCHINDUCTOR_COMPILE_THREADS"]}
-        args = ["--job", variant, "--model", model, "--devices", str(devices), "--new", str(new)]
-        ranks = devices if variant == "torchrun" else 0
-        if cache == "warm":
-            run_script(HERE, args, ranks=ranks, timeout=timeout, env=env)
-        return run_script(HERE, args, ranks=ranks, timeout=timeout, env=env)
+def measure(variant: str, *, model: str, cache: str, devices: int = 2, new: int = 32, timeout: float = 1800,
+            folder: str | None = None) -> dict:
+    """The first fast call of `variant` in a fresh process (see the module doc), with caches as `cache` says: new
+    private ones, or those under `folder` (kept; a warm run fills them first only where they are not there yet)."""
+    if folder is None:
+        with tempfile.TemporaryDirectory(prefix="tensorshard-first-call-") as folder:
+            return measure(variant, model=model, cache=cache, devices=devices, new=new, timeout=timeout, folder=folder)
+    inductor = os.path.join(folder, "inductor")
+    env = {"TORCHINDUCTOR_CACHE_DIR": inductor, "TENSORSHARD_CACHE_DIR": os.path.join(folder, "tensorshard"),
+           "TORCHINDUCTOR_COMPILE_THREADS": os.environ["TORCHINDUCTOR_COMPILE_THREADS"]}
+    args = ["--job", variant, "--model", model, "--devices", str(devices), "--new", str(new)]
+    ranks = devices if variant == "torchrun" else 0
+    if cache == "warm" and not os.path.isdir(inductor):
+        run_script(HERE, args, ranks=ranks, timeout=timeout, env=env)
+    return run_script(HERE, args, ranks=ranks, timeout=timeout, env=env)
 
 
 def table(results: dict[str, dict], *, model: str, cache: str, devices: int, load: float) -> str:
@@ -193,6 +199,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new", type=int, default=32, help="new tokens of the timed call")
     parser.add_argument("--quick", action="store_true", help="the tiny Llama, 4 new tokens: a check that it runs")
     parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--cache-dir", metavar="DIR",
+                        help="keep each variant's caches under DIR/VARIANT instead of a new private folder: a cold run "
+                             "there, then a warm one, times both for one fill (a warm run fills them only if missing)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per process")
     parser.add_argument("--job", choices=VARIANTS, dest="variant", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -202,10 +212,16 @@ def main(argv: list[str] | None = None) -> None:
         args.model, args.new = "tiny", 4
     if args.devices < 2:
         parser.error(f"--devices {args.devices}: a split needs at least 2")
+    for variant in args.variants if args.cache_dir and args.cache == "cold" else ():
+        if os.path.exists(os.path.join(args.cache_dir, variant, "inductor")):
+            parser.error(f"--cache cold --cache-dir {args.cache_dir}: {variant}'s caches are there already; "
+                         "name a new folder (or --cache warm to reuse them)")
     load = os.getloadavg()[0]
     results = {}
     for variant in args.variants:
-        results[variant] = measure(variant, model=args.model, cache=args.cache, devices=args.devices, new=args.new)
+        folder = os.path.join(args.cache_dir, variant) if args.cache_dir else None
+        results[variant] = measure(variant, model=args.model, cache=args.cache, devices=args.devices, new=args.new,
+                                   timeout=args.timeout, folder=folder)
         print(f"{variant}: {max(x['wall_s'] for x in results[variant]['ranks']):.1f} s", file=sys.stderr, flush=True)
     print(table(results, model=args.model, cache=args.cache, devices=args.devices, load=load))
     print(f"load average after: {os.getloadavg()}")
