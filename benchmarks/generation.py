@@ -94,6 +94,16 @@ def cuda_variants(model, devices: list[int]):
     return out
 
 
+def unsplit_fast_kwargs() -> dict:
+    """generate's extra arguments for the unsplit model's fast path on CPU: the static cache and transformers' own
+    compile, forced off-GPU (benchmarks/first_call.py too)."""
+    from transformers import CompileConfig
+
+    compile_anywhere = CompileConfig()
+    compile_anywhere._compile_all_devices = True  # transformers' own switch for compiling off-GPU
+    return {"cache_implementation": "static", "compile_config": compile_anywhere}
+
+
 def variants(model, devices: list[int], balance: bool = False):
     """name -> (the model to call, generate's extra arguments, intra-op threads), for the unsplit model and each
     split."""
@@ -103,9 +113,7 @@ def variants(model, devices: list[int], balance: bool = False):
     import tensorshard as tp
     from tensorshard.integrations.transformers.fast_decode import compiled_call
 
-    compile_anywhere = CompileConfig()
-    compile_anywhere._compile_all_devices = True  # transformers' own switch for compiling off-GPU
-    fast = {"cache_implementation": "static", "compile_config": compile_anywhere}
+    fast = unsplit_fast_kwargs()
     out = {"unsplit eager": (model, {}, 1), "unsplit fast": (model, fast, 1)}
     for n in sorted({n for n in devices if n > 1}):  # a copy: its graphs are compiled for n threads
         out[f"unsplit fast {n} threads"] = (copy.deepcopy(model), fast, n)

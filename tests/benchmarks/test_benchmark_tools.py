@@ -182,3 +182,31 @@ def test_torchrun_generation_on_gpus_needs_one_gpu_per_rank():
     assert module.gpu_problem("cpu", [2, 4], 0) is None and module.gpu_problem("cuda", [2], 2) is None
     assert "no GPU is visible here" in module.gpu_problem("cuda", [1], 0)
     assert "each rank needs a GPU of its own" in module.gpu_problem("cuda", [2], 1)
+
+
+# --- benchmarks/first_call.py (its timings are a run's; here its table and refusals) --------------------------
+
+
+def _first_call_bench():
+    spec = importlib.util.spec_from_file_location("first_call_bench", ROOT / "benchmarks" / "first_call.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_first_call_table_gives_the_slowest_rank_and_every_rank_s_cpu():
+    bench = _first_call_bench()
+    rank = {"wall_s": 10.0, "cpu_s": 8.0, "children_cpu_s": 1.0, "bytecodes": 900, "call_impl_bytecodes": 0}
+    result = {"phases_s": {"entire_frame_compile": 5.0}, "graphs": 1, "log": ["compiled the decode step in 9 s"],
+              "cache": {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 0, "aot_autograd_cache_hit": 1}}
+    text = bench.table({"unsplit": {**result, "ranks": [rank]}, "torchrun": {**result, "ranks": [rank, {**rank, "wall_s": 12.0, "cpu_s": 9.0}]}},
+                       model="tiny", cache="warm", devices=2, load=0.5)
+    assert "| unsplit | 10.0 | 8.0 | 1.0 | 5.0 |" in text
+    assert "| torchrun | 12.0 | 8.0 / 9.0 | 1.0 / 1.0 | 5.0 |" in text  # the slowest rank's wall, each rank's CPU
+    assert "| 1/0/0 | 1 | 900 (0) / 900 (0) |" in text and "- torchrun: compiled the decode step in 9 s" in text
+
+
+def test_the_first_call_script_refuses_a_split_of_one_device(capsys):
+    with pytest.raises(SystemExit):
+        _first_call_bench().main(["--devices", "1"])
+    assert "--devices 1: a split needs at least 2" in capsys.readouterr().err

@@ -71,3 +71,23 @@ def test_a_cpp_graph_runs_while_another_thread_holds_the_gil():
     finally:
         torch.set_num_threads(threads)
     assert any(worker_cpu > 0.3 * my_cpu for worker_cpu, my_cpu in shares), shares
+
+
+def test_a_graph_is_compiled_for_its_inputs_static_shapes(monkeypatch):
+    """Given real tensors, AOT autograd would make each of their sizes a symbol (and inductor compile kernels for
+    symbolic sizes): the inputs go in as fake tensors of static shapes, so the compile's shape environment gets no
+    symbol, and the compiled graph gives the graph's numbers."""
+    made = []
+
+    class Recorded(cpp_graphs.ShapeEnv):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(cpp_graphs, "ShapeEnv", Recorded)
+    gm = fx.symbolic_trace(lambda w, ids: (torch.nn.functional.embedding(ids, w) * 2,))
+    gen = torch.Generator().manual_seed(0)
+    w, ids = torch.randn(37, 24, generator=gen), torch.tensor([[3, 5]])
+    step = cpp_graphs.inductor_compile(gm, [w, ids])
+    assert torch.equal(step(w, ids)[0], gm(w, ids)[0])
+    assert len(made) == 1 and not made[0].var_to_val, made[0].var_to_val  # no size became a symbol

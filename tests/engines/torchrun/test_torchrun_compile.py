@@ -579,3 +579,49 @@ def test_later_decode_steps_skip_the_guards_and_still_follow_every_change(pool2,
             assert steps[case] == [True] * 3, (case, steps[case])
         assert steps["training mode"] == [False] * 3  # never without guards while a module trains
         assert steps["switched off"] == [False] * 3  # TENSORSHARD_SKIP_GUARDS=0
+
+
+def class_forwards_task() -> dict:
+    """The decode step dynamo traces under torchrun calls each split layer through its class's forward
+    (engines/class_forwards.py): nn.Module's call machinery is not traced for them (what made a split rank's first
+    fast call trace ~37,000 more bytecodes than the unsplit model's on SmolLM2's shape), the classes are put back
+    after the call, and later calls (guards evaluated, then skipped) compile nothing more. Dynamo alone (backend
+    "eager"): the graphs are the same whatever compiles them."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase as translator
+    from transformers import CompileConfig
+
+    from tensorshard.engines.torchrun.decoding import compiled_graphs
+
+    _fresh_dynamo()
+    ref, model = _split_pair()
+    wrapped = {name: type(m) for name, m in model.named_modules() if callable(m.__dict__.get("forward"))}
+    ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    settings = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    traced: list[str] = []
+    step = translator.step
+
+    def counting(self):
+        traced.append(self.f_code.co_name)
+        return step(self)
+
+    translator.step = counting
+    try:
+        with torch.no_grad():
+            static = dict(cache_implementation="static", compile_config=CompileConfig(backend="eager"))
+            tokens = model.generate(ids, **settings, **static).tolist()
+            before = compiled_graphs()
+            again = model.generate(ids, **settings, **static).tolist()
+            expected = ref.generate(ids, **settings).tolist()
+    finally:
+        translator.step = step
+    after = {name: type(m) for name, m in model.named_modules() if callable(m.__dict__.get("forward"))}
+    return {"wrapped": len(wrapped), "restored": after == wrapped, "same": tokens == again == expected,
+            "call_impl": traced.count("_call_impl"), "traced": len(traced), "recompiled": compiled_graphs() - before}
+
+
+def test_the_decode_step_traces_split_layers_through_their_class_forward(pool2):
+    for out in pool2.run(class_forwards_task, timeout=300):
+        assert out["wrapped"] > 0 and out["restored"], out
+        assert out["same"], out
+        assert out["traced"] > 0 and out["call_impl"] == 0, out
+        assert out["recompiled"] == 0, out  # the second generate: guarded, then unguarded calls, no new graph
