@@ -103,24 +103,25 @@ def test_overhead_targets_compare_one_device_with_the_unsplit_model():
     assert target.check({"train": [], "infer": []})["value"] is None  # a failed run is reported, not judged
 
 
-# --- benchmarks/gpu.py (measured on a CUDA machine; here its refusal and its report) ------------------------
-
-
-def _gpu_bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "benchmarks" / "gpu.py")
+def _bench(name: str):
+    """benchmarks/NAME.py, loaded as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+# --- benchmarks/gpu.py (measured on a CUDA machine; here its refusal and its report) ------------------------
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says where no GPU is visible")
 def test_gpu_benchmark_says_it_needs_a_gpu():
     with pytest.raises(SystemExit, match=r"benchmarks/gpu.py measures on a GPU, and none is visible here \(torch "):
-        _gpu_bench().main([])
+        _bench("gpu").main([])
 
 
 def test_gpu_section_reports_ratios_and_memory_and_replaces_itself():
-    gpu = _gpu_bench()
+    gpu = _bench("gpu")
     task = lambda unsplit, shard, peak: {  # noqa: E731
         "unsplit": {"median_s": unsplit, "min_s": unsplit, "peak_above_weights": {"cuda:0": peak}},
         "1 shard": {"median_s": shard, "min_s": shard, "peak_above_weights": {"cuda:0": peak + 2**29}},
@@ -147,15 +148,8 @@ def test_gpu_section_reports_ratios_and_memory_and_replaces_itself():
 # --- benchmarks/generation.py --device cuda (measured on a CUDA machine; here its refusals) -------------------
 
 
-def _generation_bench():
-    spec = importlib.util.spec_from_file_location("generation_bench", ROOT / "benchmarks" / "generation.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_generation_on_gpus_needs_one_gpu_per_device_of_a_split_row():
-    problem = _generation_bench().device_problem
+    problem = _bench("generation").device_problem
     assert problem("cpu", [1, 2, 4, 8], 0) is None and problem("cuda", [1, 2], 2) is None
     assert "no GPU is visible here" in problem("cuda", [1], 0)
     assert problem("cuda", [1, 2, 4, 8], 1) == (
@@ -166,19 +160,17 @@ def test_generation_on_gpus_needs_one_gpu_per_device_of_a_split_row():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says where no GPU is visible")
 def test_generation_on_gpus_says_it_needs_a_gpu_before_building_anything(capsys):
     with pytest.raises(SystemExit):
-        _generation_bench().main(["--device", "cuda", "--quick"])
+        _bench("generation").main(["--device", "cuda", "--quick"])
     assert "--device cuda: no GPU is visible here" in capsys.readouterr().err
 
 
 def test_a_gpu_run_writes_its_own_results_file():
-    results = _generation_bench().results_file
+    results = _bench("generation").results_file
     assert results("smollm", "cuda").name == "generation-smollm-cuda.json" and results("small").name == "generation.json"
 
 
 def test_torchrun_generation_on_gpus_needs_one_gpu_per_rank():
-    spec = importlib.util.spec_from_file_location("generation_torchrun_bench", ROOT / "benchmarks" / "generation_torchrun.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _bench("generation_torchrun")
     assert module.gpu_problem("cpu", [2, 4], 0) is None and module.gpu_problem("cuda", [2], 2) is None
     assert "no GPU is visible here" in module.gpu_problem("cuda", [1], 0)
     assert "each rank needs a GPU of its own" in module.gpu_problem("cuda", [2], 1)
@@ -187,15 +179,8 @@ def test_torchrun_generation_on_gpus_needs_one_gpu_per_rank():
 # --- benchmarks/first_call.py (its timings are a run's; here its table and refusals) --------------------------
 
 
-def _first_call_bench():
-    spec = importlib.util.spec_from_file_location("first_call_bench", ROOT / "benchmarks" / "first_call.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_first_call_table_gives_the_slowest_rank_and_every_rank_s_cpu():
-    bench = _first_call_bench()
+    bench = _bench("first_call")
     rank = {"wall_s": 10.0, "cpu_s": 8.0, "children_cpu_s": 1.0, "bytecodes": 900, "call_impl_bytecodes": 0}
     result = {"phases_s": {"entire_frame_compile": 5.0}, "graphs": 1, "log": ["compiled the decode step in 9 s"],
               "cache": {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 0, "aot_autograd_cache_hit": 1}}
@@ -208,5 +193,5 @@ def test_the_first_call_table_gives_the_slowest_rank_and_every_rank_s_cpu():
 
 def test_the_first_call_script_refuses_a_split_of_one_device(capsys):
     with pytest.raises(SystemExit):
-        _first_call_bench().main(["--devices", "1"])
+        _bench("first_call").main(["--devices", "1"])
     assert "--devices 1: a split needs at least 2" in capsys.readouterr().err
