@@ -92,6 +92,9 @@ def build(again: tuple[fx.GraphModule, dict], inputs: Sequence[Any], *, name: st
     tensors); None where the build fails (logged: the Python wrapper's graph goes on)."""
     gm, settings = again
     began, cache = time.perf_counter(), CacheUse()
+    if not dist.is_initialized() or dist.get_rank() == 0:  # (the pause this call takes: say why before it)
+        logger.info("building the decode step of %s with inductor's C++ wrapper, once per kind of call (seconds with "
+                    "inductor's cache warm, minutes cold; %s=0 skips it)", name, ENV)
     # (CUDA graphs, "reduce-overhead"'s, do not apply to CPU ranks, and inductor refuses them beside the C++ wrapper)
     settings = {k: v for k, v in settings.items() if not k.startswith("triton.cudagraph")}
     try:
