@@ -22,8 +22,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # (layer number, module-name prefixes); a module belongs to the layer of its longest matching prefix.
 LAYERS = [
     (0, ["tensorshard.partition", "tensorshard.devices", "tensorshard.layers", "tensorshard.memory", "tensorshard.quant",
-         "tensorshard.registrations", "tensorshard.trees", "tensorshard.logs", "tensorshard.global_hooks",
-         "tensorshard.model_kind"]),
+         "tensorshard.registrations", "tensorshard.trees", "tensorshard.logs", "tensorshard.switches",
+         "tensorshard.global_hooks", "tensorshard.model_kind"]),
     (1, ["tensorshard.comm"]),
     (2, ["tensorshard.styles", "tensorshard.loss_parallel"]),
     (3, ["tensorshard.plans", "tensorshard.optimizers"]),

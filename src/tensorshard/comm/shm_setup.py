@@ -25,6 +25,7 @@ import tempfile
 from typing import Callable
 
 from ..logs import get_logger
+from ..switches import switched_on
 from .native.ops import region_bytes as native_region_bytes
 from .shm import HEADER, SharedMemoryGroup
 
@@ -41,7 +42,7 @@ Wait = Callable[[dict[str, int]], None]  # waits for store keys: {key: group ind
 
 def enabled() -> bool:
     """False when TENSORSHARD_SHM=0 (or another false word): gloo for every collective."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(ENV)
 
 
 def supported() -> bool:

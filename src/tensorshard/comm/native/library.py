@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ...logs import get_logger
+from ...switches import switched_on
 
 logger = get_logger(__name__)
 
@@ -42,7 +43,7 @@ _state: dict[str, object] = {}  # "ok": bool, "why": str, "seconds": build time 
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(ENV)
 
 
 def load() -> bool:

@@ -36,7 +36,6 @@ A failing shard aborts the native group, so the other shards' waits raise at onc
 from __future__ import annotations
 
 import operator
-import os
 import threading
 from typing import Any, Callable, Sequence
 
@@ -46,6 +45,7 @@ from torch import fx
 from ...comm import thread_ops
 from ...comm.native import cpp_graphs
 from ...comm.native import ops as native
+from ...switches import switched_on
 from ..graph_inputs import InputReader, build_output, output_builder
 from .step_threads import StepThreads
 from .stitched_step import Capture, StitchError
@@ -54,10 +54,10 @@ from .stitched_step import Capture, StitchError
 # Inductor's C++ wrapper for each shard's graph (with the native collectives; see the docstring). TENSORSHARD_CPP_WRAPPER=0
 # keeps the Python wrapper, to compare: on a quiet 2-core machine, SmolLM2's shape at 2 devices, 30.7 ms per token
 # with the C++ wrapper against 39.7 with the Python one (docs/generation.md); a cold compile costs more.
-CPP_WRAPPER = os.environ.get("TENSORSHARD_CPP_WRAPPER", "1").strip().lower() not in ("0", "false", "no", "off")
+CPP_WRAPPER = switched_on("TENSORSHARD_CPP_WRAPPER")
 # A step whose collectives are all native runs its shards on threads of its own (step_threads.py), not through the
 # engine's call. TENSORSHARD_STEP_THREADS=0 keeps the engine's call, to compare (docs/generation.md).
-STEP_THREADS = os.environ.get("TENSORSHARD_STEP_THREADS", "1").strip().lower() not in ("0", "false", "no", "off")
+STEP_THREADS = switched_on("TENSORSHARD_STEP_THREADS")
 
 
 class ParallelStep:

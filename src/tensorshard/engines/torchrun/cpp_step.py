@@ -29,7 +29,6 @@ limit (300 s by default), as at the first call's compile.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -39,6 +38,7 @@ from torch import fx
 
 from ...comm.native import cpp_graphs
 from ...logs import get_logger
+from ...switches import switched_on
 from ..inductor_cache import CacheUse
 
 logger = get_logger(__name__)
@@ -52,7 +52,7 @@ _NAMESPACES = {"aten", "prims"}  # operators inductor lowers or calls as C++ ker
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(ENV)
 
 
 def why_not(gm: fx.GraphModule) -> str | None:

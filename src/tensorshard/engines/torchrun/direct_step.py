@@ -239,11 +239,11 @@ class DirectSteps:
                        for _, entries in self.state.views.swaps for owner, table, name, layout, _ in entries}
             sources = locate_inputs(self.model, arguments, inputs, local_views=layouts, mesh=self.state.mesh,
                                     sizes={i for i, *_ in graph.sizes})
+            name = type(self.model).__name__
             self.steps[key] = DirectStep(graph.compiled, InputReader(sources), graph.sizes, graph.stores,
-                                         [_dtype(x) for x in inputs], output_fields(out, outputs, arguments), type(out))
-            self.steps[key].name = type(self.model).__name__
-            self.steps[key].pending = cpp_step.candidate(graph.again, inputs, dynamic=bool(graph.sizes),
-                                                          name=type(self.model).__name__)
+                                         [_dtype(x) for x in inputs], output_fields(out, outputs, arguments), type(out),
+                                         name=name, pending=cpp_step.candidate(graph.again, inputs,
+                                                                               dynamic=bool(graph.sizes), name=name))
         except (_NotDirect, NotLocated) as why:
             self.refused.add(key)
             logger.debug("the compiled decode step of %s stays with dynamo for this kind of call: %s",
@@ -284,13 +284,13 @@ class DirectStep:
     (engines/graph_inputs.py)."""
 
     def __init__(self, compiled: Callable[..., Any], read: InputReader, sizes: list, stores: list, dtypes: list,
-                 fields: dict[str, Any], output_type: type) -> None:
+                 fields: dict[str, Any], output_type: type, *, name: str, pending: tuple | None) -> None:
         self.compiled, self.read, self.sizes, self.stores, self.dtypes = compiled, read, sizes, stores, dtypes
         self.fields, self.output_type = output_builder(fields), output_type
+        self.name = name  # the model's class name, for the log
         self.cpp: Callable[..., Any] | None = None  # the same graph built with inductor's C++ wrapper (cpp_step.py)
-        self.pending: tuple | None = None  # what cpp_step.build builds it from, until it is built (or fails)
+        self.pending = pending  # what cpp_step.build builds it from (a `cpp_step.candidate`), until built or failed
         self.calls = 0  # direct calls while it is pending
-        self.name = output_type.__name__  # (the model's class name, for the log: DirectSteps.learn sets it)
 
     def graph(self) -> Callable[..., Any]:
         """The compiled graph a call runs now: the C++-wrapper one where it was built and is not switched off."""
