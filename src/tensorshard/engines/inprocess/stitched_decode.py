@@ -36,6 +36,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
+from torch._guards import TracingContext
 
 from ...comm.native import ops as native
 from ...logs import get_logger
@@ -44,6 +45,8 @@ from ..aliasing_guards import aliasing_guards_in_cpp
 from ..class_forwards import class_forwards
 from ..graph_inputs import NotLocated, locate_inputs, output_fields
 from ..inductor_cache import CacheUse
+from .. import capture_store
+from . import kept_captures
 from .boundary import to_device
 from .parallel_step import ParallelStep
 from .stitched_step import Capture, StitchError, StitchedStep, segments, stitch
@@ -76,6 +79,7 @@ class Stitcher:
                  unwrap: Callable[[Any, int], Any], rewrap: Callable[[Any, dict], Any]) -> None:
         self.model, self.unwrap, self.rewrap = model, unwrap, rewrap
         self.config_patches = options.get("options") or {}
+        self.options = options
         trace = {k: v for k, v in options.items() if k in ("fullgraph", "dynamic")}
         self.tracing = [torch.compile(entry, backend=self._backend(rank), **trace) for rank, entry in enumerate(entries)]
         self.steps: dict[Hashable, StitchedStep] = {}
@@ -85,6 +89,9 @@ class Stitcher:
         self._calls: dict[Hashable, int] = {}
         self._captures: dict[Hashable, dict[int, list[Capture]]] = {}
         self._now: tuple[Hashable, dict[int, dict]] | None = None  # the kind being captured, each rank's arguments
+        self._traced: dict[Hashable, set[str]] = {}  # per kind being captured: the source files dynamo traced
+        self._to_keep: dict[Hashable, tuple[str, list[Capture], set[str]]] = {}  # kept on disk once compiled
+        self._names: dict[Hashable, str | None] = {}  # each kind's entry in the store, named before its first call
         self._capture_lock = threading.Lock()
 
     @staticmethod
@@ -112,8 +119,42 @@ class Stitcher:
             if out is not None:
                 return self.rewrap(out, kwargs)
         elif self._calls.get(kind, 0) < _CAPTURE_CALLS:
+            if self._calls.get(kind, 0) == 0:
+                out = self._from_store(kind, kwargs)
+                if out is not None:
+                    return self.rewrap(out, kwargs)
             return self._capturing(kind, kwargs)
         return None  # the per-shard compiled path runs this call
+
+    # -- the first call of a kind whose captures a previous process kept (capture_store.py) ----------------------
+
+    def _from_store(self, kind: Hashable, kwargs: dict) -> Any:
+        """The call run by the step built from kept captures, without tracing; None where there are none (or they
+        fail to build, compile or check: they are dropped, and the kind is captured as if there had been none)."""
+        model = self.model
+        name = self._names[kind] = (
+            capture_store.key([kind, self.options, [str(d) for d in model.devices], str(model.output_device)],
+                              model.module_shards) if capture_store.enabled() else None)
+        payload = capture_store.load(name) if name is not None else None
+        if payload is None:
+            return None
+        started = time.perf_counter()
+        try:
+            self._build(kind, kept_captures.restored(model, payload))
+            self._calls[kind] = _CAPTURE_CALLS
+            out = self._stitched(kind, self.steps[kind], kwargs)
+        except Exception as error:  # kept graphs that do not fit this model after all
+            self._refuse(kind, f"{type(error).__name__}: {error}")
+            out = None
+        if out is None:  # (refused on the way, logged: captured again from the next line on)
+            logger.info("the decode graphs kept on disk for this kind of call were not used; tracing them again")
+            self.refused.discard(kind)
+            self._calls.pop(kind, None)
+            capture_store.discard(name)
+            return None
+        logger.info("%s's decode step was built from the shards' graphs kept on disk (%s), without tracing: first "
+                    "call in %.1f s", type(self.model).__name__, capture_store.folder(), time.perf_counter() - started)
+        return out
 
     # -- the first calls of a kind: the per-shard path, capturing ------------------------------------------------
 
@@ -151,20 +192,28 @@ class Stitcher:
             self._one_graph_each(captures)
             if calls == _CAPTURE_CALLS:
                 ranks = [captures[r][0] for r in range(len(self.tracing))]
-                per_segment = weight_bytes_per_segment(self.model, captures)
-                if per_segment >= parallel_bytes():
-                    self.steps[kind] = ParallelStep(ranks, len(ranks), self.model.timeout, self.model.labels)
-                    self.parallel[kind] = per_segment
-                else:
-                    src = next((r for r, d in enumerate(self.model.devices) if d == self.model.output_device), 0)
-                    self.steps[kind] = stitch(ranks, self.model.devices, src)
-                self.steps[kind].registrations = registrations()
+                self._build(kind, ranks)
                 del self._captures[kind]
+                files = self._traced.pop(kind, set())
+                name = self._names.get(kind)
+                if name is not None and files:
+                    self._to_keep[kind] = (name, ranks, files)
         except StitchError as error:
             self._refuse(kind, str(error))
         except Exception as error:  # a graph this code did not foresee: the per-shard path still decodes it
             self._refuse(kind, f"stitching failed ({type(error).__name__}: {error})")
         return out
+
+    def _build(self, kind: Hashable, ranks: list[Capture]) -> None:
+        """The kind's step from each shard's capture: parallel or stitched, by the weights read per segment."""
+        per_segment = weight_bytes_per_segment(self.model, {r: [c] for r, c in enumerate(ranks)})
+        if per_segment >= parallel_bytes():
+            self.steps[kind] = ParallelStep(ranks, len(ranks), self.model.timeout, self.model.labels)
+            self.parallel[kind] = per_segment
+        else:
+            src = next((r for r, d in enumerate(self.model.devices) if d == self.model.output_device), 0)
+            self.steps[kind] = stitch(ranks, self.model.devices, src)
+        self.steps[kind].registrations = registrations()
 
     def _one_graph_each(self, captures: dict[int, list[Capture]]) -> None:
         for rank in range(len(self.tracing)):
@@ -196,6 +245,7 @@ class Stitcher:
                 self._refuse(kind, why)
                 return gm.forward
             kept.append(capture)
+            self._traced.setdefault(kind, set()).update(capture_store.traced_files(TracingContext.get_traced_code() or ()))
 
             def run(*inputs: Any) -> Any:
                 capture.last_outputs = gm(*inputs)
@@ -304,6 +354,15 @@ class Stitcher:
                 "(%s; every later token runs it from the calling thread)",
                 type(self.model).__name__, len(self.tracing), time.perf_counter() - started, cache.since(),
             )
+        kept = self._to_keep.pop(kind, None)
+        if kept is not None:  # (compiled: a later process builds this step from them without tracing)
+            name, captures, files = kept
+            try:
+                payload = kept_captures.portable(self.model, captures)
+            except (TypeError, ValueError, KeyError) as error:
+                logger.debug("the decode graphs are not kept on disk: %s", error)
+            else:
+                capture_store.save(name, payload, files)
         return True
 
     def _refuse(self, kind: Hashable, why: str) -> None:
@@ -319,6 +378,8 @@ class Stitcher:
             if step.threads is not None:
                 step.threads.close()
         self._captures.pop(kind, None)
+        self._traced.pop(kind, None)
+        self._to_keep.pop(kind, None)
 
 
 def weight_bytes_per_segment(model: nn.Module, captures: dict[int, list[Capture]]) -> int:

@@ -1,0 +1,64 @@
+"""The shards' captures of a kind of call as the capture store keeps them (engines/capture_store.py), and back.
+
+A capture (stitched_step.py's `Capture`: a shard's dynamo graph, its inputs' sources, its output's fields) is kept
+as values that outlive the process: the graph as bytes, each weight by its module's path in the shard. What is
+this process's own is the number a collective names its comm by (comm/thread_ops.py `handle_of`): it is kept as
+that comm's rank, and a capture read back calls comms of the split model's group made anew for it (held by the
+capture: thread_ops holds comms weakly).
+
+    payload = portable(model, captures)        # after the kind's step compiled
+    captures = restored(model, payload)        # a later process, before the first call of that kind
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch import nn
+
+from ...comm import thread_ops
+from ...comm.threads import ThreadComm
+from .. import capture_store
+from .stitched_step import Capture
+
+_COLLECTIVES = (thread_ops.all_reduce, thread_ops.all_gather)
+
+
+def portable(model: nn.Module, captures: Sequence[Capture]) -> list[dict]:
+    """Each shard's capture as values (capture_store.py); TypeError or ValueError where one cannot be kept."""
+    kept = []
+    for rank, capture in enumerate(captures):
+        ranks = {}
+        for node in capture.graph.graph.nodes:
+            if node.op == "call_function" and node.target in _COLLECTIVES:
+                comm = thread_ops.comm_of(node.args[1])
+                if comm.group is not model._group:
+                    raise ValueError("a collective of a group other than the split model's is not kept")
+                ranks[node.args[1]] = comm.rank
+        kept.append({
+            "graph": capture_store.portable_graph(capture.graph),
+            "sources": capture_store.portable_sources(model.module_shards[rank], capture.sources),
+            "comm_ranks": ranks, "fields": capture.fields, "output_type": capture.output_type,
+        })
+    return kept
+
+
+def restored(model: nn.Module, payload: list[dict]) -> list[Capture]:
+    """The captures `portable` kept, on `model`'s shards and group; an error where they do not fit it."""
+    shards = model.module_shards
+    if len(payload) != len(shards):
+        raise ValueError(f"{len(payload)} captures kept for {len(shards)} shards")
+    comms = [ThreadComm(model._group, rank) for rank in range(len(shards))]
+    captures = []
+    for rank, part in enumerate(payload):
+        graph = capture_store.restored_graph(part["graph"])
+        handles = {old: comms[r].handle for old, r in part["comm_ranks"].items()}
+        for node in graph.graph.nodes:
+            if node.op == "call_function" and node.target in _COLLECTIVES:
+                node.args = (node.args[0], handles[node.args[1]], *node.args[2:])
+        graph.recompile()
+        capture = Capture(graph, capture_store.restored_sources(shards[rank], part["sources"]), part["fields"],
+                          part["output_type"])
+        capture.comms = comms  # (the comms its collectives name by handle: thread_ops holds them weakly)
+        captures.append(capture)
+    return captures
