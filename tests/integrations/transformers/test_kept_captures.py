@@ -88,6 +88,18 @@ def test_a_later_split_model_decodes_from_the_kept_captures_without_tracing(stor
     assert torch.equal(out, expected) and traced == 2 and not [m for m in messages if KEPT in m], messages
     assert pickle.loads(path.read_bytes())["files"][first] != "0" * 64
 
+    # An entry that does not fit the model after all (here: a weight it names is not there) is dropped before
+    # anything runs; the kind is traced, logged, and the entry replaced.
+    entry = pickle.loads(path.read_bytes())
+    sources = entry["payload"][0]["sources"]
+    at = next(i for i, s in enumerate(sources) if s[0] == "weight")
+    sources[at] = (*sources[at][:3], "no_such_weight")
+    path.write_bytes(pickle.dumps(entry))
+    out, messages, traced, _ = _fast(tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"]))
+    assert torch.equal(out, expected) and traced == 2, messages
+    assert [m for m in messages if "kept on disk for this kind of call were not used (KeyError" in m], messages
+    assert "no_such_weight" not in str(pickle.loads(path.read_bytes())["payload"][0]["sources"])
+
 
 def test_an_entry_is_read_back_only_whole_and_with_its_files_unchanged(store, tmp_path):
     source = tmp_path / "model_code.py"

@@ -119,10 +119,6 @@ class Stitcher:
             if out is not None:
                 return self.rewrap(out, kwargs)
         elif self._calls.get(kind, 0) < _CAPTURE_CALLS:
-            if self._calls.get(kind, 0) == 0:
-                out = self._from_store(kind, kwargs)
-                if out is not None:
-                    return self.rewrap(out, kwargs)
             return self._capturing(kind, kwargs)
         return None  # the per-shard compiled path runs this call
 
@@ -141,13 +137,15 @@ class Stitcher:
         started = time.perf_counter()
         try:
             self._build(kind, kept_captures.restored(model, payload))
+        except Exception as error:  # kept graphs that do not fit this model after all (nothing ran)
+            why = f"{type(error).__name__}: {error}"
+        else:
             self._calls[kind] = _CAPTURE_CALLS
-            out = self._stitched(kind, self.steps[kind], kwargs)
-        except Exception as error:  # kept graphs that do not fit this model after all
-            self._refuse(kind, f"{type(error).__name__}: {error}")
-            out = None
-        if out is None:  # (refused on the way, logged: captured again from the next line on)
-            logger.info("the decode graphs kept on disk for this kind of call were not used; tracing them again")
+            out = self._stitched(kind, self.steps[kind], kwargs)  # (a shard failing in it raises, as it would later)
+            why = None if out is not None else "the step built from them was refused (logged above)"
+        if why is not None:  # captured as if there had been none, the entry replaced
+            logger.info("the decode graphs kept on disk for this kind of call were not used (%s); tracing them", why)
+            self.steps.pop(kind, None)
             self.refused.discard(kind)
             self._calls.pop(kind, None)
             capture_store.discard(name)
@@ -160,6 +158,10 @@ class Stitcher:
 
     def _capturing(self, kind: Hashable, kwargs: dict) -> Any:
         with self._capture_lock:  # (`_now` is the one call being captured: callers in other threads wait)
+            if self._calls.get(kind, 0) == 0 and kind not in self.steps:
+                out = self._from_store(kind, kwargs)
+                if out is not None:
+                    return self.rewrap(out, kwargs)
             return self._capture(kind, kwargs)
 
     def _capture(self, kind: Hashable, kwargs: dict) -> Any:
