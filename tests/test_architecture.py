@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [
     (0, ["tensorshard.partition", "tensorshard.devices", "tensorshard.layers", "tensorshard.memory", "tensorshard.quant",
          "tensorshard.registrations", "tensorshard.trees", "tensorshard.logs", "tensorshard.switches",
-         "tensorshard.global_hooks", "tensorshard.model_kind"]),
+         "tensorshard.global_hooks", "tensorshard.model_kind", "tensorshard.cache_dirs"]),
     (1, ["tensorshard.comm"]),
     (2, ["tensorshard.styles", "tensorshard.loss_parallel"]),
     (3, ["tensorshard.plans", "tensorshard.optimizers"]),

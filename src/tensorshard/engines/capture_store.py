@@ -1,13 +1,14 @@
-"""The shards' captured decode graphs of a kind of call, kept on disk so that a later process skips dynamo's trace.
+"""Captured decode graphs of a kind of call, kept on disk so that a later process skips dynamo's trace.
 
-The first fast call of a kind traces every shard's forward with dynamo, one shard after the other (dynamo runs
-Python: it holds the GIL), and on SmolLM2-135M's shape at 2 devices that trace is most of the first call: two
-traces of ~71,000 bytecodes each, against one of ~52,000 for the unsplit model. What the stitched and parallel
-steps are built from is only each shard's graph as dynamo captured it, where each of its inputs comes from and
-which output is which field (`Capture`). Once a kind's step is built and compiled, `save` writes those captures
-to ``$TENSORSHARD_CACHE_DIR/captures`` (else ``~/.cache/tensorshard/captures``); `load` in a later process finds
-them again under the same `key` and the step is built from them without tracing. Inductor's own cache then finds
-the compiled graphs as it would after a trace.
+The first fast call of a kind traces the split model's forward with dynamo (in one process every shard's, one
+after the other: dynamo runs Python, it holds the GIL); on SmolLM2-135M's shape at 2 devices that trace is most of
+the first call: two traces of ~71,000 bytecodes each, against one of ~52,000 for the unsplit model. What a step
+that runs without dynamo is built from is only the graph as dynamo captured it, where each of its inputs comes from
+and which output is which field. Once a kind's step is built and compiled, the engine `save`s those (as values:
+`portable_graph`, `portable_sources`) to ``captures/`` in the library's cache folder (cache_dirs.py); `load` in a
+later process finds them again under the same `key` and the step is built from them without tracing. Inductor's
+own cache then finds the compiled graphs as it would after a trace. The in-process engine's use:
+engines/inprocess/kept_captures.py.
 
 What the key covers, so that a stored graph is one dynamo would trace again:
 - the versions of Python, torch and transformers;
@@ -23,9 +24,7 @@ styles...), each with a hash of its contents: an entry whose files changed since
 the kind is traced again). What it cannot see is Python state outside the model that changes which code runs (a
 global flag a forward reads, an attention function registered under a name the model already uses):
 ``TENSORSHARD_CAPTURE_CACHE=0`` turns the store off (tracing every first call, as before). Entries are written
-atomically (a temporary file renamed into place); one that cannot be read is ignored. A collective names the
-comm it runs on by a number that is this process's (comm/thread_ops.py `handle_of`): it is kept as the comm's rank
-and given a comm of the model's group at load.
+atomically (a temporary file renamed into place); one that cannot be read is ignored.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ import sys
 import tempfile
 import types
 from pathlib import Path
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import fx, nn
@@ -49,6 +48,7 @@ try:  # (torch's own pickler of FX graphs, which inductor's out-of-process compi
 except ImportError:  # a torch without it keeps nothing on disk
     GraphPickler = Options = None
 
+from ..cache_dirs import cache_root
 from ..logs import get_logger
 from ..switches import switched_on
 from .graph_inputs import Argument, CacheTensor, Item, SizeInput, Source, Weight
@@ -65,9 +65,7 @@ def enabled() -> bool:
 
 
 def folder() -> Path:
-    root = os.environ.get("TENSORSHARD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tensorshard")
-    return Path(root) / "captures"
+    return cache_root() / "captures"
 
 
 def key(parts: Sequence[Any], modules: Sequence[nn.Module]) -> str | None:

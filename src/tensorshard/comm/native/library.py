@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ...cache_dirs import cache_root
 from ...logs import get_logger
 from ...switches import switched_on
 
@@ -101,9 +102,7 @@ def find_compiler() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TENSORSHARD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tensorshard")
-    return Path(root) / "native"
+    return cache_root() / "native"
 
 
 def _key(compiler: str) -> str:
