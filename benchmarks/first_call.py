@@ -14,7 +14,8 @@ one intra-op thread per process or device, as benchmarks/generation.py and gener
 - torchrun: `tp.parallelize` over N gloo ranks (torchrun), the fast path (the slowest rank's wall time).
 
 Each variant runs in a process of its own, with a private inductor cache (TORCHINDUCTOR_CACHE_DIR) and a private
-tensorshard cache (TENSORSHARD_CACHE_DIR: the native collectives' library): `--cache cold` times the first process
+tensorshard cache (TENSORSHARD_CACHE_DIR: the native collectives' library, the decode captures kept on disk by the
+first process: docs/generation.md, "Captures kept on disk"): `--cache cold` times the first process
 on the empty caches; `--cache warm` runs one process first to fill them, then times a second. Only the first fast
 `generate` call is timed (from just before it to just after it): the process start, the imports, building and
 splitting the model are not. Printed per variant: wall time, the process's CPU time (all its threads), the CPU
@@ -111,7 +112,7 @@ def _job(args) -> None:
         "cache": {k: int(counters["inductor"][k]) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
         | {"aot_autograd_cache_hit": int(counters["aot_autograd"]["autograd_cache_hit"])},
         "graphs": int(counters["stats"]["unique_graphs"]),
-        "log": [line for line in lines.lines if "compil" in line or "stitch" in line],
+        "log": [line for line in lines.lines if "compil" in line or "stitch" in line or "kept on disk" in line],
     }
     if ranks:
         every = [None] * dist.get_world_size()
@@ -151,7 +152,8 @@ def _count_bytecodes() -> dict[str, int]:
 def measure(variant: str, *, model: str, cache: str, devices: int = 2, new: int = 32, timeout: float = 1800,
             folder: str | None = None) -> dict:
     """The first fast call of `variant` in a fresh process (see the module doc), with caches as `cache` says: new
-    private ones, or those under `folder` (kept; a warm run fills them first only where they are not there yet)."""
+    private ones, or those under `folder` (kept; a warm run fills them first only where they are not there yet:
+    inductor's, or a split model's kept captures)."""
     if folder is None:
         with tempfile.TemporaryDirectory(prefix="tensorshard-first-call-") as folder:
             return measure(variant, model=model, cache=cache, devices=devices, new=new, timeout=timeout, folder=folder)
@@ -160,7 +162,8 @@ def measure(variant: str, *, model: str, cache: str, devices: int = 2, new: int 
            "TORCHINDUCTOR_COMPILE_THREADS": os.environ["TORCHINDUCTOR_COMPILE_THREADS"]}
     args = ["--job", variant, "--model", model, "--devices", str(devices), "--new", str(new)]
     ranks = devices if variant == "torchrun" else 0
-    if cache == "warm" and not os.path.isdir(inductor):
+    kept = os.path.join(folder, "tensorshard", "captures")  # (a split model's decode captures: none unsplit)
+    if cache == "warm" and (not os.path.isdir(inductor) or (variant != "unsplit" and not os.path.isdir(kept))):
         run_script(HERE, args, ranks=ranks, timeout=timeout, env=env)
     return run_script(HERE, args, ranks=ranks, timeout=timeout, env=env)
 
