@@ -23,6 +23,10 @@ from support import deprecations, docs
 from support.harness import shared_pool
 
 torch.set_num_threads(1)  # two cores: keep the simulated devices from fighting over threads
+# Decode captures are not kept on disk across tests (engines/capture_store.py): a test sees the trace it sets out to
+# see, whatever ran before it. tests/integrations/transformers/test_kept_captures.py turns the store on, in a folder
+# of its own. (Set here, so torchrun jobs and other child processes inherit it.)
+os.environ.setdefault("TENSORSHARD_CAPTURE_CACHE", "0")
 
 
 # Files kept in one pytest-xdist worker: the session fixture or run they share is made once (path prefix -> scope).
