@@ -7,6 +7,8 @@ guards, no generated code gathering the graph's inputs, no local views put in pl
         out = compiled(*args, **kwargs)
     direct.learn(key, seen, args, kwargs, out)          # ... that compiled nothing: its graph and inputs learnt
     out = direct.run(key, args, kwargs)                 # a later call of that kind: the graph alone (None: not ready)
+    if direct.may_keep(key):                            # the first call of a kind, in a later process ...
+        out = direct.from_store(key, kind, args, kwargs)  # ... its step built from what `learn` kept (kept_step.py)
 
 Per token, a compiled step that dynamo runs pays, on each rank, dynamo's frame and its differentiating guards
 (engines/torchrun/unguarded.py), the local views put in place and taken out again (local_views.py: ~270 tensors
@@ -40,6 +42,9 @@ The collectives are the graph's own operators: `tp.count_collectives()` counts t
 compiled the graph and it calls only aten, prims and the native collectives, the learnt step builds it again with
 inductor's C++ wrapper once the kind has run `cpp_step.BUILD_AFTER` tokens directly, and later calls run that one:
 a token is then one C++ call, no Python per kernel (cpp_step.py).
+A learnt step with static shapes is also kept on disk, per rank (kept_step.py, engines/capture_store.py): in a later
+process, the first call of that kind builds the step from it and runs it without entering dynamo, where every rank
+found its entry (they agree first). ``TENSORSHARD_CAPTURE_CACHE=0`` turns that off.
 ``TENSORSHARD_DIRECT_STEP=0`` leaves every call to dynamo (to compare, or to rule this out); GPU ranks (CUDA graphs,
 functional collectives) keep dynamo's path.
 """
@@ -324,7 +329,9 @@ class DirectSteps:
             return None
         self.steps[key] = step
         out = step(args, kwargs)
-        if _rank0():
+        if out is None:  # (an input not as the step reads it after all: nothing ran, dynamo's path decides)
+            del self.steps[key]
+        elif _rank0():
             logger.info("the decode step of %s was built from its graph kept on disk (%s), without tracing: first "
                         "call in %.1f s", type(model).__name__, capture_store.folder(), time.perf_counter() - started)
         return out
