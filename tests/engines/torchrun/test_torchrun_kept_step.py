@@ -132,3 +132,34 @@ def test_a_later_job_builds_the_decode_step_from_its_kept_graph_without_tracing(
         assert len(changed["entries"]) == 1
         off = out["switched off"]
         assert off["graphs"] >= 1 and off["entries"] == [], off  # traced, nothing kept
+
+
+def test_each_rank_world_mesh_layout_and_collective_kind_has_its_own_entry(monkeypatch):
+    """kept_step.entry_name without a process group (its distributed facts faked): an entry kept at one world size,
+    rank, mesh, split layout or kind of collectives is another's key, and so is never used by the other."""
+    from types import SimpleNamespace
+
+    from tensorshard.comm.dtensor import Layout
+    from tensorshard.engines.torchrun import kept_step
+
+    monkeypatch.setenv("TENSORSHARD_CAPTURE_CACHE", "1")
+    model = tiny_llama.build()
+    facts = {"rank": 0, "world": 2}
+    monkeypatch.setattr(kept_step.dist, "get_rank", lambda: facts["rank"])
+    monkeypatch.setattr(kept_step.dist, "get_world_size", lambda: facts["world"])
+    monkeypatch.setattr(kept_step.dist, "get_backend", lambda group: "gloo")
+
+    def name(*, rank=0, world=2, mesh=(0, 1), layout=Layout(0, 4, 4, 8), native=1, kind=("decode", (1, 1))):
+        facts.update(rank=rank, world=world)
+        state = SimpleNamespace(mesh=SimpleNamespace(device_type="cpu", mesh=torch.tensor(mesh), mesh_dim_names=None),
+                                layouts={"model.layers.0.mlp.down_proj.weight": layout})
+        guard = SimpleNamespace(group=None, native=native)
+        return kept_step.entry_name(model, state, guard, ("inductor", None, None, None, False), kind)
+
+    base = name()
+    assert base is not None and name() == base  # (the same facts: the same entry)
+    others = [name(rank=1), name(world=3, mesh=(0, 1, 2)), name(mesh=(2, 3)), name(layout=Layout(1, 4, 4, 8)),
+              name(native=None), name(kind=("decode", (2, 1)))]
+    assert len({base, *others}) == 1 + len(others)
+    monkeypatch.setenv("TENSORSHARD_CAPTURE_CACHE", "0")
+    assert name() is None  # the store off: nothing looked up, nothing kept

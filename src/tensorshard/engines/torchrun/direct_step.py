@@ -287,8 +287,9 @@ class DirectSteps:
             try:  # (a later process builds this kind's step from it: `from_store`)
                 payload = kept_step.portable(self.model, self.state, self.guard, graph.gm, sources, graph.stores,
                                              dtypes, fields, type(out))
-            except (TypeError, ValueError, KeyError) as error:
-                logger.debug("the decode graph of %s is not kept on disk: %s", type(self.model).__name__, error)
+            except Exception as error:  # (a graph or source the store cannot write: traced again next time)
+                logger.debug("the decode graph of %s is not kept on disk: %s: %s", type(self.model).__name__,
+                             type(error).__name__, error)
             else:
                 capture_store.save(entry, payload, graph.files)
 
@@ -307,7 +308,7 @@ class DirectSteps:
         calls it at the same call (`may_keep`), and they agree before any runs its step (kept_step.agree)."""
         self._forget_old()
         model, started = self.model, time.perf_counter()
-        entry = step = None
+        entry = step = self.names[key] = None  # (tried: never again for this key, on any rank, whatever happens)
         try:
             entry = self.names[key] = kept_step.entry_name(model, self.state, self.guard, self.settings, kind)
             payload = capture_store.load(entry) if entry is not None else None
