@@ -65,7 +65,7 @@ def portable(model: nn.Module, state, guard, graph: fx.GraphModule, sources: Seq
         if _argument(node, index, name) != ours[name]:
             raise ValueError(f"{node.target} runs on a group other than the split model's")
     return {
-        "graph": capture_store.portable_graph(graph),
+        "graph": capture_store.portable_graph(graph), "dynamo": _dynamo_meta(graph),
         "sources": capture_store.portable_sources(model, sources),
         "stores": [(_portable_owner(owner, state), attr, value) for owner, attr, value in stores],
         "dtypes": dtypes, "fields": dict(fields), "output_type": output_type,
@@ -76,6 +76,7 @@ def restored(payload: dict, model: nn.Module, state, guard, backend, arguments: 
     """The pieces of a `DirectStep` (direct_step.py) from what `portable` kept, its graph compiled by `backend`
     (direct_step's `_Backend`) for this call's `arguments`; an error where they do not fit this model and call."""
     gm = capture_store.restored_graph(payload["graph"])
+    _restore_dynamo_meta(gm, payload["dynamo"])
     ours = _own_groups(state, guard)
     for node, index, group in _group_arguments(gm):
         if ours[group] is None:
@@ -102,6 +103,38 @@ def agree(ready: bool, guard) -> bool:
     flag = torch.tensor([int(ready)], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=guard.group)
     return bool(flag.item())
+
+
+# -- what inductor's cache key reads of dynamo's graph ------------------------------------------------------------
+# AOT autograd takes a graph marked as dynamo's (`dynamo_compile_id` in its meta) for one, and reads which of its
+# inputs are static (weights, `_dynamo_static_input_type` on a placeholder): those indices are part of the key of
+# inductor's and AOT autograd's caches. A graph without them would miss the entry dynamo's trace left there and be
+# compiled anew (SmolLM2's shape at 2 ranks: ~70 s of inductor per rank instead of a cache hit).
+
+
+def _dynamo_meta(gm: fx.GraphModule) -> dict | None:
+    """Which placeholders dynamo marked static, by name; None where `gm` is not dynamo's (or holds weights of its
+    own, whose sources AOT autograd would need)."""
+    own = next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None
+    if own or "dynamo_compile_id" not in gm.meta or not hasattr(gm, "_param_name_to_source"):
+        return None
+    static = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        kind = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+        if kind is not None:
+            static[node.name] = kind
+    return {"static": static, "compile_id": str(gm.meta["dynamo_compile_id"])}
+
+
+def _restore_dynamo_meta(gm: fx.GraphModule, kept: dict | None) -> None:
+    if kept is None:
+        return
+    gm.meta["dynamo_compile_id"] = kept["compile_id"]
+    gm._param_name_to_source = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        node._dynamo_source = None
+        if node.name in kept["static"]:
+            node.meta["tensor_dict"] = {"_dynamo_static_input_type": kept["static"][node.name]}
 
 
 # -- the collectives' groups ----------------------------------------------------------------------------------------
