@@ -122,7 +122,7 @@ def test_a_later_job_builds_the_decode_step_from_its_kept_graph_without_tracing(
         # (its native region's handle where the native collectives load, else its group's name)
         assert later["groups"] and set(later["groups"]) <= set(later["own groups"]), later
         assert set(fill["groups"]) <= set(fill["own groups"]) and later["groups"] != fill["groups"], (later, fill)
-        built = [m for m in later["logged"] if m.startswith("the decode step of LlamaForCausalLM was built from")]
+        built = [m for m in later["logged"] if m.startswith("compiled the decode step of LlamaForCausalLM from its graph kept on disk")]
         assert len(built) == (1 if rank == 0 else 0), later["logged"]
         # one rank's entry refused (its traced file changed): both ranks trace, and keep the kind again
         changed = out["one rank changed"]

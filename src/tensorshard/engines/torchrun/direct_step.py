@@ -62,7 +62,6 @@ from typing import Any, Callable, Hashable
 import torch
 import torch.distributed as dist
 from torch import nn
-
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -71,6 +70,7 @@ from ...logs import get_logger
 from ...registrations import registrations
 from .. import capture_store
 from ..graph_inputs import InputReader, NotLocated, build_output, call_arguments, locate_inputs, output_builder, output_fields
+from ..inductor_cache import CacheUse
 from . import cpp_step, kept_step
 
 try:  # what dynamo knows of a frame's side effects as it compiles (torch 2.13's names; `_stores` says None without)
@@ -237,7 +237,7 @@ class DirectSteps:
             _backends[name] = _Backend(*settings)
         ours = copy.copy(compile_config)
         ours.backend, ours.mode, ours.options = _backends[name], None, None
-        self.backend, self.settings = _backends[name], (*settings, compile_config.fullgraph)
+        self.backend, self.settings = _backends[name], (*settings, getattr(compile_config, "fullgraph", None))
         return ours
 
     # -- learning a kind --------------------------------------------------------------------------------------
@@ -307,7 +307,7 @@ class DirectSteps:
         load, build or compile (dropped, logged: the kind is traced as before). Collective: every rank of the group
         calls it at the same call (`may_keep`), and they agree before any runs its step (kept_step.agree)."""
         self._forget_old()
-        model, started = self.model, time.perf_counter()
+        model, started, cache = self.model, time.perf_counter(), CacheUse()
         entry = step = self.names[key] = None  # (tried: never again for this key, on any rank, whatever happens)
         try:
             entry = self.names[key] = kept_step.entry_name(model, self.state, self.guard, self.settings, kind)
@@ -333,8 +333,9 @@ class DirectSteps:
         if out is None:  # (an input not as the step reads it after all: nothing ran, dynamo's path decides)
             del self.steps[key]
         elif _rank0():
-            logger.info("the decode step of %s was built from its graph kept on disk (%s), without tracing: first "
-                        "call in %.1f s", type(model).__name__, capture_store.folder(), time.perf_counter() - started)
+            logger.info("compiled the decode step of %s from its graph kept on disk (%s), without tracing (%s): "
+                        "first call in %.1f s", type(model).__name__, capture_store.folder(), cache.since(),
+                        time.perf_counter() - started)
         return out
 
     def run(self, key: Hashable, args: tuple, kwargs: dict) -> Any:

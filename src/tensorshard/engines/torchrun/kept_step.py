@@ -109,7 +109,9 @@ def agree(ready: bool, guard) -> bool:
 # AOT autograd takes a graph marked as dynamo's (`dynamo_compile_id` in its meta) for one, and reads which of its
 # inputs are static (weights, `_dynamo_static_input_type` on a placeholder): those indices are part of the key of
 # inductor's and AOT autograd's caches. A graph without them would miss the entry dynamo's trace left there and be
-# compiled anew (SmolLM2's shape at 2 ranks: ~70 s of inductor per rank instead of a cache hit).
+# compiled anew (SmolLM2's shape at 2 ranks: ~70 s of inductor per rank instead of a cache hit). AOT autograd's own
+# cache also hashes the graph's code with dynamo's source comments, which the kept graph has not: its first use misses
+# there once (AOT autograd traces it again, a few seconds, and keeps it under the kept graph's key for later uses).
 
 
 def _dynamo_meta(gm: fx.GraphModule) -> dict | None:
