@@ -163,3 +163,50 @@ def test_each_rank_world_mesh_layout_and_collective_kind_has_its_own_entry(monke
     assert len({base, *others}) == 1 + len(others)
     monkeypatch.setenv("TENSORSHARD_CAPTURE_CACHE", "0")
     assert name() is None  # the store off: nothing looked up, nothing kept
+
+
+@pytest.mark.slow  # (an inductor compile of a small graph)
+@pytest.mark.timeout(300)
+def test_a_kept_graph_compiles_from_what_dynamo_s_trace_left_in_inductor_s_cache(tmp_path, monkeypatch):
+    """direct_step's backend on a small module (no process group): dynamo's graph kept as kept_step keeps it, then
+    restored and compiled as a later process's first call compiles it: inductor's FX-graph cache finds the graph
+    dynamo's compile put there (its key reads which inputs dynamo marked static), and the graph computes the same."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from tensorshard.engines import capture_store
+    from tensorshard.engines.torchrun import kept_step
+    from tensorshard.engines.torchrun.direct_step import DirectSteps
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return {"y": torch.relu(self.norm(self.proj(x)))}
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # (an empty cache: what is found, this test put)
+    torch._dynamo.reset()
+    model = Block().eval()
+    state = SimpleNamespace(views=SimpleNamespace(swaps=[]), mesh=SimpleNamespace(device_type="cpu"))
+    direct = DirectSteps(model, state)
+    config = direct.capturing(SimpleNamespace(backend="inductor", mode=None, options=None, dynamic=False))
+    compiled = torch.compile(model, backend=config.backend, dynamic=False)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    counters = torch._dynamo.utils.counters
+    with torch.no_grad():
+        compiled(x)
+        with direct.watching() as seen:
+            compiled(x)
+        (graph, inputs, _), = seen
+        kept = {"graph": capture_store.portable_graph(graph.gm), "dynamo": kept_step._dynamo_meta(graph.gm)}
+        assert kept["dynamo"]["static"]  # (the module's weights: static inputs)
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        gm = capture_store.restored_graph(kept["graph"])
+        kept_step._restore_dynamo_meta(gm, kept["dynamo"])
+        again = direct.backend.compile_kept(gm, list(inputs))
+        assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1
+        (y,) = again(*inputs)
+        torch.testing.assert_close(y, model(x)["y"])  # fp32, inductor's fused kernels: a few ulps
