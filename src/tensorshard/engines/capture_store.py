@@ -51,7 +51,7 @@ except ImportError:  # a torch without it keeps nothing on disk
 from ..cache_dirs import cache_root
 from ..logs import get_logger
 from ..switches import switched_on
-from .graph_inputs import Argument, CacheTensor, Item, SizeInput, Source, Weight
+from .graph_inputs import Argument, CacheTensor, Item, LocalView, SizeInput, Source, Weight
 
 logger = get_logger(__name__)
 
@@ -158,8 +158,9 @@ def restored_graph(kept: dict) -> fx.GraphModule:
 
 
 def portable_sources(module: nn.Module, sources: Sequence[Source]) -> list:
-    """Where each graph input comes from, as values: a weight by its module's path; an argument, an item of one, a
-    cache tensor or a size as it is. TypeError for another kind of source (not kept)."""
+    """Where each graph input comes from, as values: a weight by its module's path; a split weight's local view
+    (torchrun) by its module's path and its layout; an argument, an item of one, a cache tensor or a size as it is.
+    TypeError for another kind of source (not kept)."""
     tables = {}
     for path, owner in module.named_modules(remove_duplicate=False):
         tables.setdefault(id(owner._parameters), (path, "parameters"))
@@ -168,6 +169,8 @@ def portable_sources(module: nn.Module, sources: Sequence[Source]) -> list:
     for source in sources:
         if type(source) is Weight:
             kept.append(("weight", *tables[id(source.table)], source.key))
+        elif type(source) is LocalView:  # (its layout: a frozen dataclass of ints, comm/dtensor.py)
+            kept.append(("view", *tables[id(source.table)], source.key, source.layout))
         elif type(source) in (Argument, Item, CacheTensor, SizeInput):
             kept.append(("plain", source))
         else:
@@ -175,17 +178,18 @@ def portable_sources(module: nn.Module, sources: Sequence[Source]) -> list:
     return kept
 
 
-def restored_sources(module: nn.Module, kept: Sequence) -> list[Source]:
-    """`portable_sources`' values as sources on `module`; KeyError where a weight is not there any more."""
+def restored_sources(module: nn.Module, kept: Sequence, *, mesh: Any = None) -> list[Source]:
+    """`portable_sources`' values as sources on `module` (a local view's on `mesh`); KeyError where a weight is not
+    there any more."""
     sources: list[Source] = []
     for item in kept:
-        if item[0] == "weight":
-            _, path, table, name = item
+        if item[0] in ("weight", "view"):
+            _, path, table, name = item[:4]
             owner = module.get_submodule(path)
             found = owner._parameters if table == "parameters" else owner._buffers
             if found.get(name) is None:
                 raise KeyError(f"{path}.{name} is not a {table[:-1]} of the module")
-            sources.append(Weight(found, name))
+            sources.append(Weight(found, name) if item[0] == "weight" else LocalView(found, name, item[4], mesh))
         else:
             sources.append(item[1])
     return sources

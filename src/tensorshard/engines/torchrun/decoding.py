@@ -90,7 +90,7 @@ def _default_compile_config(model: nn.Module):
 
 def _logging_compiles(model: nn.Module, compiled_call: Callable, guard, state) -> Callable:
     wrapped: dict[int, Callable] = {}  # id(compiled function) -> its logging wrapper
-    direct = DirectSteps(model, state)  # later tokens: the compiled graph called directly (direct_step.py)
+    direct = DirectSteps(model, state, guard)  # later tokens: the compiled graph called directly (direct_step.py)
 
     def get_compiled_call(compile_config) -> Callable:
         compile_config = compile_config or _default_compile_config(model)
@@ -130,6 +130,17 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state, 
             if out is not None:
                 if collectives:  # (traced functional collectives, counted per call as below)
                     report_collectives(collectives.get(describe_step(kwargs, getattr(model, "dtype", None)), ()))
+                return out
+        elif direct.may_keep(key) and unguarded.may_skip_warm(state.views.quiet()):
+            # the first call of a kind: its step built from the graph an earlier process kept, without dynamo, where
+            # every rank has one (kept_step.py); later calls of the kind run it directly, unguarded
+            try:
+                out = direct.from_store(key, unguarded.lasting(key), args, kwargs)
+            except BaseException as e:
+                guard.report(e, f"the compiled decode step of {name}")
+                raise
+            if out is not None:
+                unguarded.ran(key, skipped=False, compiled=False)
                 return out
         before = compiled_graphs()
         began = time.perf_counter()

@@ -7,6 +7,8 @@ guards, no generated code gathering the graph's inputs, no local views put in pl
         out = compiled(*args, **kwargs)
     direct.learn(key, seen, args, kwargs, out)          # ... that compiled nothing: its graph and inputs learnt
     out = direct.run(key, args, kwargs)                 # a later call of that kind: the graph alone (None: not ready)
+    if direct.may_keep(key):                            # the first call of a kind, in a later process ...
+        out = direct.from_store(key, kind, args, kwargs)  # ... its step built from what `learn` kept (kept_step.py)
 
 Per token, a compiled step that dynamo runs pays, on each rank, dynamo's frame and its differentiating guards
 (engines/torchrun/unguarded.py), the local views put in place and taken out again (local_views.py: ~270 tensors
@@ -40,6 +42,9 @@ The collectives are the graph's own operators: `tp.count_collectives()` counts t
 compiled the graph and it calls only aten, prims and the native collectives, the learnt step builds it again with
 inductor's C++ wrapper once the kind has run `cpp_step.BUILD_AFTER` tokens directly, and later calls run that one:
 a token is then one C++ call, no Python per kernel (cpp_step.py).
+A learnt step with static shapes is also kept on disk, per rank (kept_step.py, engines/capture_store.py): in a later
+process, the first call of that kind builds the step from it and runs it without entering dynamo, where every rank
+found its entry (they agree first). ``TENSORSHARD_CAPTURE_CACHE=0`` turns that off.
 ``TENSORSHARD_DIRECT_STEP=0`` leaves every call to dynamo (to compare, or to rule this out); GPU ranks (CUDA graphs,
 functional collectives) keep dynamo's path.
 """
@@ -50,16 +55,23 @@ import copy
 import functools
 import os
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Hashable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ...logs import get_logger
 from ...registrations import registrations
+from .. import capture_store
 from ..graph_inputs import InputReader, NotLocated, build_output, call_arguments, locate_inputs, output_builder, output_fields
-from . import cpp_step
+from ..inductor_cache import CacheUse
+from . import cpp_step, kept_step
 
 try:  # what dynamo knows of a frame's side effects as it compiles (torch 2.13's names; `_stores` says None without)
     from torch._dynamo.symbolic_convert import InstructionTranslator
@@ -93,9 +105,23 @@ class _Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         stores = _stores()  # (while dynamo's translator of this frame is current)
-        # inductor's graphs keep their FX graph and settings: a learnt step may build it again with the C++ wrapper
-        again = (gm, self.inner.config) if isinstance(self.inner, torch._TorchCompileInductorWrapper) else None
-        return _Graph(self.inner(gm, example_inputs), _sizes(gm, example_inputs), stores, again).wrapper()
+        files = capture_store.traced_files(TracingContext.get_traced_code() or ())  # (kept_step.py's entry lists them)
+        graph = _Graph(self.inner(gm, example_inputs), _sizes(gm, example_inputs), stores, self.again(gm))
+        graph.gm, graph.files = gm, files  # what kept_step.py saves once the kind is learnt
+        return graph.wrapper()
+
+    def again(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict] | None:
+        """Inductor's graphs keep their FX graph and settings: a learnt step may build it again with the C++ wrapper."""
+        return (gm, self.inner.config) if isinstance(self.inner, torch._TorchCompileInductorWrapper) else None
+
+    def compile_kept(self, gm: torch.fx.GraphModule, inputs: list) -> Callable[..., Any]:
+        """`gm` (a graph kept on disk, kept_step.py) compiled as this backend compiles dynamo's graphs, for `inputs`
+        (a call's real graph inputs) seen with static shapes, as dynamo passes them (inductor's cache then finds the
+        graph it compiled for dynamo's trace)."""
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        fake = [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in inputs]
+        with tracing(TracingContext(mode)):
+            return self.inner(gm, fake)
 
     def reset(self) -> None:
         reset = getattr(self.inner, "reset", None)
@@ -162,6 +188,8 @@ class _Graph:
                  again: tuple[torch.fx.GraphModule, dict] | None = None) -> None:
         self.compiled, self.sizes, self.stores = compiled, sizes, stores
         self.again = again  # (the FX graph, inductor's settings): what cpp_step.py builds with the C++ wrapper
+        self.gm: torch.fx.GraphModule | None = None  # dynamo's graph, and the source files it traced: kept_step.py
+        self.files: set[str] = set()
 
     def wrapper(self) -> Callable[..., Any]:
         compiled = self.compiled
@@ -182,11 +210,14 @@ class _Graph:
 class DirectSteps:
     """The kinds of call of one generating model whose compiled graph is called directly (see the module doc)."""
 
-    def __init__(self, model: nn.Module, state) -> None:
-        self.model, self.state = model, state
+    def __init__(self, model: nn.Module, state, guard=None) -> None:
+        self.model, self.state, self.guard = model, state, guard  # (guard: the group's; None: nothing kept on disk)
         self.steps: dict[Hashable, DirectStep] = {}
         self.refused: set[Hashable] = set()
         self._registrations = registrations()  # when the steps were learnt (their keys hold it: unguarded.py)
+        self.backend: _Backend | None = None  # the compile config's, as `capturing` last handed it to transformers
+        self.settings: tuple = ()  # ... and its settings, for the entries kept on disk
+        self.names: dict[Hashable, str | None] = {}  # each kind's entry on disk (kept_step.py), named at its first call
 
     # -- the compile ------------------------------------------------------------------------------------------
 
@@ -206,6 +237,7 @@ class DirectSteps:
             _backends[name] = _Backend(*settings)
         ours = copy.copy(compile_config)
         ours.backend, ours.mode, ours.options = _backends[name], None, None
+        self.backend, self.settings = _backends[name], (*settings, getattr(compile_config, "fullgraph", None))
         return ours
 
     # -- learning a kind --------------------------------------------------------------------------------------
@@ -240,14 +272,71 @@ class DirectSteps:
             sources = locate_inputs(self.model, arguments, inputs, local_views=layouts, mesh=self.state.mesh,
                                     sizes={i for i, *_ in graph.sizes})
             name = type(self.model).__name__
-            self.steps[key] = DirectStep(graph.compiled, InputReader(sources), graph.sizes, graph.stores,
-                                         [_dtype(x) for x in inputs], output_fields(out, outputs, arguments), type(out),
-                                         name=name, pending=cpp_step.candidate(graph.again, inputs,
-                                                                               dynamic=bool(graph.sizes), name=name))
+            dtypes, fields = [_dtype(x) for x in inputs], output_fields(out, outputs, arguments)
+            self.steps[key] = DirectStep(graph.compiled, InputReader(sources), graph.sizes, graph.stores, dtypes,
+                                         fields, type(out), name=name,
+                                         pending=cpp_step.candidate(graph.again, inputs, dynamic=bool(graph.sizes),
+                                                                    name=name))
         except (_NotDirect, NotLocated) as why:
             self.refused.add(key)
             logger.debug("the compiled decode step of %s stays with dynamo for this kind of call: %s",
                          type(self.model).__name__, why)
+            return
+        entry = self.names.get(key)
+        if entry is not None and graph.gm is not None and not graph.sizes and graph.files:
+            try:  # (a later process builds this kind's step from it: `from_store`)
+                payload = kept_step.portable(self.model, self.state, self.guard, graph.gm, sources, graph.stores,
+                                             dtypes, fields, type(out))
+            except Exception as error:  # (a graph or source the store cannot write: traced again next time)
+                logger.debug("the decode graph of %s is not kept on disk: %s: %s", type(self.model).__name__,
+                             type(error).__name__, error)
+            else:
+                capture_store.save(entry, payload, graph.files)
+
+    # -- a kind kept on disk by an earlier process (kept_step.py) --------------------------------------------------
+
+    def may_keep(self, key: Hashable) -> bool:
+        """Whether `key`'s first call looks for its step on disk (`from_store`): a kind not seen yet, on CPU ranks,
+        direct calls on, the engine's group known. The same on every rank (`from_store` is collective)."""
+        return (self.guard is not None and key not in self.names and key not in self.steps and enabled()
+                and self.backend is not None and self.sees_graphs())
+
+    def from_store(self, key: Hashable, kind: Hashable, args: tuple, kwargs: dict) -> Any:
+        """The first call of `key` (`kind`: its description that outlives the process), run by the step an earlier
+        process kept on disk, without dynamo; None (nothing ran) where there is none on some rank, or it failed to
+        load, build or compile (dropped, logged: the kind is traced as before). Collective: every rank of the group
+        calls it at the same call (`may_keep`), and they agree before any runs its step (kept_step.agree)."""
+        self._forget_old()
+        model, started, cache = self.model, time.perf_counter(), CacheUse()
+        entry = step = self.names[key] = None  # (tried: never again for this key, on any rank, whatever happens)
+        try:
+            entry = self.names[key] = kept_step.entry_name(model, self.state, self.guard, self.settings, kind)
+            payload = capture_store.load(entry) if entry is not None else None
+            if payload is not None:
+                name = type(model).__name__
+                pieces = kept_step.restored(payload, model, self.state, self.guard, self.backend,
+                                            call_arguments(args, kwargs), name=name)
+                step = DirectStep(pieces["compiled"], pieces["read"], [], pieces["stores"], pieces["dtypes"],
+                                  pieces["fields"], pieces["output_type"], name=name, pending=pieces["pending"])
+        except Exception as error:  # an entry that does not fit after all: dropped, traced (and kept) again
+            logger.info("the decode graph of %s kept on disk was not used (%s: %s); tracing it again",
+                        type(model).__name__, type(error).__name__, error)
+            if entry is not None:
+                capture_store.discard(entry)
+        if not kept_step.agree(step is not None, self.guard):
+            if step is not None:
+                logger.info("the decode graph of %s kept on disk was not used: another rank has none for this kind "
+                            "of call; tracing it on every rank", type(model).__name__)
+            return None
+        self.steps[key] = step
+        out = step(args, kwargs)
+        if out is None:  # (an input not as the step reads it after all: nothing ran, dynamo's path decides)
+            del self.steps[key]
+        elif _rank0():
+            logger.info("compiled the decode step of %s from its graph kept on disk (%s), without tracing (%s): "
+                        "first call in %.1f s", type(model).__name__, capture_store.folder(), cache.since(),
+                        time.perf_counter() - started)
+        return out
 
     def run(self, key: Hashable, args: tuple, kwargs: dict) -> Any:
         """The call through the graph learnt for `key`; None (nothing ran) where there is none or it does not
@@ -262,6 +351,7 @@ class DirectSteps:
         """Drop every step learnt (transformers compiled anew, for another compile config: its graphs are others)."""
         self.steps.clear()
         self.refused.clear()
+        self.names.clear()
 
     def _forget_old(self) -> None:
         """Steps learnt before a registration never run again (their keys hold the count): dropped, with the weights
@@ -319,3 +409,7 @@ class DirectStep:
 
 def _dtype(x: Any) -> Any:
     return x.dtype if isinstance(x, torch.Tensor) else type(x)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -83,8 +83,17 @@ class Unguarded:
     def may_skip(self, key: Hashable, quiet: bool) -> bool:
         """Run this call without the guard tree? `quiet`: `LocalViews.all_local` put the local views in place (no
         gradient, every module holding split tensors in eval mode)."""
-        return (quiet and key in self.warm and not self.model.training and self.supported
-                and os.environ.get(ENV, "1") != "0")
+        return key in self.warm and self.may_skip_warm(quiet)
+
+    def may_skip_warm(self, quiet: bool) -> bool:
+        """Whether a call of a warm key could skip the guard tree now (`may_skip` but for the key)."""
+        return quiet and not self.model.training and self.supported and os.environ.get(ENV, "1") != "0"
+
+    @staticmethod
+    def lasting(key: Hashable) -> Hashable:
+        """`key` without this process's registration count: the kind of call as another process sees it."""
+        spec, kind, autocast, inference, _registrations, settings = key
+        return spec, kind, autocast, inference, settings
 
     def ran(self, key: Hashable, skipped: bool, compiled: bool, *, ran_graph: bool = True) -> None:
         """Note a call of `key`: guarded, compiling nothing and running a compiled graph, it warms the key; compiling,
