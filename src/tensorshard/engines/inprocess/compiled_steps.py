@@ -11,8 +11,8 @@ the graph as operators (comm/thread_ops.py).
 
 What happens per call:
 - the inputs are copied to every device as in any call (boundary.py); an object the engine gives each shard its
-  own copy of (a KV cache) is handed over as that shard's own object (`unwrap`), so the compiled code sees a plain
-  transformers cache, not the dispatcher over all of them;
+  own copy of (a KV cache) is handed over as that shard's own object, so the compiled code sees a plain
+  transformers cache, not the dispatcher over all of them (what the model integration says, shard_calls.py);
 - the first call of a kind (a new batch size, cache length or dtype: `_kind`) compiles every shard, one shard at
   a time (the baton passes at every collective: schedule.py's serial way), since `torch.compile` is not
   thread-safe; each shard compiles its own graphs, under a code object of its own (`_entry`);
@@ -43,6 +43,7 @@ from ...comm import thread_ops
 from ...logs import get_logger
 from ..aliasing_guards import aliasing_guards_in_cpp
 from ..decode_decision import WrapperSettings, describe_step, log_compiled
+from .shard_calls import ShardCalls
 from .stitched_decode import Stitcher, call_settings
 
 logger = get_logger(__name__)
@@ -54,12 +55,10 @@ class CompiledSteps:
     Args:
         model: the split model.
         options: `torch.compile` keyword arguments (fullgraph, dynamic, backend, mode, options).
-        unwrap: (object, rank) -> the object shard `rank` should be given instead (its own KV cache), or the
-            object itself.
-        rewrap: (shard's output, the call's inputs) -> the output as the engine should see it (the dispatcher cache
-            back in place of the shard's own).
-        prepare: (args, kwargs) -> the keyword arguments of the call (a transformers model names its arguments
-            and shards its cache there).
+        calls: how a call becomes each shard's and a shard's output the caller's (shard_calls.py): the call's
+            arguments by name, each shard's own copy of a per-device object (its KV cache), the caller's object
+            back in the output. Default: everything as given (positional arguments stay positional, never stitched);
+            the transformers integration passes its own (integrations/transformers/fast_decode.py).
         stitch: on CPU slots, run every shard's step as one stitched graph from the calling thread once a kind of
             call was seen twice (stitched_decode.py); False keeps one compiled graph per shard.
     """
@@ -69,22 +68,26 @@ class CompiledSteps:
         model: nn.Module,
         options: dict[str, Any],
         *,
-        unwrap: Callable[[Any, int], Any] = lambda x, rank: x,
-        rewrap: Callable[[Any, dict], Any] = lambda out, kwargs: out,
-        prepare: Callable[[tuple, dict], dict] | None = None,
+        calls: ShardCalls | None = None,
         stitch: bool = True,
     ) -> None:
+        if calls is not None and not isinstance(calls, ShardCalls):
+            raise TypeError(
+                f"calls must be a ShardCalls (engines/inprocess/shard_calls.py), or None for the default; got "
+                f"{type(calls).__name__}"
+            )
         self.model = model
         self.options = dict(options)
-        self.unwrap, self.rewrap, self.prepare = unwrap, rewrap, prepare
+        self.calls = calls if calls is not None else ShardCalls()
+        self.own, self.back = self.calls.own, self.calls.back  # (bound once: `own` runs per argument per shard)
         self.compiled = [torch.compile(_entry(shard, rank), **self.options) for rank, shard in enumerate(model.module_shards)]
         self.kinds: set[Hashable] = set()  # kinds of call compiled so far
         self.together = False  # later calls always run the shards at the same time (`run_shards_together`)
         # a stitched step has no guards: an adapter switched or disabled makes another kind (every shard alike)
         self.settings = WrapperSettings(model.module_shards[0])
         self.stitcher = (
-            Stitcher(model, [_entry(shard, rank) for rank, shard in enumerate(model.module_shards)], self.options, unwrap, rewrap)
-            if stitch and prepare is not None and Stitcher.applies(model, self.options) else None
+            Stitcher(model, [_entry(shard, rank) for rank, shard in enumerate(model.module_shards)], self.options, self.calls)
+            if stitch and Stitcher.applies(model, self.options) else None
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -97,12 +100,14 @@ class CompiledSteps:
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         world = len(self.compiled)
-        if self.prepare is not None:
-            args, kwargs = (), self.prepare(args, kwargs)
+        named = self.calls.keywords(args, kwargs)
+        if named is not None:
+            args, kwargs = (), named
         kind, settings = _call_kind(args, kwargs)
-        stitch_kind = (kind, settings, self.settings()) if self.stitcher is not None else None
-        if self.stitcher is not None and self.stitcher.handles(stitch_kind, kwargs):
-            out = self.stitcher(stitch_kind, kwargs)
+        stitcher = self.stitcher if named is not None else None  # (a stitched step finds its inputs by name)
+        stitch_kind = (kind, settings, self.settings()) if stitcher is not None else None
+        if stitcher is not None and stitcher.handles(stitch_kind, kwargs):
+            out = stitcher(stitch_kind, kwargs)
             if out is not None:
                 return out
         first = kind not in self.kinds
@@ -135,9 +140,9 @@ class CompiledSteps:
         self.together = True
 
     def _run(self, rank: int, args: tuple, kwargs: dict) -> Any:
-        args = tuple(self.unwrap(a, rank) for a in args)
-        own = {k: self.unwrap(v, rank) for k, v in kwargs.items()}
-        return self.rewrap(self.compiled[rank](*args, **own), kwargs)
+        args = tuple(self.own(a, rank) for a in args)
+        own = {k: self.own(v, rank) for k, v in kwargs.items()}
+        return self.back(self.compiled[rank](*args, **own), kwargs)
 
 
 def _entry(shard: nn.Module, rank: int) -> Callable[..., Any]:

@@ -210,6 +210,12 @@ class TensorParallel(PackageNames, nn.Module):
     def world_size(self) -> int:
         return len(self.devices)
 
+    def running_here(self) -> bool:
+        """Whether the calling thread is running one of this model's shards (code called from inside its forward or
+        backward: a hook, a callback): a call of the model from there would wait for itself. Code that runs the
+        shards without the engine's call (the fast decode path, stitched_decode.py) asks before it does."""
+        return self._group.running_here()
+
     def apply_sharding(self, sharded_param_names: Sequence[str] | None = None) -> list[str]:
         """ZeRO-3, after splitting, of the parameters the plan leaves whole (what ``sharded=True`` does at split
         time; call it once the weights of a model split on the meta device are loaded). Names are the unsplit

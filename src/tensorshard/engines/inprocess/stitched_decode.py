@@ -49,6 +49,7 @@ from .. import capture_store
 from . import kept_captures
 from .boundary import to_device
 from .parallel_step import ParallelStep
+from .shard_calls import ShardCalls
 from .stitched_step import Capture, StitchError, StitchedStep, segments, stitch
 
 logger = get_logger(__name__)
@@ -75,9 +76,9 @@ def parallel_bytes() -> int:
 class Stitcher:
     """The stitched decode steps of one split model (a TensorParallel on CPU slots), one per kind of call."""
 
-    def __init__(self, model: nn.Module, entries: list[Callable[..., Any]], options: dict[str, Any],
-                 unwrap: Callable[[Any, int], Any], rewrap: Callable[[Any, dict], Any]) -> None:
-        self.model, self.unwrap, self.rewrap = model, unwrap, rewrap
+    def __init__(self, model: nn.Module, entries: list[Callable[..., Any]], options: dict[str, Any], calls: ShardCalls) -> None:
+        self.model = model
+        self.own, self.back = calls.own, calls.back  # (shard_calls.py; bound once: `own` runs per input per shard)
         self.config_patches = options.get("options") or {}
         self.options = options
         trace = {k: v for k, v in options.items() if k in ("fullgraph", "dynamic")}
@@ -117,7 +118,7 @@ class Stitcher:
         if step is not None:
             out = self._stitched(kind, step, kwargs)
             if out is not None:
-                return self.rewrap(out, kwargs)
+                return self.back(out, kwargs)
         elif self._calls.get(kind, 0) < _CAPTURE_CALLS:
             return self._capturing(kind, kwargs)
         return None  # the per-shard compiled path runs this call
@@ -161,7 +162,7 @@ class Stitcher:
             if self._calls.get(kind, 0) == 0 and kind not in self.steps:
                 out = self._from_store(kind, kwargs)
                 if out is not None:
-                    return self.rewrap(out, kwargs)
+                    return self.back(out, kwargs)
             return self._capture(kind, kwargs)
 
     def _capture(self, kind: Hashable, kwargs: dict) -> Any:
@@ -169,7 +170,7 @@ class Stitcher:
         self._now = (kind, own)
 
         def run(rank: int, args: tuple, shard_kwargs: dict) -> Any:
-            own[rank] = {k: self.unwrap(v, rank) for k, v in shard_kwargs.items()}
+            own[rank] = {k: self.own(v, rank) for k, v in shard_kwargs.items()}
             out = self.tracing[rank](**own[rank])
             for capture in self._captures.get(kind, {}).get(rank, [])[:1]:
                 if capture.output_type is None:
@@ -177,7 +178,7 @@ class Stitcher:
                         capture.fields, capture.output_type = output_fields(out, capture.last_outputs, own[rank]), type(out)
                     except NotLocated as error:
                         self._refuse(kind, f"shard {rank}: {error}")
-            return self.rewrap(out, shard_kwargs)
+            return self.back(out, shard_kwargs)
 
         try:
             # (what dynamo traces cheaper, engines/class_forwards.py and aliasing_guards.py: no graph changes)
@@ -262,7 +263,7 @@ class Stitcher:
     def _stitched(self, kind: Hashable, step: StitchedStep | ParallelStep, kwargs: dict) -> Any:
         # (No late adapters to adopt, as the engine's call does first: anything registered since the stitch has
         # already dropped this step, `handles`, and the per-shard path adopts it.)
-        per_rank = [{k: self.unwrap(v, rank) for k, v in kwargs.items()} for rank in range(len(self.tracing))]
+        per_rank = [{k: self.own(v, rank) for k, v in kwargs.items()} for rank in range(len(self.tracing))]
         if isinstance(step, ParallelStep):
             return self._parallel(kind, step, kwargs, per_rank)
         with self.model.call_lock:
@@ -282,7 +283,7 @@ class Stitcher:
                 return None
 
         model = self.model
-        if step.threads is not None and not model.debug and model.devices[0] == model.output_device and not model._group.running_here():
+        if step.threads is not None and not model.debug and model.devices[0] == model.output_device and not model.running_here():
             return self._on_step_threads(kind, step, kwargs, per_rank)
         try:
             step.check(per_rank)
@@ -292,7 +293,7 @@ class Stitcher:
 
         def run(rank: int, args: tuple, shard_kwargs: dict) -> Any:
             try:
-                return self.rewrap(step.run(rank, {k: self.unwrap(v, rank) for k, v in shard_kwargs.items()}), shard_kwargs)
+                return self.back(step.run(rank, {k: self.own(v, rank) for k, v in shard_kwargs.items()}), shard_kwargs)
             except BaseException as error:  # the other shards may be waiting for this one in a native collective
                 step.abort(rank, error)
                 raise
@@ -320,7 +321,7 @@ class Stitcher:
         def work(rank: int) -> Any:
             outs = step.graph(rank, inputs[rank])
             if rank == 0:  # (made while the other ranks' threads leave their graphs; on the output device already)
-                return self.rewrap(step.output(0, outs, per_rank[0]), kwargs)
+                return self.back(step.output(0, outs, per_rank[0]), kwargs)
             return None
 
         try:

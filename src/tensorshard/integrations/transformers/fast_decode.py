@@ -32,6 +32,7 @@ from ...logs import get_logger
 from ...engines.decode_decision import compileable_cache, decode_cache
 from ...engines.inprocess.compiled_steps import CompiledSteps
 from ...engines.inprocess.cuda_graph_mode import decode_options
+from ...engines.inprocess.shard_calls import ShardCalls
 from .cache import ShardedCache, rank_caches
 
 logger = get_logger(__name__)
@@ -55,7 +56,7 @@ def compiled_call(model, compile_config) -> CompiledSteps:
     kept = model.__dict__.setdefault(_STEPS, {})
     if key not in kept:
         options = decode_options(asked, model.devices, model_name=type(model).__name__)  # (logs a replaced mode once)
-        kept[key] = CompiledSteps(model, options, unwrap=_own_cache, rewrap=_dispatcher_back, prepare=model.split_call)
+        kept[key] = CompiledSteps(model, options, calls=TransformersCalls(model))
     return kept[key]
 
 
@@ -68,19 +69,27 @@ def _options(model, compile_config) -> dict[str, Any]:
     return {k: v for k, v in options.items() if not (k in ("mode", "options") and v is None)}
 
 
-def _own_cache(value: Any, rank: int) -> Any:
-    """A shard is handed its own cache, not the dispatcher over every device's."""
-    return rank_caches(value)[rank] if isinstance(value, ShardedCache) else value
+class TransformersCalls(ShardCalls):
+    """A split transformers model's calls on the fast path (engines/inprocess/shard_calls.py): arguments named as its
+    forward names them, each shard handed its own cache (cache.py's `ShardedCache` is the dispatcher over them), the
+    dispatcher the call was given back in the output in place of the shard's own."""
 
+    def __init__(self, model) -> None:
+        self.model = model
 
-def _dispatcher_back(out: Any, kwargs: dict) -> Any:
-    """The shard returns its own cache; the engine joins the dispatcher the call was given."""
-    given = next((v for v in kwargs.values() if isinstance(v, ShardedCache)), None)
-    if given is None:
+    def keywords(self, args: tuple, kwargs: dict) -> dict:
+        return self.model.split_call(args, kwargs)  # (model.py: every cache turned into one per device)
+
+    def own(self, value: Any, rank: int) -> Any:
+        return rank_caches(value)[rank] if isinstance(value, ShardedCache) else value
+
+    def back(self, out: Any, kwargs: dict) -> Any:
+        given = next((v for v in kwargs.values() if isinstance(v, ShardedCache)), None)
+        if given is None:
+            return out
+        own = set(map(id, rank_caches(given)))
+        if hasattr(out, "keys"):  # a ModelOutput
+            for key in list(out.keys()):
+                if id(out[key]) in own:
+                    out[key] = given
         return out
-    own = set(map(id, rank_caches(given)))
-    if hasattr(out, "keys"):  # a ModelOutput
-        for key in list(out.keys()):
-            if id(out[key]) in own:
-                out[key] = given
-    return out
