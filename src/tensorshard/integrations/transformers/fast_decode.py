@@ -80,7 +80,8 @@ class TransformersCalls(ShardCalls):
     def keywords(self, args: tuple, kwargs: dict) -> dict:
         return self.model.split_call(args, kwargs)  # (model.py: every cache turned into one per device)
 
-    def own(self, value: Any, rank: int) -> Any:
+    @staticmethod  # (no state of its own: a plain function, called per argument per shard on every token)
+    def own(value: Any, rank: int) -> Any:
         return rank_caches(value)[rank] if isinstance(value, ShardedCache) else value
 
     def back(self, out: Any, kwargs: dict) -> Any:
