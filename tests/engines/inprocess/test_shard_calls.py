@@ -117,3 +117,16 @@ def test_an_integrations_calls_give_each_shard_its_own_part(block, gen):
 def test_calls_of_another_type_are_refused(block):
     with pytest.raises(TypeError, match="calls must be a ShardCalls"):
         CompiledSteps(_split(block), _OPTIONS, calls=lambda value, rank: value)
+
+
+def test_the_split_model_says_whether_its_call_runs_on_this_thread(block, gen):
+    """`running_here()` (what the fast path asks before it runs the shards itself): true inside a shard only."""
+    split = _split(block)
+    seen: list[bool] = []
+    hooks = [shard.down.register_forward_hook(lambda *_: seen.append(split.running_here())) for shard in split.module_shards]
+    with torch.no_grad():
+        split(torch.randn(2, 8, generator=gen))
+    for hook in hooks:
+        hook.remove()
+    assert seen == [True, True] and not split.running_here()
+    assert split.shard_devices == [torch.device("cpu")] * 2

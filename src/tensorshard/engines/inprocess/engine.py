@@ -210,6 +210,12 @@ class TensorParallel(PackageNames, nn.Module):
     def world_size(self) -> int:
         return len(self.devices)
 
+    @property
+    def shard_devices(self) -> list[torch.device]:
+        """The device each shard runs on, in rank order: `devices`, except under `debug`, where every shard runs on
+        the first of them (what a per-shard object, such as each device's KV cache, must be placed on)."""
+        return list(self._placement)
+
     def running_here(self) -> bool:
         """Whether the calling thread is running one of this model's shards (code called from inside its forward or
         backward: a hook, a callback): a call of the model from there would wait for itself. Code that runs the

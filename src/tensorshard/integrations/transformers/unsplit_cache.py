@@ -88,7 +88,7 @@ def split_filled_cache(cache: Cache, model: nn.Module) -> list[Cache]:
     finally:
         for layer, keys, values, _ in held:
             layer.keys, layer.values = keys, values
-    devices = list(model._placement)
+    devices = model.shard_devices
     for rank, per_rank in enumerate(ranks):
         layers = [layer for _, half in _halves(per_rank) for layer in half.layers]
         originals = [layer for _, half in _halves(cache) for layer in half.layers]
