@@ -18,6 +18,10 @@ first, on CPU slots, with inductor (the default backend and mode):
      later token runs it from the caller's thread: no thread, no hand-off, no dynamo frame evaluation per shard
      (a step that computes little between two collectives would spend more in the hand-offs than it saves).
 
+Once a kind's step is compiled, the shards' captures are kept on disk (engines/capture_store.py, kept_captures.py):
+a later process, or a later split model of the same shape, finds them at the first call of that kind and builds
+its step from them without running 1 and 2 (no trace); captures that do not fit are dropped and traced again.
+
 Whatever stops this (a graph break, graphs that differ, an input that cannot be found again, inductor failing on
 the stitched graph) is logged once at INFO with the reason, and that kind runs the per-shard compiled path from
 then on. A stitched graph skips dynamo's guards; what they would have caught is checked here instead: the kind of
