@@ -15,8 +15,8 @@ What the key covers, so that a stored graph is one dynamo would trace again:
 - the kind of call (shapes, dtypes, cache lengths, plain arguments, adapter settings: compiled_steps.py), the
   `torch.compile` options, the devices;
 - each shard's modules: their paths and classes, their plain attributes (ints, floats, strings, flags, tuples of
-  them, a config's values), each weight's and buffer's name, shape, dtype, strides and ``requires_grad``, and the
-  hooks on them by function name;
+  them, a config's values and its private settings such as the attention implementation), each weight's and
+  buffer's name, shape, dtype, strides and ``requires_grad``, and the hooks on them by function name;
 - the default dtype and deterministic mode;
 
 and an entry also lists every source file dynamo traced through (the model's, transformers', tensorshard's
@@ -235,8 +235,13 @@ def _describe(value: Any, depth: int = 0) -> str:
         items = sorted((_describe(k, depth + 1), _describe(v, depth + 1)) for k, v in value.items())
         return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
     if callable(getattr(value, "to_dict", None)) and not isinstance(value, type):
+        # A config: its values, and the private settings `to_dict` leaves out but a forward reads (transformers'
+        # `_attn_implementation_internal`: which attention function runs), strings and flags only (an int there can
+        # be a hash of this process: GenerationConfig's `_original_object_hash`).
+        private = {k: v for k, v in getattr(value, "__dict__", {}).items()
+                   if k.startswith("_") and isinstance(v, (str, bool, type(None)))}
         try:
-            return f"{_type_name(type(value))}{_describe(value.to_dict(), depth + 1)}"
+            return f"{_type_name(type(value))}{_describe(value.to_dict(), depth + 1)}{_describe(private, depth + 1)}"
         except Exception:
             return _type_name(type(value))
     if isinstance(value, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, type)):

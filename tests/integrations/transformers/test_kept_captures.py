@@ -171,6 +171,9 @@ def test_the_key_follows_the_model_and_the_call():
     changed = copy.deepcopy(model)
     changed.model.layers[0].self_attn.scaling = 0.5
     assert key(changed) != same
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")  # (a private setting of the config: another attention function runs)
+    assert key(eager) != same
 
 
 def test_nothing_is_kept_with_the_store_switched_off(store, monkeypatch):
