@@ -86,3 +86,48 @@ def test_close_stops_the_parked_threads():
     for t in mine:
         t.join(5)
     assert not any(t.is_alive() for t in mine)
+
+
+def _openmp():
+    """torch's own GNU OpenMP runtime, where torch's parallel backend is OpenMP with libgomp; else None."""
+    import ctypes
+    import glob
+    import os
+
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    found = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*"))
+    return ctypes.CDLL(found[0]) if found else None
+
+
+@pytest.mark.parametrize("kind", ["step threads", "workers"])
+def test_a_shards_thread_takes_torchs_intra_op_thread_count_before_any_work(kind):
+    """OpenMP's thread count is per thread and a new thread starts with one per core: a shard's thread whose first
+    work is a compiled graph calling the BLAS directly would run an OpenMP team of one thread per core, and the
+    process's other OpenMP teams would slow down (engines/inprocess/workers.py `set_thread_count`). The count is
+    read with OpenMP's own call, which does not set it the way asking torch does."""
+    openmp = _openmp()
+    if openmp is None:
+        pytest.skip("torch here does not run its parallel loops on GNU OpenMP")
+    from tensorshard.engines.inprocess.workers import WorkerPool
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seen = {}
+
+        def work(rank):
+            seen[rank] = openmp.omp_get_max_threads()
+
+        if kind == "step threads":
+            threads = StepThreads(2, ["cpu[0]", "cpu[1]"])
+            threads.run(work, abort=lambda rank, error: None, timeout=10)
+            threads.close()
+        else:
+            pool = WorkerPool()
+            pool.run([lambda: work(0), lambda: work(1)], labels=["cpu[0]", "cpu[1]"],
+                     on_error=lambda error, index: None, timeout=10)
+            pool.close()
+    finally:
+        torch.set_num_threads(previous)
+    assert seen == {0: 1, 1: 1}, seen

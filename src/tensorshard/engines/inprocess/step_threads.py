@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .workers import set_thread_count
 ABORT_GRACE = 5.0  # seconds the other shards get to stop once one has failed
 
 
@@ -124,6 +125,7 @@ def _first(errors: dict[int, BaseException], labels: Sequence[str]) -> BaseExcep
 
 def _loop(seat: _Seat, rank: int, setup: Callable[[int], None] | None) -> None:
     torch.set_grad_enabled(False)  # (thread-local) the parallel step serves no-gradient calls only
+    set_thread_count()
     first = setup is not None
     while True:
         seat.go.acquire()

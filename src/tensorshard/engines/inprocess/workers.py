@@ -210,7 +210,20 @@ def _execute(task: _Task) -> None:
         task.done.release()
 
 
+def set_thread_count() -> None:
+    """Give this new thread torch's intra-op thread count (`torch.set_num_threads`'s), as the first thing it does.
+
+    OpenMP's count is per thread: a new thread starts with one per core, and torch sets its own only when the
+    thread first runs one of torch's parallel loops, which a compiled graph may never do (inductor's C++ code calls
+    the BLAS directly). The BLAS would then run an OpenMP team of its own in this thread, one thread per core, and
+    the process would hold more OpenMP threads than cores; GNU OpenMP then puts idle threads to sleep at once, so
+    every later parallel region in the process, the caller's own models included, pays a wake-up (3x slower per
+    token for the small Llama of BENCHMARKS.md at 2 threads). Asking torch for the count sets this thread's."""
+    torch.get_num_threads()
+
+
 def _loop(q: queue.SimpleQueue) -> None:
+    set_thread_count()
     while True:
         task = q.get()
         if task is None:  # the pool was closed, collected, or gave up on this thread
