@@ -116,6 +116,7 @@ class GroupGuard:
         self.seconds = 0.0  # time this rank spent inside the group's guarded collectives (waiting included)
         self.stopped: str | None = None  # why the guard stopped this rank while it waited for others: out of step
         self.recoveries = 0  # times the ranks restored the group's native collectives (comm/recovery.py)
+        self.segment = 0  # ... points where they may have (every report names the segment it was made in)
         self.put(f"pid/{self.rank}", _process_id())
 
     @property
@@ -246,6 +247,11 @@ class GroupGuard:
             native_ops.abort(self.native, self.ranks.index(self.rank), f"rank {self.rank} stopped: {self.stopped}")
         return mark_reported(error)
 
+    def failed_in(self, segment: int) -> bool:
+        """Another rank reported a failure in `segment` or later (comm/recovery.py)."""
+        self._read_reports()
+        return any(r["rank"] != self.rank and r.get("segment", 0) >= segment for r in self.reports)
+
     def unshared_failure(self) -> dict | None:
         """The first report of another rank's failure that this rank did not go through (the ranks are then out of
         step), or None."""
@@ -255,7 +261,8 @@ class GroupGuard:
         self.failed_after.add(done)
         index = self.add("failures", 1)
         if index is not None:
-            self.put(f"failure/{index}", json.dumps({"rank": self.rank, "done": done, "what": what}))
+            self.put(f"failure/{index}", json.dumps({"rank": self.rank, "done": done, "what": what,
+                                                     "segment": self.segment}))
 
     def _read_reports(self) -> None:
         count = int(self.get("failures") or 0)  # get, not add(0): a FileStore appends on every add

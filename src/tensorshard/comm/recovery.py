@@ -1,6 +1,7 @@
 """Restoring a torchrun group's native collectives after a failure that its ranks went through together.
 
-    restore(guard)    # transport.connect_native, at the start of every compiled decode call, on every rank
+    restore(guard)    # on every rank: at the start of every compiled decode call (transport.connect_native),
+                      # and in parallelize (a new split model of the group)
 
 A failure reported on any rank marks the group's native region failed (comm/dist_guard.py, `GroupGuard.report`:
 a rank waiting in a native collective stops at once), and the mark stays in the shared segment. Whether the ranks
@@ -9,7 +10,11 @@ input raised everywhere) stayed in step; after a rank failed alone, the others s
 their next collective), and the group is out of step for good.
 
 `restore` reads the mark (a word of the shared segment: all it costs a call while the group is well) and, when it
-is set, meets the other ranks through the group's store:
+is set, meets the other ranks through the group's store. Only for failures in the part of the run this rank has been
+through: the points where `restore` runs cut each rank's run into segments, numbered alike on every rank, and a
+failure report names its segment. A mark set in the segment this rank is about to start (a faster rank failed there
+first) waits for the next point: this rank goes through that segment first, and fails there too (its own error, or
+its first native collective, which sees the mark). Then:
 
 1. Each rank writes where it stands: the guarded collectives it entered and finished, and why it is out of step
    when it knows: the guard stopped it, or a peer's report names a failure this rank did not go through.
@@ -52,7 +57,13 @@ def restore(guard: GroupGuard) -> None:
     """`guard`'s native group (connected) ready for collectives: at once while it is not marked failed; else restored
     on every rank, the ranks in step; else GroupOutOfStep on every rank. Collective: every rank calls it at the same
     point."""
-    if native_ops.broken(guard.shm) == 0:
+    guard.segment += 1  # (this rank has gone through every segment before this one)
+    if guard.native is None or native_ops.broken(guard.shm) == 0:
+        return
+    if guard.failed_in(guard.segment):
+        # A faster rank failed in the segment this rank is about to run (say, every rank raises in this decode call
+        # and it raised first): this rank goes through that segment too (its own error, or its first native
+        # collective raises at once, the mark being set), and the ranks meet at the next point.
         return
     call = guard.add(f"recover/calls/{guard.rank}", 1)  # equal on every rank: they restore in the same order
     if call is None:

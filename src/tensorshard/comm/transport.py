@@ -65,8 +65,7 @@ def connect_native(guard: GroupGuard) -> int | None:
     restoring it where a failure the ranks went through together marked it failed, comm/recovery.py: GroupOutOfStep
     where they did not)."""
     if guard.native_asked:
-        if guard.native is not None:
-            recovery.restore(guard)  # (one read of the shared segment while the group is well)
+        recovery.restore(guard)  # (one read of the shared segment while the group is well)
         return guard.native
     guard.native_asked = True
     shm = guard.shm

@@ -104,6 +104,36 @@ def test_ranks_that_failed_together_get_their_native_collectives_back(pool2):
         assert out["recoveries"] == 2 and out["clear"], out
 
 
+def behind_task() -> dict:
+    """Rank 1 fails in a compiled decode call (after its check) before rank 0 has begun that call: rank 0's check
+    finds the mark but does not restore the group yet (it has not been through that call); its first native
+    collective raises at once, and both ranks restore the group at the next call."""
+    guard, handle, rank = _native_group(60)
+    out = {}
+    if rank == 1:
+        transport.connect_native(guard)  # the call's check: the group is well
+        guard.report(ValueError("bad step"), "the compiled decode step of Tiny")
+    else:
+        time.sleep(0.5)  # (behind: rank 1's report is in the store)
+        out["behind"] = _outcome(time.monotonic(), lambda: (transport.connect_native(guard), guard.recoveries))
+        waiting = _outcome(time.monotonic(), lambda: _sum_works(handle, rank, "step"))
+        out["waiting"] = (waiting["message"], waiting["seconds"])
+        guard.report(RuntimeError(waiting["message"]), "the compiled decode step of Tiny")
+    out["next"] = _outcome(time.monotonic(), lambda: (transport.connect_native(guard) == handle, _sum_works(handle, rank, "next")))
+    out["recoveries"] = guard.recoveries
+    return out
+
+
+def test_a_rank_behind_goes_through_the_failed_call_before_the_group_is_restored(pool2):
+    first, second = pool2.run(behind_task)
+    assert first["behind"]["error"] == "" and first["behind"]["value"] == (first["behind"]["value"][0], 0), first
+    message, seconds = first["waiting"]
+    assert "the group failed on rank 1 before (rank 1 raised ValueError: bad step)" in message and seconds < 5, first
+    for out in (first, second):
+        assert out["next"]["error"] == "" and out["next"]["value"] == (True, True), out
+        assert out["recoveries"] == 1, out
+
+
 def alone_task(stopped: bool) -> dict:
     """Rank 1 raises alone after the group's first collective. `stopped`: rank 0 goes on to the next collective and
     is stopped there (CollectiveAborted); else it goes straight on to a compiled decode call. Either way every rank's
@@ -155,8 +185,9 @@ def test_a_rank_that_does_not_come_back_is_named_within_the_limit(pool2):
 
 def compiled_task() -> dict:
     """What the order of the test files did: generate()'s compiled decode step connects the native collectives,
-    then every rank refuses labels outside the vocabulary (a ValueError, reported), then compiled decoding again,
-    and in a new split model of the same group. Dynamo alone (backend "eager"): the graph holds the native ops."""
+    then every rank refuses labels outside the vocabulary (a ValueError, reported), then compiled decoding again;
+    after a second such failure, a new split model of the same group, compiled by hand and by generate. Dynamo alone
+    (backend "eager"): the graphs hold the native ops."""
     from transformers import CompileConfig
 
     torch._dynamo.reset()
@@ -174,17 +205,28 @@ def compiled_task() -> dict:
             out["before"] = model.generate(ids, **static).tolist() == expected
         out["connected"] = guard.native is not None
         recoveries = guard.recoveries  # (the pool's group may have been restored by an earlier test)
-        labels = ids.clone()
-        labels[0, 2] = tiny_llama.VOCAB
-        try:
-            model(input_ids=ids, labels=labels)
-            out["refused"] = ""
-        except ValueError as e:
-            out["refused"] = str(e)
-        out["marked"] = native.broken(guard.shm) != 0
+
+        def refuse():  # labels outside the vocabulary: a ValueError on every rank, reported
+            labels = ids.clone()
+            labels[0, 2] = tiny_llama.VOCAB
+            try:
+                model(input_ids=ids, labels=labels)
+                out["refused"] = ""
+            except ValueError as e:
+                out["refused"] = str(e)
+            out["marked"] = out.get("marked", True) and native.broken(guard.shm) != 0
+
+        refuse()
         with tp.count_collectives() as after:
             out["after"] = model.generate(ids, **static).tolist() == expected
+        refuse()
+        # a new split model of the group: parallelize restores them, before any compiled decode call; a forward of
+        # the user's own torch.compile (no gradient: the native collectives too) gives the unsplit logits
         second = tp.parallelize(copy.deepcopy(ref), world_mesh(), plan=tiny_llama.plan(), check_inputs=0)
+        out["restored by parallelize"] = native.broken(guard.shm) == 0
+        logits = torch.compile(second.forward, backend="eager")(ids).logits
+        want = ref(ids).logits
+        out["compiled forward"] = ((logits - want).abs().max() / want.abs().max()).item()
         out["new model"] = second.generate(ids, **static).tolist() == expected
     out["counts"] = (before.counts, after.counts)
     out["recoveries"] = guard.recoveries - recoveries
@@ -195,7 +237,8 @@ def test_compiled_decoding_works_again_after_every_rank_raised_the_same_error(po
     for out in pool2.run(compiled_task, timeout=240):
         assert out["before"] and out["connected"] and out["marked"], out
         assert f"class {tiny_llama.VOCAB}, outside the vocabulary" in out["refused"], out
-        assert out["after"] and out["new model"], out
+        assert out["after"] and out["new model"] and out["restored by parallelize"], out
+        assert out["compiled forward"] < 1e-5, out  # fp32, the same sums in another order
         before, after = out["counts"]
         assert before == after and before.get("all_reduce", 0) > 0, out  # the same collectives as before the failure
-        assert out["recoveries"] == 1, out  # (the new split model found the group well)
+        assert out["recoveries"] == 2, out  # at the compiled decode call, then at parallelize
