@@ -26,8 +26,8 @@ step for good (some ranks left a collective unfinished): end the job. A rank the
 
 A report also marks the group's native collectives failed (comm/native/: those of compiled graphs, which read
 no report), so that a rank waiting in one stops at once. comm/recovery.py restores them at the next compiled
-decode call once every rank shows it went through the failure with the others, and says "out of step" at
-once otherwise.
+decode call or parallelize once every rank shows it went through the failure with the others, and says "out
+of step" at once otherwise.
 
 On GPUs (NCCL) a collective is only queued; waiting for it here would stall the CPU, so the guard does not
 poll: NCCL's watchdog ends a stuck collective after the timeout and reports it.

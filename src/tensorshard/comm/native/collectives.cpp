@@ -242,7 +242,8 @@ std::string describe(const Header& h) {
   TORCH_CHECK(false, "tensorshard native collective ", doing, " on rank ", rank, " of ", g.world,
               ": the group failed on rank ", who, " before (", reason, "); it serves no collective until every ",
               "rank has left that failure and the ranks restore it together (the torchrun engine does at the next ",
-              "compiled decode call, where the ranks failed together; otherwise they are out of step: end the job)");
+              "compiled decode call or parallelize, where the ranks failed together; otherwise they are out of ",
+              "step: end the job)");
 }
 
 // Waits until every peer's word (arrived or read, chosen by `which`) reaches `round`.
