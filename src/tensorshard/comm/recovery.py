@@ -28,7 +28,7 @@ its first native collective, which sees the mark). Then:
 
 Both meetings wait at most the guard's limit, naming the ranks that did not come, and stop at once when one of
 those ranks' processes has ended. A rank that read no mark and went on into the compiled step while another found
-one cannot leave that rank waiting: the mark stays until every rank has met (only the reset clears it), and a rank
+one is not left waiting there: the mark stays until every rank has met (only the reset clears it), and a rank
 waiting in a native collective stops as soon as the mark is set.
 """
 
@@ -45,7 +45,7 @@ from .shm import process_alive
 
 logger = get_logger(__name__)
 
-WHAT = "the compiled decode call's check of the native collectives"
+WHAT = "the check of the native collectives after a failure"  # (at a compiled decode call, or parallelize)
 
 
 class GroupOutOfStep(CollectiveAborted):

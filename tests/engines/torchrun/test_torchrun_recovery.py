@@ -3,12 +3,13 @@ back when the ranks went through it together, and say "out of step" at once when
 
 A reported failure marks the group's native region failed. Before comm/recovery.py the mark stayed for good: in one
 worker's pool, tests/engines/torchrun/test_torchrun_causal_lm_loss.py's refused labels (a ValueError on every rank)
-left every later compiled decode step of the pool's group failing with "the group failed on rank 1 before".
+left every later compiled graph of the pool's group (generate's decode steps, test_torchrun_compile.py's compiled
+forward) failing with "the group failed on rank 1 before".
 `test_compiled_decoding_works_again_after_every_rank_raised_the_same_error` runs that sequence in one task.
 
 The other cases use a fresh group each (so the pool's own group stays usable): ranks failing together at a Python
-and at a native collective, a rank slower to fail than the others, a rank failing alone with the others stopped or
-going on, and a rank that never comes back.
+and at a native collective, a rank slower to fail than the others, a rank behind that has not yet been through the
+failed call, a rank failing alone with the others stopped or going on, and a rank that never comes back.
 """
 
 from __future__ import annotations
