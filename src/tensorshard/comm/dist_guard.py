@@ -21,7 +21,13 @@ same order and agree on their numbers (#1, #2, ... per group and process). A rep
 after its collective #n". A rank waiting at collective #m > n stops: rank r will never bring #m. A
 rank that itself failed after #n (the same bad input raised everywhere, say InputMismatchError) ignores
 the report: the ranks failed together and stayed in step. After any other failure the group is out of
-step for good (some ranks left a collective unfinished): end the job.
+step for good (some ranks left a collective unfinished): end the job. A rank the guard stopped remembers it
+(`stopped`).
+
+A report also marks the group's native collectives failed (comm/native/: those of compiled graphs, which read
+no report), so that a rank waiting in one stops at once. comm/recovery.py restores them at the next compiled
+decode call or parallelize once every rank shows it went through the failure with the others, and says "out
+of step" at once otherwise.
 
 On GPUs (NCCL) a collective is only queued; waiting for it here would stall the CPU, so the guard does not
 poll: NCCL's watchdog ends a stuck collective after the timeout and reports it.
@@ -108,7 +114,10 @@ class GroupGuard:
         self.native: int | None = None  # its native collectives' group, for compiled graphs (transport.connect_native)
         self.native_asked = False  # connect_native ran (every rank agreed on `native`)
         self.seconds = 0.0  # time this rank spent inside the group's guarded collectives (waiting included)
-        self._put(f"pid/{self.rank}", _process_id())
+        self.stopped: str | None = None  # why the guard stopped this rank while it waited for others: out of step
+        self.recoveries = 0  # times the ranks restored the group's native collectives (comm/recovery.py)
+        self.segment = 0  # ... points where they may have (every report names the segment it was made in)
+        self.put(f"pid/{self.rank}", _process_id())
 
     @property
     def label(self) -> str:
@@ -178,7 +187,7 @@ class GroupGuard:
             interval = min(2 * interval, POLL_MAX)
         missing = sorted({r for k, r in keys.items() if not self.store.check([k])})
         self._record(n - 1, f"gave up at {what} after {self.timeout:g} s: rank(s) {missing} did not arrive")
-        raise mark_reported(TimeoutError(
+        raise self.stop(TimeoutError(
             f"{what} on rank {self.rank} of {self.label}: rank(s) {missing} did not reach it within {self.timeout:g} "
             "s of this rank. Every rank of the group must call it for the same model, at about the same time. If "
             "some ranks legitimately take longer to get there (loading weights, a slow file system), raise the "
@@ -202,8 +211,8 @@ class GroupGuard:
                 except RuntimeError as failure:
                     raise self._broken(failure, n, what, began) from failure
             if not announced and time.monotonic() > announce:  # for a timeout's roll call of who is here
-                self._put(f"doing/{self.rank}", f"{n} {what}")  # before at/: a rank seen at #n has its label
-                self._put(f"at/{self.rank}", str(n))
+                self.put(f"doing/{self.rank}", f"{n} {what}")  # before at/: a rank seen at #n has its label
+                self.put(f"at/{self.rank}", str(n))
                 announced = True
             self._stop_if_another_failed(n, what)
             if time.monotonic() > deadline:
@@ -229,16 +238,36 @@ class GroupGuard:
                 "the group: a rank waiting for this one at a collective stops)"
             )
 
+    def stop(self, error: BaseException) -> BaseException:
+        """`error` stops this rank while it waits for others (a peer failed, is gone, late or elsewhere): the ranks
+        left the group out of step, which this rank remembers, and its native collectives are marked failed (the
+        next compiled decode call says so at once: comm/recovery.py)."""
+        self.stopped = self.stopped or _short(error)
+        if self.native is not None:
+            native_ops.abort(self.native, self.ranks.index(self.rank), f"rank {self.rank} stopped: {self.stopped}")
+        return mark_reported(error)
+
+    def failed_in(self, segment: int) -> bool:
+        """Another rank reported a failure in `segment` or later (comm/recovery.py)."""
+        self._read_reports()
+        return any(r["rank"] != self.rank and r.get("segment", 0) >= segment for r in self.reports)
+
+    def unshared_failure(self) -> dict | None:
+        """The first report of another rank's failure that this rank did not go through (the ranks are then out of
+        step), or None."""
+        return self._first_failure(self.entered + 1)
+
     def _record(self, done: int, what: str) -> None:
         self.failed_after.add(done)
-        index = self._add("failures", 1)
+        index = self.add("failures", 1)
         if index is not None:
-            self._put(f"failure/{index}", json.dumps({"rank": self.rank, "done": done, "what": what}))
+            self.put(f"failure/{index}", json.dumps({"rank": self.rank, "done": done, "what": what,
+                                                     "segment": self.segment}))
 
     def _read_reports(self) -> None:
-        count = int(self._get("failures") or 0)  # get, not add(0): a FileStore appends on every add
+        count = int(self.get("failures") or 0)  # get, not add(0): a FileStore appends on every add
         while len(self.reports) < count:
-            raw = self._get(f"failure/{len(self.reports) + 1}")
+            raw = self.get(f"failure/{len(self.reports) + 1}")
             if raw is None:
                 return  # being written: the next look finds it
             self.reports.append(json.loads(raw))
@@ -257,7 +286,7 @@ class GroupGuard:
             raise differ
         if first is not None:
             self.failed_after.add(n - 1)
-            raise mark_reported(CollectiveAborted(
+            raise self.stop(CollectiveAborted(
                 f"{what} on rank {self.rank} (collective #{n} of {self.label}): rank {first['rank']} {first['what']}. "
                 f"This rank stops too. {_AFTERWARDS}"
             ))
@@ -282,14 +311,14 @@ class GroupGuard:
             who = f"rank {peers[0]}" if len(peers) == 1 else f"one of ranks {peers}"
             cause = f"the connection to {who} closed (its process ended, or it destroyed its process group)"
         self._record(n - 1, f"lost a peer at {what} (its collective #{n}): {cause}")
-        return mark_reported(CollectiveAborted(
+        return self.stop(CollectiveAborted(
             f"{what} on rank {self.rank} (collective #{n} of {self.label}): {cause}. This rank stops too. "
             f"{_AFTERWARDS}"
         ))
 
     def _timed_out(self, n: int, what: str, began: float) -> BaseException:
         waited = time.monotonic() - began
-        missing = [r for r in self.ranks if r != self.rank and self._get(f"at/{r}") != str(n)]
+        missing = [r for r in self.ranks if r != self.rank and self.get(f"at/{r}") != str(n)]
         if not missing and (elsewhere := self._elsewhere(n, what)):
             return self._differ(n, what, elsewhere, f"so none finished within {self.timeout:g} s")
         self._record(n - 1, f"gave up at {what} (its collective #{n}) after {waited:.3g} s: rank(s) {missing} did not arrive")
@@ -297,7 +326,7 @@ class GroupGuard:
             cause = f"rank(s) {missing} did not arrive within {self.timeout:g} s"
         else:
             cause = f"every rank arrived, but the collective did not finish within {self.timeout:g} s"
-        return mark_reported(TimeoutError(
+        return self.stop(TimeoutError(
             f"{what} on rank {self.rank} (collective #{n} of {self.label}): {cause}. A rank is stuck (in the "
             "model's own code, a data loader, a slow file system) or the ranks ran different code. If a step "
             "legitimately takes longer, raise the limit: parallelize(..., timeout=S) or TENSORSHARD_TIMEOUT=S. "
@@ -317,7 +346,7 @@ class GroupGuard:
         out.logits, a collective, and another went on to its next step). Waiting cannot help."""
         at = ", ".join(f"rank {r} at {w}" for r, w in elsewhere.items())
         self._record(n - 1, f"found the ranks at different collectives at {what} (its collective #{n}): {at}")
-        return mark_reported(TimeoutError(
+        return self.stop(TimeoutError(
             f"{what} on rank {self.rank} (collective #{n} of {self.label}): the ranks are at different "
             f"collectives ({at}), {why}. Every rank must run the same collectives in the same order: run the same "
             f"code on every rank of the group. {_AFTERWARDS}"
@@ -327,7 +356,7 @@ class GroupGuard:
         """{rank: its label} of the ranks waiting at their collective #n with another label than `what`."""
         out = {}
         for r in self.ranks:
-            entry = self._get(f"doing/{r}") if r != self.rank else None
+            entry = self.get(f"doing/{r}") if r != self.rank else None
             count, _, label = (entry or "").partition(" ")
             if count == str(n) and label != what:
                 out[r] = label
@@ -340,7 +369,7 @@ class GroupGuard:
         it a moment before writing its report."""
         peers = {}
         for r in self.ranks:
-            entry = self._get(f"pid/{r}") if r != self.rank else None
+            entry = self.get(f"pid/{r}") if r != self.rank else None
             if entry is not None:
                 host, pid = entry.rsplit(" ", 1)
                 if host == _process_id().rsplit(" ", 1)[0]:
@@ -355,17 +384,18 @@ class GroupGuard:
             time.sleep(0.05)
 
     # -- the store (any failure disables it: the store may have lived in the process that died) ----------
+    # Keys are under PREFIX; comm/recovery.py meets the ranks through these too.
 
-    def _put(self, key: str, value: str) -> None:
+    def put(self, key: str, value: str) -> None:
         self._store_op(lambda s: s.set(PREFIX + key, value))
 
-    def _get(self, key: str) -> str | None:
-        def get(s):
+    def get(self, key: str) -> str | None:
+        def read(s):
             return s.get(PREFIX + key).decode() if s.check([PREFIX + key]) else None
 
-        return self._store_op(get)
+        return self._store_op(read)
 
-    def _add(self, key: str, amount: int) -> int | None:
+    def add(self, key: str, amount: int) -> int | None:
         return self._store_op(lambda s: s.add(PREFIX + key, amount))
 
     def _store_op(self, op: Callable) -> Any:

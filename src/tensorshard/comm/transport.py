@@ -1,7 +1,8 @@
 """How the torchrun engine's collectives travel, and how torch's CommDebugMode sees them.
 
     connect(guard, "cpu")                            # once per group, on every rank (DistComm does it)
-    connect_native(guard)                            # before compiling: guard.native for compiled graphs, or None
+    connect_native(guard)                            # before compiling: guard.native for compiled graphs, or None;
+                                                     # at every compiled call: restored after a failure (recovery.py)
     all_reduce_(t, group, "sum", what="all_reduce at w2")
     all_gather_(out, piece, group, what=...)         # out: the world's pieces stacked on dim 0
     reduce_scatter_(out, inp, group, what=...)
@@ -33,7 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 
 from ..logs import get_logger
 from .dist_guard import GroupGuard, collective, guard_for
-from . import shm_setup
+from . import recovery, shm_setup
 from .native import ops as native_ops
 
 logger = get_logger(__name__)
@@ -60,8 +61,11 @@ def connect(guard: GroupGuard, device_type: str) -> None:
 def connect_native(guard: GroupGuard) -> int | None:
     """The native collectives' group of `guard`'s group (set as `guard.native`), when it has a shared-memory
     transport and every rank loaded the native library; else None, with the reason logged. Collective: every
-    rank of the group calls it at the same point (the first call agrees, later calls return what it agreed)."""
+    rank of the group calls it at the same point (the first call agrees, later calls return what it agreed, after
+    restoring it where a failure the ranks went through together marked it failed, comm/recovery.py: GroupOutOfStep
+    where they did not)."""
     if guard.native_asked:
+        recovery.restore(guard)  # (one read of the shared segment while the group is well)
         return guard.native
     guard.native_asked = True
     shm = guard.shm

@@ -272,6 +272,7 @@ def capturable_collectives_task() -> dict:
     _fresh_dynamo()
     ref, model = _split_pair()
     guard = model.tensorshard.comm.guard
+    saved = guard.native_asked, guard.native  # (the pool's group: given back after the task, for the later tests)
     guard.native_asked, guard.native = True, None  # the native collectives off: the traced ones decide
     graph_collectives.DEVICE_TYPES, graph_collectives.BACKENDS = ("cpu",), ("gloo",)
     ids = torch.randint(0, tiny_llama.VOCAB, (1, 5), generator=torch.Generator().manual_seed(3))
@@ -287,6 +288,7 @@ def capturable_collectives_task() -> dict:
                 model.generate(ids, **static, disable_compile=True, **settings)
     finally:
         graph_collectives.DEVICE_TYPES, graph_collectives.BACKENDS = ("cuda",), ("nccl",)
+        guard.native_asked, guard.native = saved
     called = sorted({e.name for e in prof.events() if e.name.startswith(("tensorshard::", "_c10d_functional::"))})
     return {"tokens": [first.tolist(), second.tolist()], "expected": expected.tolist(), "called": called,
             "counts": [counted.counts, eager.counts], "bytes": [counted.bytes, eager.bytes]}

@@ -12,6 +12,10 @@
 //       one more C++ reference to each tensor until released: an inductor C++-wrapper graph that frees an input
 //       after its last use then never drops the last C++ reference of a tensor Python owns (which takes the GIL)
 //
+//   tensorshard::native_group_broken(int group) -> int / native_group_reset(int group) -> ()
+//       0, or 1 + the rank that marked the group failed / a failed group usable again, under the same handle
+//       (only while no rank is inside one of its collectives: comm/recovery.py meets the ranks around it)
+//
 // A group is a handle (an int) naming a Region: a control area and two buffer sets of one slot per rank.
 //   process flavour: the region is part of a shared-memory segment every rank (a process) has mapped
 //                    (native_process_group: its address, size, this process's rank, the ranks' process ids)
@@ -39,6 +43,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -235,8 +240,10 @@ std::string describe(const Header& h) {
   int64_t who = c->broken.load(std::memory_order_acquire) - 1;
   std::string reason(c->reason, strnlen(c->reason, kReason));
   TORCH_CHECK(false, "tensorshard native collective ", doing, " on rank ", rank, " of ", g.world,
-              ": the group failed on rank ", who, " before (", reason, "); the ranks are out of step for good: ",
-              "make the split model again");
+              ": the group failed on rank ", who, " before (", reason, "); it serves no collective until every ",
+              "rank has left that failure and the ranks restore it together (the torchrun engine does at the next ",
+              "compiled decode call or parallelize, where the ranks failed together; otherwise they are out of ",
+              "step: end the job)");
 }
 
 // Waits until every peer's word (arrived or read, chosen by `which`) reaches `round`.
@@ -565,6 +572,28 @@ void native_group_abort(int64_t handle, int64_t rank, c10::string_view reason) {
   c->broken.compare_exchange_strong(expected, rank + 1, std::memory_order_acq_rel);
 }
 
+// 0, or 1 + the rank that marked group `handle` failed.
+int64_t native_group_broken(int64_t handle) {
+  return group_of(handle)->control()->broken.load(std::memory_order_acquire);
+}
+
+// Makes a failed group serve collectives again, under the same handle (compiled graphs naming it stay valid). Only
+// between two meetings of all its ranks, none inside a collective of the group (comm/recovery.py): this process's
+// round counts start again from 0; rank 0 of a process group (any caller of a thread group) clears the shared words.
+void native_group_reset(int64_t handle) {
+  std::shared_ptr<Group> gp = group_of(handle);
+  Group& g = *gp;
+  std::fill(g.rounds.begin(), g.rounds.end(), uint64_t(0));
+  if (g.owner > 0) return;
+  for (int64_t r = 0; r < g.world; ++r) {
+    g.words(r)->arrived.store(0, std::memory_order_relaxed);
+    g.words(r)->read.store(0, std::memory_order_relaxed);
+  }
+  std::memset(static_cast<void*>(g.header(0, 0)), 0, size_t(2 * g.world) * sizeof(Header));
+  std::memset(g.control()->reason, 0, kReason);
+  g.control()->broken.store(0, std::memory_order_release);
+}
+
 void native_group_close(int64_t handle) {
   std::unique_lock<std::shared_mutex> lock(groups_mutex);
   groups.erase(handle);
@@ -606,6 +635,8 @@ TORCH_LIBRARY_FRAGMENT(tensorshard, m) {
         native_process_group);
   m.def("native_thread_group(int world, int slot, float timeout) -> int", native_thread_group);
   m.def("native_group_abort(int group, int rank, str reason) -> ()", native_group_abort);
+  m.def("native_group_broken(int group) -> int", native_group_broken);
+  m.def("native_group_reset(int group) -> ()", native_group_reset);
   m.def("native_group_close(int group) -> ()", native_group_close);
   m.def("native_set_thread_rank(int group, int rank) -> ()", native_set_thread_rank);
   m.def("native_hold(Tensor[] xs) -> int", native_hold);

@@ -20,6 +20,8 @@ Two kinds of group:
     group.close()                                # (also when the object is collected)
 
     handle = process_group(shm, timeout=300)     # torchrun: CPU ranks of one host, over comm/shm.py's segment
+    broken(shm)                                  # 0, or 1 + the rank that marked it failed (a read of the segment)
+    reset(handle)                                # usable again: every rank, between two meetings (comm/recovery.py)
 
 `available()` builds and loads the library (once per machine, then cached); False, with the reason logged once,
 where no compiler is found or the build fails: callers keep the Python collectives then.
@@ -27,6 +29,7 @@ where no compiler is found or the build fails: callers keep the Python collectiv
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -34,6 +37,7 @@ import torch
 
 from . import library
 
+BROKEN_AT = 8  # byte offset of a region's `broken` word (collectives.cpp's Control: after the 8-byte magic)
 THREAD_SLOT = 1 << 20  # bytes per rank and buffer set of a ThreadGroup: larger tensors take several rounds
 PROCESS_SLOT = 512 << 10  # ... of a process group's region in the shared segment (comm/shm_setup.py)
 
@@ -99,6 +103,19 @@ def process_group(shm, *, timeout: float) -> int:
                                                             float(timeout), list(shm.pids)))
     weakref.finalize(shm, _close, handle)
     return handle
+
+
+def broken(shm) -> int:
+    """0, or 1 + the rank that marked the native group in `shm`'s segment failed: read from the segment itself (an
+    operator call costs microseconds, and this runs at every compiled decode call)."""
+    at = shm.native_offset + BROKEN_AT
+    return int.from_bytes(shm.segment[at : at + 8], sys.byteorder, signed=True)
+
+
+def reset(handle: int) -> None:
+    """Group `handle` serves collectives again, under the same handle. Every rank calls it, after all ranks have
+    met outside the group's collectives and before any starts another (comm/recovery.py)."""
+    torch.ops.tensorshard.native_group_reset(handle)
 
 
 def abort(handle: int, rank: int, reason: str) -> None:

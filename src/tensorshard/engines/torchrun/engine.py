@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ... import quant
 from ...comm.dist import DistComm
 from ...comm.objects import gather_objects
+from ...comm import recovery
 from ...comm.dropout import DistPeers, ShardDropout, may_drop
 from ...comm.dist_guard import collective
 from ...comm.dtensor import Layout, mesh_device
@@ -164,6 +165,7 @@ def parallelize(
 
     plan = resolve_plan(module, plan, world, check=check)
     comm = DistComm(device_mesh, timeout)
+    recovery.restore(comm.guard)  # the group's native collectives, after a failure the ranks went through together
     _check_same_plan(plan, comm, balance)  # first: a plan error below would otherwise stop only the ranks that have it
     skeleton, skeleton_error = keep_skeleton(module)  # before anything changes: copy.deepcopy splits it again
     source = None if src_data_rank is None else dist.get_global_rank(comm.group, src_data_rank)
