@@ -288,6 +288,7 @@ def many_models_task(models: int) -> dict:
     return {"models": results}
 
 
+@pytest.mark.slow  # (10 models traced: ~20 s on 2 loaded cores)
 def test_every_model_parallelized_in_a_job_decodes_on_its_own_compiled_graph(pool2):
     for out in pool2.run(many_models_task, 10, timeout=INDUCTOR_TASK):
         for i, model in enumerate(out["models"]):

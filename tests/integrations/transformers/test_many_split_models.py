@@ -84,22 +84,30 @@ def _freed(split) -> weakref.ref:
     return weakref.ref(split.module_shards[0].get_parameter("model.layers.0.mlp.down_proj.weight"))
 
 
+@pytest.mark.slow  # (10 split models traced: ~20 s on 2 loaded cores)
 def test_every_split_model_of_a_process_runs_its_own_compiled_graphs():
-    """The per-shard compiled path (another backend than inductor: no stitching), dynamo only."""
+    """The per-shard compiled path (another backend than inductor: no stitching), dynamo only. Two unsplit models
+    (two shapes), each split again and again: the 3rd split model would be the first past the limit of a shared
+    code object."""
+    unsplit = {}  # shape -> (model, its tokens, the eager split step's collectives)
+    for shape in (0, 2):
+        model = _model(shape)
+        with tp.count_collectives() as eager:
+            _greedy(tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"]), cache_implementation="static",
+                    disable_compile=True)
+        unsplit[shape] = model, _greedy(model), eager.counts
     warnings, stop = log_messages("tensorshard", logging.WARNING)
     try:
         for i in range(MODELS):
-            model = _model(i)
+            model, expected, eager = unsplit[2 if i % 3 == 2 else 0]
             split = tp.tensor_parallel(copy.deepcopy(model), ["cpu", "cpu"])
             backend = Counting()
             with tp.count_collectives() as counted:
                 out = _greedy(split, cache_implementation="static", compile_config=CompileConfig(backend=backend))
-            with tp.count_collectives() as eager:
-                _greedy(split, cache_implementation="static", disable_compile=True)
-            assert torch.equal(out, _greedy(model)), i
+            assert torch.equal(out, expected), i
             # one graph per shard, each run at every decode step: nothing ran eagerly
             assert (len(backend.graphs), len(backend.runs)) == (2, 2 * (NEW - 1)), (i, backend.graphs, backend.runs)
-            assert counted.counts == eager.counts and eager.counts["all_reduce"] > 0, i
+            assert counted.counts == eager and eager["all_reduce"] > 0, i
             weight = _freed(split)
             del split, out
             gc.collect()
@@ -109,6 +117,7 @@ def test_every_split_model_of_a_process_runs_its_own_compiled_graphs():
     assert not warnings, warnings
 
 
+@pytest.mark.slow  # (4 split models traced and stitched: ~15 s on 2 loaded cores)
 @pytest.mark.skipif(not STITCHES, reason="the shards' steps are stitched from torch 2.13 on")
 def test_every_split_model_of_a_process_is_stitched_and_freed():
     """The default fast path on CPU slots (inductor): each model's shards captured and stitched into one graph that
