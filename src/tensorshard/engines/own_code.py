@@ -8,10 +8,11 @@
 
 Dynamo keeps what it compiled for a frame (graphs, guards, the count of recompiles that its `recompile_limit`, 8 by
 default, caps) on the frame's code object, not on the function or the model. Compiled as they are, every split
-model of a process would share one code object: the engine's wrapper of a shard's call in one process, nn.Module's
-`__call__` under torchrun (what transformers' `get_compiled_call` compiles). Each new split model then adds an
-entry there (its graphs read its own collectives' handles and group names), and from the 9th model a notebook
-splits, dynamo runs the decode step eagerly: the same tokens, silently slower.
+model of a process shares one code object: under torchrun, transformers' `get_compiled_call` compiles
+`model.__call__`, whose frames are every model's (measured: the frame dynamo compiled was the model's forward,
+one code for all). Each new model adds an entry there (its graph reads its own group's names and handles), and
+from the 9th model a job parallelizes, dynamo runs the decode step eagerly: the same tokens and collectives,
+silently slower, with one line of dynamo's log (`hit config.recompile_limit (8)`) as the only sign.
 
 So each split model's compiled steps get a function whose code object is a new one (`own_function`: the same
 bytecode, another name), and dynamo's cache for it starts empty. That cache must also die with the model: dynamo's
@@ -19,8 +20,9 @@ own tables keep every code object it compiled alive (a global map from each comp
 from, whose key lives in the original code's cache), and with it the compiled graphs and what their backends hold.
 So when the function itself is garbage (the model and its engine objects gone), its code's cache is cleared
 (dynamo's `reset_code`, the call `torch._dynamo.reset()` makes for every code): the graphs, guards and backends'
-results go, and the entries in dynamo's tables with them. Where a torch lacks `reset_code` the cache stays (and
-what it holds), as before.
+results go, and the entries in dynamo's tables with them. (Measured in one process, where the shards already had
+code of their own: every split model decoded on the stitched path stayed alive after `del`, its weights read by
+the captured graphs dynamo's cache kept.) Where a torch lacks `reset_code` the cache stays, with what it holds.
 
 What remains is a limit a single model reaches on its own: a step that recompiles per token (sliding-window cache
 layers) or one compile per kind of call past the limit. Past it dynamo runs a call that matches none of its graphs

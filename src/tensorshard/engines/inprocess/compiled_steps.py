@@ -82,7 +82,7 @@ class CompiledSteps:
         self.own, self.back = self.calls.own, self.calls.back  # (bound once: `own` runs per argument per shard)
         self.entries = [_entry(shard, rank) for rank, shard in enumerate(model.module_shards)]
         self.compiled = [torch.compile(entry, **self.options) for entry in self.entries]
-        self.warned = False  # (said once that a shard's step reached dynamo's recompile limit)
+        self.warned = False  # (said once that a shard's step ran eagerly: `_check_eager`)
         self.kinds: set[Hashable] = set()  # kinds of call compiled so far
         self.together = False  # later calls always run the shards at the same time (`run_shards_together`)
         # a stitched step has no guards: an adapter switched or disabled makes another kind (every shard alike)
@@ -165,8 +165,8 @@ class CompiledSteps:
 def _entry(shard: nn.Module, rank: int) -> Callable[..., Any]:
     """`shard(...)` as a function with a code object of its own (engines/own_code.py). torch.compile keeps its graphs,
     guards and recompile limit per code object: compiled as it is, every shard of every split model of the process
-    would share the code of the model's (or the engine wrapper's) forward, each shard's graph tried against the
-    others' guards first, and the 9th split model of a process would decode eagerly. Its graphs die with it."""
+    would share the code of the model's (or the engine wrapper's) forward, and so one recompile limit, each shard's
+    graph tried against the others' guards first. Its graphs die with it (dynamo's cache for it is cleared)."""
     return own_function(shard, f"shard{rank}_step_{id(shard):x}")
 
 

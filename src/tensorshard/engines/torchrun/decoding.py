@@ -107,10 +107,10 @@ def _logging_compiles(model: nn.Module, compiled_call: Callable, guard, state) -
 
 def _own_step(model: nn.Module, compiled: Callable, compile_config) -> Callable:
     """transformers' compiled call, `torch.compile(model.__call__, ...)`, compiled again on a function of this model's
-    own (engines/own_code.py): dynamo keeps graphs, guards and its recompile limit per code object, and
-    nn.Module.__call__'s is every module's, so every model parallelized in a process would add its graphs there (its
-    collectives' group names differ) and from the 9th one decode eagerly. Another kind of compiled call (transformers
-    leaves some models' call uncompiled) is kept as it is."""
+    own (engines/own_code.py): dynamo keeps graphs, guards and its recompile limit per code object, and the frames of
+    `model.__call__` are every model's, so every model parallelized in a process added its graph there (its
+    collectives' group names differ) and from the 9th one the step ran eagerly. Another kind of compiled call
+    (transformers leaves some models' call uncompiled) is kept as it is."""
     inner = getattr(compiled, "_torchdynamo_orig_callable", None)
     if getattr(inner, "__self__", None) is not model or getattr(inner, "__func__", None) is not type(model).__call__:
         return compiled
