@@ -34,6 +34,7 @@ never raises the process's limit, which governs the user's other compiled code.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 import weakref
@@ -45,6 +46,7 @@ _eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
 _reset_code = getattr(_eval_frame, "reset_code", None)  # clears one code object's cache entries
 _cache_entries = getattr(_eval_frame, "_debug_get_cache_entry_list", None)  # (a code object) -> its cache entries
 _EAGER = "_tensorshard_eager_calls"  # an own function's attribute: [calls dynamo ran eagerly]
+_serial = itertools.count()  # numbers the own functions of this process
 
 
 def own_function(call: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -59,6 +61,10 @@ def own_function(call: Callable[..., Any], name: str) -> Callable[..., Any]:
             eager[0] += 1
         return call(*args, **kwargs)
 
+    # Code objects compare and hash by value, and dynamo keeps some of its per-code state in dicts and sets: two
+    # codes equal in every field, a dead model's and a new one's whose `name` reuses its freed address, would share
+    # that state (a new model's step skipped as the dead one's was, say). A number of its own keeps each one unequal.
+    name = f"{name}_{next(_serial)}"
     names = {"co_name": name, "co_qualname": name} if sys.version_info >= (3, 11) else {"co_name": name}
     code = step.__code__.replace(**names)
     made = types.FunctionType(code, step.__globals__, name, None, step.__closure__)
