@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ...logs import get_logger
-from .compiled_steps import _entry as own_code  # `shard(...)` under a code object of its own
+from .compiled_steps import _entry  # `shard(...)` under a code object of its own (engines/own_code.py)
 from .views import root_of
 
 logger = get_logger(__name__)
@@ -98,7 +98,7 @@ def shard_call(model: nn.Module, compiler: Any) -> Callable[[int, tuple, dict], 
         shard = shards[rank]
         entry = entries.get(id(shard))
         if entry is None or entry[0] is not shard:
-            entry = entries[id(shard)] = (shard, own_code(shard, rank))
+            entry = entries[id(shard)] = (shard, _entry(shard, rank))
         zero = model.__dict__.get("_zero")  # ZeRO-3: gathered outside the graph (its hooks do nothing traced)
         scope = zero.gather_everything(rank) if zero is not None else None
         prior = _set_compiler(compiler)

@@ -32,7 +32,6 @@ neither can be built (a graph break, a step that recompiles per token).
 from __future__ import annotations
 
 import time
-import types
 from typing import Any, Callable, Hashable
 
 import torch
@@ -43,6 +42,7 @@ from ...comm import thread_ops
 from ...logs import get_logger
 from ..aliasing_guards import aliasing_guards_in_cpp
 from ..decode_decision import WrapperSettings, describe_step, log_compiled
+from ..own_code import eager_advice, eager_calls, own_function
 from .shard_calls import ShardCalls
 from .stitched_decode import Stitcher, call_settings
 
@@ -80,13 +80,15 @@ class CompiledSteps:
         self.options = dict(options)
         self.calls = calls if calls is not None else ShardCalls()
         self.own, self.back = self.calls.own, self.calls.back  # (bound once: `own` runs per argument per shard)
-        self.compiled = [torch.compile(_entry(shard, rank), **self.options) for rank, shard in enumerate(model.module_shards)]
+        self.entries = [_entry(shard, rank) for rank, shard in enumerate(model.module_shards)]
+        self.compiled = [torch.compile(entry, **self.options) for entry in self.entries]
+        self.warned = False  # (said once that a shard's step ran eagerly: `_check_eager`)
         self.kinds: set[Hashable] = set()  # kinds of call compiled so far
         self.together = False  # later calls always run the shards at the same time (`run_shards_together`)
         # a stitched step has no guards: an adapter switched or disabled makes another kind (every shard alike)
         self.settings = WrapperSettings(model.module_shards[0])
         self.stitcher = (
-            Stitcher(model, [_entry(shard, rank) for rank, shard in enumerate(model.module_shards)], self.options, self.calls)
+            Stitcher(model, self.options, self.calls)
             if stitch and Stitcher.applies(model, self.options) else None
         )
 
@@ -121,12 +123,27 @@ class CompiledSteps:
         # builds its object-aliasing guards in C++ (aliasing_guards.py: each style wrapper holds its module and comm).
         fullgraph = self.options.get("fullgraph", False)
         with torch._dynamo.config.patch(suppress_errors=not fullgraph), aliasing_guards_in_cpp():
+            eager = None if self.warned else [eager_calls(entry) for entry in self.entries]
             out = self.model.run_modules(args, kwargs, self._run, serial=serial)
+        if eager is not None:
+            self._check_eager(eager)
         if first:
             self.kinds.add(kind)
             log_compiled(logger, type(self.model).__name__, describe_step(kwargs, getattr(self.model, "dtype", None)),
                          time.perf_counter() - started, self.options, devices=world)
         return out
+
+    def _check_eager(self, before: list[int]) -> None:
+        """Say once (WARNING) that a shard's step ran eagerly in this call (`before`: each shard's count of such calls
+        before it), silently slower: past dynamo's recompile limit, or a compile that failed. Each split model's steps
+        have code of their own (`_entry`), so only this model's own recompiles reach the limit (a step that
+        recompiles per token, a compile per cache length)."""
+        ranks = [rank for rank, (entry, was) in enumerate(zip(self.entries, before)) if eager_calls(entry) > was]
+        if ranks:
+            self.warned = True
+            what = f"the compiled decode step of {type(self.model).__name__} (shard{'s' if len(ranks) > 1 else ''} " \
+                   f"{', '.join(map(str, ranks))})"
+            logger.warning("%s", eager_advice(what, self.entries[ranks[0]]))
 
     def keep_one_graph_per_shard(self) -> None:
         """Never stitch: every call runs each shard's own compiled graph in its thread (to compare, or to debug)."""
@@ -146,15 +163,11 @@ class CompiledSteps:
 
 
 def _entry(shard: nn.Module, rank: int) -> Callable[..., Any]:
-    """`shard(...)` as a function with a code object of its own. torch.compile keeps its graphs and guards per code
-    object: compiled as it is, every shard of every split model would share the code of the model's (or the engine
-    wrapper's) forward, and so one recompile limit, each shard's graph tried against the others' guards first."""
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        return shard(*args, **kwargs)
-
-    code = step.__code__.replace(co_name=f"shard{rank}_step_{id(shard):x}")
-    return types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+    """`shard(...)` as a function with a code object of its own (engines/own_code.py). torch.compile keeps its graphs,
+    guards and recompile limit per code object: compiled as it is, every shard of every split model of the process
+    would share the code of the model's (or the engine wrapper's) forward, and so one recompile limit, each shard's
+    graph tried against the others' guards first. Its graphs die with it (dynamo's cache for it is cleared)."""
+    return own_function(shard, f"shard{rank}_step_{id(shard):x}")
 
 
 _PLAIN = (bool, int, float, str, type(None))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Callable, Hashable
 
 import torch
@@ -49,6 +50,7 @@ from ..aliasing_guards import aliasing_guards_in_cpp
 from ..class_forwards import class_forwards
 from ..graph_inputs import NotLocated, locate_inputs, output_fields
 from ..inductor_cache import CacheUse
+from ..own_code import own_function
 from .. import capture_store
 from . import kept_captures
 from .boundary import to_device
@@ -80,13 +82,15 @@ def parallel_bytes() -> int:
 class Stitcher:
     """The stitched decode steps of one split model (a TensorParallel on CPU slots), one per kind of call."""
 
-    def __init__(self, model: nn.Module, entries: list[Callable[..., Any]], options: dict[str, Any], calls: ShardCalls) -> None:
+    def __init__(self, model: nn.Module, options: dict[str, Any], calls: ShardCalls) -> None:
         self.model = model
+        self.world = len(model.module_shards)
         self.own, self.back = calls.own, calls.back  # (shard_calls.py; bound once: `own` runs per input per shard)
         self.config_patches = options.get("options") or {}
         self.options = options
-        trace = {k: v for k, v in options.items() if k in ("fullgraph", "dynamic")}
-        self.tracing = [torch.compile(entry, backend=self._backend(rank), **trace) for rank, entry in enumerate(entries)]
+        self._trace = {k: v for k, v in options.items() if k in ("fullgraph", "dynamic")}
+        # per kind being captured, each shard's call under a torch.compile that keeps dynamo's graph (`_tracers`)
+        self._tracing: dict[Hashable, list[Callable[..., Any]]] = {}
         self.steps: dict[Hashable, StitchedStep] = {}
         self.refused: set[Hashable] = set()
         self.parallel: dict[Hashable, int] = {}  # kinds run by a ParallelStep: weight bytes per segment
@@ -172,10 +176,11 @@ class Stitcher:
     def _capture(self, kind: Hashable, kwargs: dict) -> Any:
         own: dict[int, dict] = {}
         self._now = (kind, own)
+        tracers = self._tracers(kind)
 
         def run(rank: int, args: tuple, shard_kwargs: dict) -> Any:
             own[rank] = {k: self.own(v, rank) for k, v in shard_kwargs.items()}
-            out = self.tracing[rank](**own[rank])
+            out = tracers[rank](**own[rank])
             for capture in self._captures.get(kind, {}).get(rank, [])[:1]:
                 if capture.output_type is None:
                     try:
@@ -198,9 +203,10 @@ class Stitcher:
         try:
             self._one_graph_each(captures)
             if calls == _CAPTURE_CALLS:
-                ranks = [captures[r][0] for r in range(len(self.tracing))]
+                ranks = [captures[r][0] for r in range(self.world)]
                 self._build(kind, ranks)
                 del self._captures[kind]
+                self._tracing.pop(kind, None)  # (traced: its dynamo cache goes with its functions, own_code.py)
                 files = self._traced.pop(kind, set())
                 name = self._names.get(kind)
                 if name is not None and files:
@@ -223,51 +229,62 @@ class Stitcher:
         self.steps[kind].registrations = registrations()
 
     def _one_graph_each(self, captures: dict[int, list[Capture]]) -> None:
-        for rank in range(len(self.tracing)):
+        for rank in range(self.world):
             got = len(captures.get(rank, []))
             if got != 1:
                 raise StitchError(f"shard {rank}'s step compiled into {got} graphs (one, without graph breaks, is needed)")
             if captures[rank][0].output_type is None:
                 raise StitchError(f"shard {rank}'s output could not be matched with its graph's outputs")
 
-    def _backend(self, rank: int) -> Callable[..., Any]:
-        def keep_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-            if self._now is None:  # a recompile outside the capturing calls: nothing to stitch
-                return gm.forward
-            kind, own = self._now
-            if kind in self.refused:
-                return gm.forward
-            kept = self._captures.setdefault(kind, {}).setdefault(rank, [])
-            why = None
-            if self._calls.get(kind, 0) > 0:
-                why = "dynamo compiled again at the second call: the step depends on Python state that changes per token"
-            elif kept:
-                why = f"shard {rank}'s step compiled into {len(kept) + 1} graphs (a graph break; one graph is needed)"
-            else:
-                try:
-                    capture = Capture(gm, locate_inputs(self.model.module_shards[rank], own[rank], example_inputs, _input_names(gm)))
-                except NotLocated as error:
-                    why = f"shard {rank}: {error}"
-            if why is not None:
-                self._refuse(kind, why)
-                return gm.forward
-            kept.append(capture)
-            self._traced.setdefault(kind, set()).update(capture_store.traced_files(TracingContext.get_traced_code() or ()))
+    def _tracers(self, kind: Hashable) -> list[Callable[..., Any]]:
+        """Each shard's call for capturing `kind`: a function of its own per kind and shard (engines/own_code.py), so
+        that dynamo's recompile limit counts one kind's graphs, not every kind's of this model (its 9th cache length
+        would run eagerly, and never be stitched); dropped, with dynamo's cache for it, once the kind is built or
+        refused."""
+        if kind not in self._tracing:
+            self._tracing[kind] = [
+                torch.compile(own_function(shard, f"shard{rank}_capture_{id(shard):x}"), backend=_KeepGraph(self, rank),
+                              **self._trace)
+                for rank, shard in enumerate(self.model.module_shards)
+            ]
+        return self._tracing[kind]
 
-            def run(*inputs: Any) -> Any:
-                capture.last_outputs = gm(*inputs)
-                return capture.last_outputs
+    def _keep(self, rank: int, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        """The capturing backend's work for shard `rank` (`_KeepGraph`): note dynamo's graph, run it as it is."""
+        if self._now is None:  # a recompile outside the capturing calls: nothing to stitch
+            return gm.forward
+        kind, own = self._now
+        if kind in self.refused:
+            return gm.forward
+        kept = self._captures.setdefault(kind, {}).setdefault(rank, [])
+        why = None
+        if self._calls.get(kind, 0) > 0:
+            why = "dynamo compiled again at the second call: the step depends on Python state that changes per token"
+        elif kept:
+            why = f"shard {rank}'s step compiled into {len(kept) + 1} graphs (a graph break; one graph is needed)"
+        else:
+            try:
+                capture = Capture(gm, locate_inputs(self.model.module_shards[rank], own[rank], example_inputs, _input_names(gm)))
+            except NotLocated as error:
+                why = f"shard {rank}: {error}"
+        if why is not None:
+            self._refuse(kind, why)
+            return gm.forward
+        kept.append(capture)
+        self._traced.setdefault(kind, set()).update(capture_store.traced_files(TracingContext.get_traced_code() or ()))
 
-            return run
+        def run(*inputs: Any) -> Any:
+            capture.last_outputs = gm(*inputs)
+            return capture.last_outputs
 
-        return keep_graph
+        return run
 
     # -- later calls: the stitched graph -------------------------------------------------------------------------
 
     def _stitched(self, kind: Hashable, step: StitchedStep | ParallelStep, kwargs: dict) -> Any:
         # (No late adapters to adopt, as the engine's call does first: anything registered since the stitch has
         # already dropped this step, `handles`, and the per-shard path adopts it.)
-        per_rank = [{k: self.own(v, rank) for k, v in kwargs.items()} for rank in range(len(self.tracing))]
+        per_rank = [{k: self.own(v, rank) for k, v in kwargs.items()} for rank in range(self.world)]
         if isinstance(step, ParallelStep):
             return self._parallel(kind, step, kwargs, per_rank)
         with self.model.call_lock:
@@ -351,7 +368,7 @@ class Stitcher:
                 "graph; %s); every later token runs each shard's graph on its own thread at the same time as the "
                 "others' (%.1f MiB of weights per shard between two collectives; stitched into one graph below "
                 "%.1f MiB), with %s collectives",
-                type(self.model).__name__, len(self.tracing), time.perf_counter() - started,
+                type(self.model).__name__, self.world, time.perf_counter() - started,
                 "C++" if step.cpp_wrapper else "Python", step.shared, cache.since(),
                 self.parallel.get(kind, 0) / 2**20, parallel_bytes() / 2**20, "native" if step.native else "Python",
             )
@@ -359,7 +376,7 @@ class Stitcher:
             logger.info(
                 "stitched the decode steps of %s's %d shards into one graph and compiled it in %.1f s "
                 "(%s; every later token runs it from the calling thread)",
-                type(self.model).__name__, len(self.tracing), time.perf_counter() - started, cache.since(),
+                type(self.model).__name__, self.world, time.perf_counter() - started, cache.since(),
             )
         kept = self._to_keep.pop(kind, None)
         if kept is not None:  # (compiled: a later process builds this step from them without tracing)
@@ -387,6 +404,20 @@ class Stitcher:
         self._captures.pop(kind, None)
         self._traced.pop(kind, None)
         self._to_keep.pop(kind, None)
+        self._tracing.pop(kind, None)
+
+
+class _KeepGraph:
+    """The backend of a capturing `torch.compile` (`Stitcher._tracers`). It holds its stitcher weakly: torch keeps
+    every backend it was given for the rest of the process (`torch._dynamo.reset` resets them), and one holding the
+    stitcher would keep the split model and its weights alive after the user let go of them."""
+
+    def __init__(self, stitcher: Stitcher, rank: int) -> None:
+        self.stitcher, self.rank = weakref.ref(stitcher), rank
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+        stitcher = self.stitcher()
+        return gm.forward if stitcher is None else stitcher._keep(self.rank, gm, example_inputs)
 
 
 def weight_bytes_per_segment(model: nn.Module, captures: dict[int, list[Capture]]) -> int:

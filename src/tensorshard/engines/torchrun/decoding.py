@@ -48,6 +48,7 @@ from ...logs import get_logger
 from ..aliasing_guards import aliasing_guards_in_cpp
 from ..class_forwards import class_forwards
 from ..decode_decision import compileable_cache, decode_cache, describe_step, log_compiled
+from ..own_code import eager_advice, eager_calls, own_function
 from .direct_step import DirectSteps, enabled as direct_enabled
 from .unguarded import Unguarded
 
@@ -89,25 +90,40 @@ def _default_compile_config(model: nn.Module):
 
 
 def _logging_compiles(model: nn.Module, compiled_call: Callable, guard, state) -> Callable:
-    wrapped: dict[int, Callable] = {}  # id(compiled function) -> its logging wrapper
+    made: list = []  # [transformers' compiled call, our logging wrapper of this model's own compiled step]
     direct = DirectSteps(model, state, guard)  # later tokens: the compiled graph called directly (direct_step.py)
 
     def get_compiled_call(compile_config) -> Callable:
         compile_config = compile_config or _default_compile_config(model)
-        compiled = compiled_call(model, direct.capturing(compile_config))
-        if id(compiled) not in wrapped:
-            wrapped.clear()  # transformers made a new one (another CompileConfig): the old one is gone
-            direct.forget()  # (with the graphs it learnt)
-            wrapped[id(compiled)] = _logged(model, compiled, compile_config, guard, state, direct)
-        return wrapped[id(compiled)]
+        ours = direct.capturing(compile_config)
+        compiled = compiled_call(model, ours)
+        if not made or made[0] is not compiled:  # transformers made a new one (another CompileConfig): the old one
+            direct.forget()  # is gone (with the graphs it learnt, and dynamo's cache for its code: own_code.py)
+            made[:] = [compiled, _logged(model, _own_step(model, compiled, ours), compile_config, guard, state, direct)]
+        return made[1]
 
     return get_compiled_call
+
+
+def _own_step(model: nn.Module, compiled: Callable, compile_config) -> Callable:
+    """transformers' compiled call, `torch.compile(model.__call__, ...)`, compiled again on a function of this model's
+    own (engines/own_code.py): dynamo keeps graphs, guards and its recompile limit per code object, and the frames of
+    `model.__call__` are every model's, so every model parallelized in a process added its graph there (its
+    collectives' group names differ) and from the 9th one the step ran eagerly. Another kind of compiled call
+    (transformers leaves some models' call uncompiled) is kept as it is."""
+    inner = getattr(compiled, "_torchdynamo_orig_callable", None)
+    if getattr(inner, "__self__", None) is not model or getattr(inner, "__func__", None) is not type(model).__call__:
+        return compiled
+    step = own_function(model, f"decode_step_{type(model).__name__}_{id(model):x}")
+    return torch.compile(step, **compile_config.to_dict())
 
 
 def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state, direct: DirectSteps) -> Callable:
     name = type(model).__name__
     collectives: dict[str, list] = {}  # per kind of step (describe_step): the capturable collectives it traced
     unguarded = Unguarded(model)
+    frame = getattr(compiled, "_torchdynamo_orig_callable", None)  # the function dynamo compiles (its cache: own_code.py)
+    warned: list[bool] = []  # (said once that dynamo ran the step eagerly)
     # Where later tokens leave dynamo for the direct step (CPU ranks), every call dynamo runs sees the split layers
     # through their class's forward (engines/class_forwards.py): SmolLM2's shape traced 12,545 fewer bytecodes per
     # rank at the first call. Decided once per compiled call, since dynamo guards the classes it traced: every call
@@ -143,6 +159,7 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state, 
                 unguarded.ran(key, skipped=False, compiled=False)
                 return out
         before = compiled_graphs()
+        eager = eager_calls(frame) if frame is not None else 0
         began = time.perf_counter()
         try:
             # outside the graph: dynamo traces and guards no swap; on CUDA ranks of an NCCL group, collectives
@@ -160,6 +177,11 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state, 
         # does not warm its kind: under the stance dynamo would refuse to compile it again
         ran_graph = bool(seen) or not direct.sees_graphs()
         unguarded.ran(key, skip, compiled_graphs() != before, ran_graph=ran_graph)
+        # dynamo ran the step eagerly (past its recompile limit, say): said once, on rank 0
+        if not warned and (not ran_graph or (frame is not None and eager_calls(frame) > eager)):
+            warned.append(True)
+            if _rank0():
+                logger.warning("%s", eager_advice(f"the compiled decode step of {name}", frame))
         # A replayed CUDA graph runs no Python: its collectives, noted while the step traced, are counted here.
         step = describe_step(kwargs, getattr(model, "dtype", None))
         if compiled_graphs() != before and traced:

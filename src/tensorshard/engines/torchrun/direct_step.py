@@ -92,9 +92,9 @@ _backends: dict[str, "_Backend"] = {}  # one per backend settings, shared by eve
 class _Backend:
     """The compile config's backend, built as torch.compile builds it, each compiled graph wrapped by `_Graph`.
     One object per backend settings, so that transformers' comparison of compile configs (dataclass equality,
-    `copy.deepcopy` in `to_dict`) sees the same config from one generate() to the next, and that dynamo, which
-    keeps a frame's graphs per backend, sees one backend for every model as it would for the settings' own
-    (the frame, `nn.Module.__call__`, is every model's: a backend per model would fill its recompile limit)."""
+    `copy.deepcopy` in `to_dict`) sees the same config from one generate() to the next. It holds no model: torch
+    keeps every backend it was given for the rest of the process (each model's step is compiled on code of its own,
+    decoding.py, whose graphs die with the model: engines/own_code.py)."""
 
     def __init__(self, backend: Any, mode: str | None, options: dict | None, dynamic: bool | None) -> None:
         if backend == "inductor":
