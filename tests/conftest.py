@@ -27,6 +27,9 @@ torch.set_num_threads(1)  # two cores: keep the simulated devices from fighting 
 # see, whatever ran before it. tests/integrations/transformers/test_kept_captures.py turns the store on, in a folder
 # of its own. (Set here, so torchrun jobs and other child processes inherit it.)
 os.environ.setdefault("TENSORSHARD_CAPTURE_CACHE", "0")
+# Likewise the shards' first traces run in this process, one after the other, as the tests counting them expect
+# (engines/inprocess/forked_traces.py); tests/integrations/transformers/test_forked_traces.py turns the forks on.
+os.environ.setdefault("TENSORSHARD_FORKED_TRACE", "0")
 
 
 # Files kept in one pytest-xdist worker: the session fixture or run they share is made once (path prefix -> scope).

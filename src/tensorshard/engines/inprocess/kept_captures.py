@@ -26,21 +26,23 @@ _COLLECTIVES = (thread_ops.all_reduce, thread_ops.all_gather)
 
 def portable(model: nn.Module, captures: Sequence[Capture]) -> list[dict]:
     """Each shard's capture as values (capture_store.py); TypeError or ValueError where one cannot be kept."""
-    kept = []
-    for rank, capture in enumerate(captures):
-        ranks = {}
-        for node in capture.graph.graph.nodes:
-            if node.op == "call_function" and node.target in _COLLECTIVES:
-                comm = thread_ops.comm_of(node.args[1])
-                if comm.group is not model._group:
-                    raise ValueError("a collective of a group other than the split model's is not kept")
-                ranks[node.args[1]] = comm.rank
-        kept.append({
-            "graph": capture_store.portable_graph(capture.graph),
-            "sources": capture_store.portable_sources(model.module_shards[rank], capture.sources),
-            "comm_ranks": ranks, "fields": capture.fields, "output_type": capture.output_type,
-        })
-    return kept
+    return [portable_capture(model, rank, capture) for rank, capture in enumerate(captures)]
+
+
+def portable_capture(model: nn.Module, rank: int, capture: Capture) -> dict:
+    """Shard `rank`'s capture as values (one item of `portable`'s list)."""
+    ranks = {}
+    for node in capture.graph.graph.nodes:
+        if node.op == "call_function" and node.target in _COLLECTIVES:
+            comm = thread_ops.comm_of(node.args[1])
+            if comm.group is not model._group:
+                raise ValueError("a collective of a group other than the split model's is not kept")
+            ranks[node.args[1]] = comm.rank
+    return {
+        "graph": capture_store.portable_graph(capture.graph),
+        "sources": capture_store.portable_sources(model.module_shards[rank], capture.sources),
+        "comm_ranks": ranks, "fields": capture.fields, "output_type": capture.output_type,
+    }
 
 
 def restored(model: nn.Module, payload: list[dict]) -> list[Capture]:

@@ -34,6 +34,7 @@ dropped (its native group is aborted with it).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -52,7 +53,7 @@ from ..graph_inputs import NotLocated, locate_inputs, output_fields
 from ..inductor_cache import CacheUse
 from ..own_code import own_function
 from .. import capture_store
-from . import kept_captures
+from . import forked_traces, kept_captures
 from .boundary import to_device
 from .parallel_step import ParallelStep
 from .shard_calls import ShardCalls
@@ -102,6 +103,7 @@ class Stitcher:
         self._to_keep: dict[Hashable, tuple[str, list[Capture], set[str]]] = {}  # kept on disk once compiled
         self._names: dict[Hashable, str | None] = {}  # each kind's entry in the store, named before its first call
         self._capture_lock = threading.Lock()
+        self.spans: dict[Hashable, list[tuple[float, float]]] = {}  # kinds traced in forked children: (start, end)
 
     @staticmethod
     def applies(model: nn.Module, options: dict[str, Any]) -> bool:
@@ -144,24 +146,69 @@ class Stitcher:
         if payload is None:
             return None
         started = time.perf_counter()
-        try:
-            self._build(kind, kept_captures.restored(model, payload))
-        except Exception as error:  # kept graphs that do not fit this model after all (nothing ran)
-            why = f"{type(error).__name__}: {error}"
-        else:
-            self._calls[kind] = _CAPTURE_CALLS
-            out = self._stitched(kind, self.steps[kind], kwargs)  # (a shard failing in it raises, as it would later)
-            why = None if out is not None else "the step built from them was refused (logged above)"
+        out, why = self._from_payload(kind, kwargs, payload)
         if why is not None:  # captured as if there had been none, the entry replaced
             logger.info("the decode graphs kept on disk for this kind of call were not used (%s); tracing them", why)
-            self.steps.pop(kind, None)
-            self.refused.discard(kind)
-            self._calls.pop(kind, None)
             capture_store.discard(name)
             return None
         logger.info("%s's decode step was built from the shards' graphs kept on disk (%s), without tracing: first "
                     "call in %.1f s", type(self.model).__name__, capture_store.folder(), time.perf_counter() - started)
         return out
+
+    def _from_children(self, kind: Hashable, kwargs: dict) -> Any:
+        """The call run by the step built from every shard's trace made at the same time, each in a forked child
+        (forked_traces.py); None where that does not apply or fails (the kind is then captured here)."""
+        if not forked_traces.applies(self.model):
+            return None
+        started = time.perf_counter()
+        per_rank = [{k: self.own(v, rank) for k, v in kwargs.items()} for rank in range(self.world)]
+        try:
+            traced = forked_traces.trace(self.model, per_rank, self._cheap_tracing, self._trace)
+        except (forked_traces.TraceFailed, OSError) as error:
+            logger.info("the shards' decode steps could not be traced in forked processes (%s); tracing them here, "
+                        "one after the other", error)
+            return None
+        self.spans[kind] = traced.spans
+        name = self._names.get(kind)
+        out, why = self._from_payload(kind, kwargs, traced.payload, keep=(name, traced.files) if name else None)
+        if why is not None:
+            logger.info("the decode graphs traced in forked processes were not used (%s); tracing them here", why)
+            return None
+        logger.info("%s's decode step was built from its %d shards' graphs, traced at the same time in forked "
+                    "processes: first call in %.1f s", type(self.model).__name__, self.world, time.perf_counter() - started)
+        return out
+
+    def _from_payload(self, kind: Hashable, kwargs: dict, payload: list[dict],
+                      keep: tuple[str, set[str]] | None = None) -> tuple[Any, str | None]:
+        """The call run by the step built from `payload` (kept_captures.py's form), and None; or None and why it
+        could not be used (then nothing of it stays). `keep`: the store's entry name and traced files, to keep the
+        captures on disk once the step compiled."""
+        try:
+            captures = kept_captures.restored(self.model, payload)
+            self._build(kind, captures)
+        except Exception as error:  # graphs that do not fit this model after all (nothing ran)
+            why = f"{type(error).__name__}: {error}"
+        else:
+            self._calls[kind] = _CAPTURE_CALLS
+            if keep is not None:
+                self._to_keep[kind] = (keep[0], captures, keep[1])
+            out = self._stitched(kind, self.steps[kind], kwargs)  # (a shard failing in it raises, as it would later)
+            why = None if out is not None else "the step built from them was refused (logged above)"
+        if why is None:
+            return out, None
+        self.steps.pop(kind, None)
+        self.refused.discard(kind)
+        self._calls.pop(kind, None)
+        self._to_keep.pop(kind, None)
+        return None, why
+
+    def _cheap_tracing(self) -> contextlib.AbstractContextManager:
+        """While dynamo traces a shard's call: what makes its trace cheaper without changing its graph
+        (engines/class_forwards.py, aliasing_guards.py)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(aliasing_guards_in_cpp())
+        stack.enter_context(class_forwards(self.model.module_shards))
+        return stack
 
     # -- the first calls of a kind: the per-shard path, capturing ------------------------------------------------
 
@@ -169,6 +216,8 @@ class Stitcher:
         with self._capture_lock:  # (`_now` is the one call being captured: callers in other threads wait)
             if self._calls.get(kind, 0) == 0 and kind not in self.steps:
                 out = self._from_store(kind, kwargs)
+                if out is None:
+                    out = self._from_children(kind, kwargs)
                 if out is not None:
                     return self.back(out, kwargs)
             return self._capture(kind, kwargs)
@@ -190,9 +239,7 @@ class Stitcher:
             return self.back(out, shard_kwargs)
 
         try:
-            # (what dynamo traces cheaper, engines/class_forwards.py and aliasing_guards.py: no graph changes)
-            with torch._dynamo.config.patch(suppress_errors=True), aliasing_guards_in_cpp(), \
-                    class_forwards(self.model.module_shards):
+            with torch._dynamo.config.patch(suppress_errors=True), self._cheap_tracing():
                 out = self.model.run_modules((), kwargs, run, serial=True)
         finally:
             self._now = None
