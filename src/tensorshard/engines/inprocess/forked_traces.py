@@ -86,9 +86,10 @@ def applies(model: nn.Module) -> bool:
 
 
 def trace(model: nn.Module, per_rank: Sequence[dict], context: Callable[[], AbstractContextManager],
-          options: dict[str, Any]) -> Traced:
+          options: dict[str, Any], meanwhile: Callable[[], None] | None = None) -> Traced:
     """Each shard's call with keyword arguments `per_rank[rank]` (its own, as the shard takes them) traced in a
-    child of its own, inside `context()`, with torch.compile `options` (``dynamic``); TraceFailed where one fails."""
+    child of its own, inside `context()`, with torch.compile `options` (``dynamic``); TraceFailed where one fails.
+    `meanwhile`: work for this process while the children trace (once they all started)."""
     world = len(model.module_shards)
     folder = Path(tempfile.mkdtemp(prefix="tensorshard-traces-"))
     children: dict[int, int] = {}  # pid -> rank
@@ -104,6 +105,9 @@ def trace(model: nn.Module, per_rank: Sequence[dict], context: Callable[[], Abst
                     _child(model, rank, per_rank[rank], context, options, folder)
                 children[pid] = rank
                 watch.started(pid)
+            if meanwhile is not None and not waiting:
+                meanwhile()
+                meanwhile = None
             done = watch.poll(children)
             for pid in done:
                 rank = children.pop(pid)

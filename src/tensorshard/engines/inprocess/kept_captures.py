@@ -46,7 +46,9 @@ def portable_capture(model: nn.Module, rank: int, capture: Capture) -> dict:
 
 
 def restored(model: nn.Module, payload: list[dict]) -> list[Capture]:
-    """The captures `portable` kept, on `model`'s shards and group; an error where they do not fit it."""
+    """The captures `portable` kept, on `model`'s shards and group; an error where they do not fit it. A collective
+    keeps the comm it was traced with where that comm is alive and is the model's own at the same rank (captures
+    traced by children forked from this process: forked_traces.py); otherwise it calls a comm made anew."""
     shards = model.module_shards
     if len(payload) != len(shards):
         raise ValueError(f"{len(payload)} captures kept for {len(shards)} shards")
@@ -54,13 +56,23 @@ def restored(model: nn.Module, payload: list[dict]) -> list[Capture]:
     captures = []
     for rank, part in enumerate(payload):
         graph = capture_store.restored_graph(part["graph"])
-        handles = {old: comms[r].handle for old, r in part["comm_ranks"].items()}
-        for node in graph.graph.nodes:
-            if node.op == "call_function" and node.target in _COLLECTIVES:
-                node.args = (node.args[0], handles[node.args[1]], *node.args[2:])
-        graph.recompile()
+        handles = {old: old if _own(model, old, r) else comms[r].handle for old, r in part["comm_ranks"].items()}
+        if any(old != new for old, new in handles.items()):
+            for node in graph.graph.nodes:
+                if node.op == "call_function" and node.target in _COLLECTIVES:
+                    node.args = (node.args[0], handles[node.args[1]], *node.args[2:])
+            graph.recompile()
         capture = Capture(graph, capture_store.restored_sources(shards[rank], part["sources"]), part["fields"],
                           part["output_type"])
         capture.comms = comms  # (the comms its collectives name by handle: thread_ops holds them weakly)
         captures.append(capture)
     return captures
+
+
+def _own(model: nn.Module, handle: int, rank: int) -> bool:
+    """Whether `handle` names a live comm of `model`'s group at `rank`."""
+    try:
+        comm = thread_ops.comm_of(handle)
+    except RuntimeError:  # (no comm of this process has that number)
+        return False
+    return comm.group is model._group and comm.rank == rank
