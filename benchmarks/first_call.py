@@ -19,7 +19,8 @@ first process: docs/generation.md, "Captures kept on disk"): `--cache cold` time
 on the empty caches; `--cache warm` runs one process first to fill them, then times a second. Only the first fast
 `generate` call is timed (from just before it to just after it): the process start, the imports, building and
 splitting the model are not. Printed per variant: wall time, the process's CPU time (all its threads), the CPU
-time of its finished child processes (inductor's C++ compiler runs), and the phases: dynamo's cumulative phase
+time of its finished child processes (inductor's C++ compiler runs; in one process also the shards' traces,
+made in forked children: docs/generation.md), and the phases: dynamo's cumulative phase
 times (`torch._dynamo.utils.calculate_time_spent()`: its own tracing, AOT autograd, inductor's compile; nested
 phases are included in their parents), inductor's FX-graph cache hits / misses and AOT-autograd cache hits,
 the bytecodes dynamo traced, the graphs it made, and tensorshard's own compile log lines (INFO). Under torchrun
@@ -171,9 +172,9 @@ def measure(variant: str, *, model: str, cache: str, devices: int = 2, new: int 
 def table(results: dict[str, dict], *, model: str, cache: str, devices: int, load: float) -> str:
     lines = [
         f"{DESCRIPTIONS[model]}, {devices} devices / ranks, first fast `generate` (32 new tokens), inductor's cache "
-        f"{cache}, load {load:.2f} at the start; CPU: the process's (per rank under torchrun) + its C++ compiler runs",
+        f"{cache}, load {load:.2f} at the start; CPU: the process's (per rank under torchrun) + its child processes' (C++ compiler runs, forked traces)",
         "",
-        "| variant | wall (s) | CPU (s) | compiler runs CPU (s) | " + " | ".join(PHASES) + " | FX cache hit/miss/bypass | graphs | bytecodes (`_call_impl`'s) |",
+        "| variant | wall (s) | CPU (s) | child processes CPU (s) | " + " | ".join(PHASES) + " | FX cache hit/miss/bypass | graphs | bytecodes (`_call_impl`'s) |",
         "|---|---:|---:|---:|" + "---:|" * len(PHASES) + "---|---:|---:|",
     ]
     for name, r in results.items():
