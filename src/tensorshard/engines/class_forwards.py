@@ -33,10 +33,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
+import torch
 from torch import nn
+
+from ..styles.style import NO_GRAD_FORWARD
 
 _KEPT = "_instance_forward"  # where an instance's own forward waits while its class's forward calls it
 _subclasses: dict[type, type | None] = {}  # class -> its ClassForward subclass (one per class: dynamo guards on it)
+_unwrapped: dict[type, type | None] = {}  # class -> its subclass calling past transformers' wrappers, or None
+_made_unwrapped: set[type] = set()  # those subclasses
 
 
 class ClassForward:
@@ -59,20 +64,148 @@ def subclass_of(cls: type) -> type | None:
     return _subclasses[cls]
 
 
+def _wrapper_codes() -> tuple[Any, Any]:
+    """The code objects of transformers' `deprecate_kwarg` wrapper and of the forward `GradientCheckpointingLayer`
+    wraps each subclass's forward in (None without transformers)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+        from transformers.utils.deprecation import deprecate_kwarg
+    except ImportError:  # pragma: no cover - transformers is installed with the project's extras
+        return None, None
+    deprecation = deprecate_kwarg("old", "99.0", new_name="new")(lambda new=None: new).__code__
+    layer = type("Probe", (GradientCheckpointingLayer,), {"forward": lambda self: None, "__module__": __name__})
+    return deprecation, layer.forward.__code__
+
+
+_codes: list[tuple[Any, Any]] = []  # (made at the first use: transformers is imported then)
+
+
+def _closure(fn: Any, code: Any) -> dict[str, Any] | None:
+    """`fn`'s closure by name where its code is `code`, else None."""
+    if code is None or getattr(fn, "__code__", None) is not code:
+        return None
+    return dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+
+
+def deprecated_name(forward: Any) -> tuple[dict[str, Any], Any] | None:
+    """(the wrapper's closure by name, the function it wraps) where `forward` is a `deprecate_kwarg` wrapper."""
+    if not _codes:
+        _codes.append(_wrapper_codes())
+    cells = _closure(forward, _codes[0][0])
+    if cells is None:
+        return None
+    old, inner = cells.get("old_name"), cells.get("func")
+    return (cells, inner) if isinstance(old, str) and callable(inner) else None
+
+
+def _checkpointed(forward: Any) -> Any:
+    """The forward `GradientCheckpointingLayer`'s wrapper `forward` calls when the layer does not checkpoint, or None
+    where `forward` is no such wrapper."""
+    if not _codes:
+        _codes.append(_wrapper_codes())
+    cells = _closure(forward, _codes[0][1])
+    inner = None if cells is None else cells.get("forward")
+    return inner if callable(inner) else None
+
+
+def _calling_past(wrapper: Any, inner: Any, cells: dict[str, Any] | None) -> Any:
+    """A forward calling `inner` where `wrapper` would, with the arguments it would: where the call passes the
+    deprecated keyword (`cells`: the deprecation wrapper's closure), renamed as the wrapper renames it while
+    compiling (it warns only outside), or through the wrapper itself where it would refuse or warn."""
+    old = cells["old_name"] if cells else None
+    new = cells.get("new_name") if cells else None
+    refuses = bool(cells) and bool(cells.get("is_greater_or_equal_version")) and bool(
+        cells.get("raise_if_greater_or_equal_version"))
+    renames = isinstance(new, str) and not refuses
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if old is not None and old in kwargs:
+            if not renames or new in kwargs or not torch.compiler.is_compiling():
+                return wrapper(self, *args, **kwargs)
+            kwargs[new] = kwargs.pop(old)
+        return inner(self, *args, **kwargs)
+
+    forward.__wrapped__ = wrapper
+    return forward
+
+
+def unwrapped_class(cls: type) -> type | None:
+    """`cls` with a forward that calls past transformers' wrappers around it (made once per class, named as `cls`):
+    `deprecate_kwarg`'s when the call passes no deprecated keyword, and `GradientCheckpointingLayer`'s, which only
+    passes the call on for a layer that does not checkpoint (`unwrapping` takes only those); None where its
+    forward is neither."""
+    if cls not in _unwrapped:
+        wrapper = getattr(cls, "forward", None)
+        inner = _checkpointed(wrapper) or wrapper
+        found = deprecated_name(inner)
+        made = None
+        if found is not None or inner is not wrapper:
+            cells, inner = found if found is not None else (None, inner)
+            try:
+                made = type(cls)(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+                # (set after: GradientCheckpointingLayer's __init_subclass__ would wrap it again)
+                made.forward = _calling_past(wrapper, inner, cells)
+            except TypeError:
+                made = None
+        if _unwrapped.setdefault(cls, made) is not None:
+            _made_unwrapped.add(_unwrapped[cls])
+    return _unwrapped[cls]
+
+
+def unwrapping(module: nn.Module) -> type | None:
+    """The class `module` takes while dynamo traces it (`unwrapped_class`), or None: where it has one, and where it
+    will not checkpoint (read at every entry: a layer set to checkpoint goes through transformers' wrapper)."""
+    sub = unwrapped_class(type(module))
+    if sub is None or getattr(module, "gradient_checkpointing", False):
+        return None
+    return sub
+
+
+def _lean(module: nn.Module, own: Any) -> Any:
+    """A style's shorter forward for `module` (styles/style.py `wrap_forward`), where gradients are off now and the
+    forward it stands for is still the module's own; else None."""
+    kept = module.__dict__.get(NO_GRAD_FORWARD)
+    if not isinstance(kept, tuple) or kept[0] is not own or torch.is_grad_enabled():
+        return None
+    return kept[1]
+
+
+def _is_class_forward(fn: Any, module: nn.Module) -> bool:
+    """`fn` is `module`'s class forward, bound to it (what dynamo calls anyway when the instance has no forward)."""
+    return getattr(fn, "__self__", None) is module and getattr(fn, "__func__", None) is type(module).forward
+
+
 @contextmanager
 def class_forwards(roots: Iterable[nn.Module]) -> Iterator[int]:
     """For the duration: every module under `roots` whose instance has its own callable `forward` calls it through
-    its class's forward (see the module doc). Yields how many modules were changed."""
+    its class's forward, or is called as its class without gradients where its style says that is all its forward
+    does then; every other module whose class forward transformers wrapped is called past the wrappers (see the
+    module doc). Yields how many modules were changed."""
     changed: list[tuple[nn.Module, type, Any]] = []
     seen: set[int] = set()
     try:
         for root in roots:
             for module in root.modules():
                 own = module.__dict__.get("forward")
-                if id(module) in seen or not callable(own) or isinstance(module, ClassForward):
+                if id(module) in seen or isinstance(module, ClassForward) or type(module) in _made_unwrapped:
                     continue
                 seen.add(id(module))
                 cls = type(module)
+                if not callable(own):  # the class's forward: past transformers' wrappers where it has them
+                    sub = unwrapping(module)
+                    if sub is not None:
+                        try:
+                            module.__class__ = sub
+                        except TypeError:
+                            _unwrapped[cls] = None
+                            continue
+                        changed.append((module, cls, None))
+                    continue
+                lean = _lean(module, own)
+                if _is_class_forward(lean, module):  # (no gradients: the instance forward only calls this)
+                    del module.__dict__["forward"]
+                    changed.append((module, cls, own))
+                    continue
                 sub = subclass_of(cls)
                 if sub is None:  # (traced as before)
                     continue
@@ -81,11 +214,13 @@ def class_forwards(roots: Iterable[nn.Module]) -> Iterator[int]:
                 except TypeError:  # an object layout Python will not reassign: traced as before
                     _subclasses[cls] = None
                     continue
-                module.__dict__[_KEPT] = module.__dict__.pop("forward")
+                module.__dict__[_KEPT] = module.__dict__.pop("forward") if lean is None else lean
+                module.__dict__.pop("forward", None)
                 changed.append((module, cls, own))
         yield len(changed)
     finally:
         for module, cls, own in reversed(changed):
             module.__class__ = cls
-            module.__dict__.pop(_KEPT, None)
-            module.__dict__["forward"] = own
+            if own is not None:
+                module.__dict__.pop(_KEPT, None)
+                module.__dict__["forward"] = own

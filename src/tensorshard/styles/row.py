@@ -76,4 +76,15 @@ class RowwiseParallel(Style):
                 y = y + shape_along(kind, y, module.bias)
             return y
 
-        wrap_forward(module, forward)
+        fdim_of = kind.feature_dim  # (an index from either end: x.shape[fdim_of] is the feature count)
+
+        def no_grad(x: torch.Tensor, **kwargs) -> torch.Tensor:
+            # `forward` without an adapter's hooks, gradients, or a whole input to split
+            if kwargs or torch.is_grad_enabled() or x.shape[fdim_of] != local:
+                return forward(x, **kwargs)
+            y = comm.all_reduce(kind.matmul(module, x, module.weight), where=name)
+            if module.bias is not None:
+                y = y + shape_along(kind, y, module.bias)
+            return y
+
+        wrap_forward(module, forward, no_grad)

@@ -136,10 +136,21 @@ def register(kind: str) -> Callable[[type[Style]], type[Style]]:
     return deco
 
 
-def wrap_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
+NO_GRAD_FORWARD = "_tensorshard_no_grad_forward"  # an instance's shorter forward for dynamo, without gradients
+
+
+def wrap_forward(module: nn.Module, forward: Callable[..., Any], no_grad: Callable[..., Any] | None = None) -> None:
     """Replace `module.forward` for this instance only; the class and other instances are untouched. The
     replacement shows the signature of the forward it wraps: callers read the argument names (transformers'
-    generate() builds position_ids from the attention mask, for left padding, only for a forward that takes them)."""
+    generate() builds position_ids from the attention mask, for left padding, only for a forward that takes them).
+
+    `no_grad`: the same computation as `forward` where gradients are off, in fewer lines (its checks made once,
+    here), which dynamo traces in its place inside engines/cheap_tracing.py; it must call `forward` itself where
+    gradients are on. Kept with the forward it stands for: used only while that is still the module's forward."""
+    if no_grad is None:
+        module.__dict__.pop(NO_GRAD_FORWARD, None)
+    else:
+        module.__dict__[NO_GRAD_FORWARD] = (forward, no_grad)
     if "__signature__" not in getattr(forward, "__dict__", {"__signature__": None}):
         try:
             forward.__signature__ = inspect.signature(module.forward)

@@ -47,7 +47,7 @@ from ...comm.native import ops as native
 from ...logs import get_logger
 from ...registrations import registrations
 from ..aliasing_guards import aliasing_guards_in_cpp
-from ..class_forwards import class_forwards
+from ..cheap_tracing import cheap_tracing
 from ..graph_inputs import NotLocated, locate_inputs, output_fields
 from ..inductor_cache import CacheUse
 from ..own_code import own_function
@@ -192,7 +192,7 @@ class Stitcher:
         try:
             # (what dynamo traces cheaper, engines/class_forwards.py and aliasing_guards.py: no graph changes)
             with torch._dynamo.config.patch(suppress_errors=True), aliasing_guards_in_cpp(), \
-                    class_forwards(self.model.module_shards):
+                    cheap_tracing(self.model.module_shards):
                 out = self.model.run_modules((), kwargs, run, serial=True)
         finally:
             self._now = None

@@ -46,7 +46,7 @@ from ...comm.graph_collectives import capturing_decode, report as report_collect
 from ...comm.transport import connect_native
 from ...logs import get_logger
 from ..aliasing_guards import aliasing_guards_in_cpp
-from ..class_forwards import class_forwards
+from ..cheap_tracing import cheap_tracing
 from ..decode_decision import compileable_cache, decode_cache, describe_step, log_compiled
 from ..own_code import eager_advice, eager_calls, own_function
 from .direct_step import DirectSteps, enabled as direct_enabled
@@ -129,7 +129,7 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state, 
     # rank at the first call. Decided once per compiled call, since dynamo guards the classes it traced: every call
     # it runs must see the same ones. Elsewhere (GPU ranks, TENSORSHARD_DIRECT_STEP=0) dynamo runs every token, and a
     # swap (~1.4 ms for SmolLM2's 210 split layers) would cost each of them.
-    classes = (lambda: class_forwards([model])) if direct.sees_graphs() and direct_enabled() else contextlib.nullcontext
+    classes = (lambda: cheap_tracing([model])) if direct.sees_graphs() and direct_enabled() else contextlib.nullcontext
 
     def call(*args, **kwargs):
         connect_native(guard)  # once: every rank reaches the compiled step at the same point

@@ -23,7 +23,7 @@ from ...comm.dtensor import Layout
 from ...comm.old_torch import to_local
 from ...layers import layer_wrapper
 from ...plans.sharding import direct_tensors
-from ...styles.style import wrap_forward
+from ...styles.style import NO_GRAD_FORWARD, wrap_forward
 
 
 class LocalViews:
@@ -137,4 +137,14 @@ def _wrap(around: nn.Module, entries: list[tuple[nn.Module, str, str, Layout]], 
             for table, name, t in saved:
                 table[name] = t
 
-    wrap_forward(around, forward)
+    # while dynamo traces without gradients (engines/cheap_tracing.py): with the views in place, straight to what is
+    # wrapped, in the shorter form its style gave it (styles/style.py `wrap_forward`)
+    kept = around.__dict__.get(NO_GRAD_FORWARD)
+    passing = kept[1] if isinstance(kept, tuple) and kept[0] is inner else inner
+
+    def no_grad(*args, **kwargs):
+        if views.active:
+            return passing(*args, **kwargs)
+        return forward(*args, **kwargs)
+
+    wrap_forward(around, forward, no_grad)

@@ -1,0 +1,48 @@
+"""While dynamo traces a split model's decode step: the split model as dynamo traces it cheaply, graphs unchanged.
+
+    from tensorshard.engines.cheap_tracing import cheap_tracing
+    with cheap_tracing(shards):
+        out = compiled_capture(**kwargs)
+
+A process that traces (no kept captures) spends its first fast call mostly in dynamo, ~0.075 ms per bytecode it
+interprets. A split model traces what the unsplit model does plus the styles' and collectives' Python, and where
+the two engines' first calls were longer than the unsplit model's, these take it back (figures for SmolLM2's shape,
+per shard, from 70,900 in one process and 76,600 per torchrun rank; the unsplit model traces 51,800):
+
+- `class_forwards` (class_forwards.py): each split layer called through its class's forward, not nn.Module's call
+  machinery (12,600); a forward wrapped by transformers' `deprecate_kwarg` called past the wrapper where the call
+  passes no deprecated keyword (~4,000);
+- `plain_configs` (config_snapshots.py): `module.config` a snapshot whose attributes dynamo reads directly, not
+  through transformers' `__getattribute__` (~9,400);
+
+Each changes which Python runs, never what it computes: the same operators with the same arguments, so the graphs
+are the same (tests/engines/test_cheap_tracing.py compares them). What changes per call is read per call.
+
+Only for calls whose dynamo guards are never evaluated outside it: dynamo guards the classes and objects it traced,
+so a frame traced inside and called outside would compile again (under torchrun's guard-skipping stance it stops).
+The two users: the in-process engine's capturing calls (engines/inprocess/stitched_decode.py `_capture`: the
+stitched or parallel step built from them runs no dynamo frame; the capture holds the model's call lock, so no other
+thread calls a shard meanwhile) and the torchrun engine's compiled step on CPU ranks with the direct step
+(engines/torchrun/decoding.py: every call dynamo runs is inside, later tokens call the graph directly). Everything is
+put back on exit, also after an error.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from typing import Iterable, Iterator
+
+from torch import nn
+
+from .class_forwards import class_forwards
+from .config_snapshots import plain_configs
+
+
+@contextmanager
+def cheap_tracing(roots: Iterable[nn.Module]) -> Iterator[None]:
+    """For the duration: the modules under `roots` as dynamo traces them cheaply (see the module doc)."""
+    roots = list(roots)
+    with ExitStack() as stack:
+        stack.enter_context(plain_configs(roots))
+        stack.enter_context(class_forwards(roots))
+        yield
