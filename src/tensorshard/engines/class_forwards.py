@@ -38,6 +38,12 @@ from torch import nn
 
 from ..styles.style import NO_GRAD_FORWARD
 
+try:  # (transformers is optional: without it no forward is wrapped by it)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.utils.deprecation import deprecate_kwarg
+except ImportError:  # pragma: no cover - transformers is installed with the project's extras
+    GradientCheckpointingLayer = deprecate_kwarg = None
+
 _KEPT = "_instance_forward"  # where an instance's own forward waits while its class's forward calls it
 _subclasses: dict[type, type | None] = {}  # class -> its ClassForward subclass (one per class: dynamo guards on it)
 _unwrapped: dict[type, type | None] = {}  # class -> its subclass calling past transformers' wrappers, or None
@@ -67,17 +73,14 @@ def subclass_of(cls: type) -> type | None:
 def _wrapper_codes() -> tuple[Any, Any]:
     """The code objects of transformers' `deprecate_kwarg` wrapper and of the forward `GradientCheckpointingLayer`
     wraps each subclass's forward in (None without transformers)."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-        from transformers.utils.deprecation import deprecate_kwarg
-    except ImportError:  # pragma: no cover - transformers is installed with the project's extras
+    if deprecate_kwarg is None:
         return None, None
     deprecation = deprecate_kwarg("old", "99.0", new_name="new")(lambda new=None: new).__code__
     layer = type("Probe", (GradientCheckpointingLayer,), {"forward": lambda self: None, "__module__": __name__})
     return deprecation, layer.forward.__code__
 
 
-_codes: list[tuple[Any, Any]] = []  # (made at the first use: transformers is imported then)
+_DEPRECATION, _CHECKPOINTING = _wrapper_codes()
 
 
 def _closure(fn: Any, code: Any) -> dict[str, Any] | None:
@@ -89,9 +92,7 @@ def _closure(fn: Any, code: Any) -> dict[str, Any] | None:
 
 def deprecated_name(forward: Any) -> tuple[dict[str, Any], Any] | None:
     """(the wrapper's closure by name, the function it wraps) where `forward` is a `deprecate_kwarg` wrapper."""
-    if not _codes:
-        _codes.append(_wrapper_codes())
-    cells = _closure(forward, _codes[0][0])
+    cells = _closure(forward, _DEPRECATION)
     if cells is None:
         return None
     old, inner = cells.get("old_name"), cells.get("func")
@@ -101,9 +102,7 @@ def deprecated_name(forward: Any) -> tuple[dict[str, Any], Any] | None:
 def _checkpointed(forward: Any) -> Any:
     """The forward `GradientCheckpointingLayer`'s wrapper `forward` calls when the layer does not checkpoint, or None
     where `forward` is no such wrapper."""
-    if not _codes:
-        _codes.append(_wrapper_codes())
-    cells = _closure(forward, _codes[0][1])
+    cells = _closure(forward, _CHECKPOINTING)
     inner = None if cells is None else cells.get("forward")
     return inner if callable(inner) else None
 
@@ -161,6 +160,21 @@ def unwrapping(module: nn.Module) -> type | None:
     return sub
 
 
+class WholeSlices(nn.ModuleList):
+    """A ModuleList whose slice covering all of it is itself: transformers' models loop over
+    `self.layers[: config.num_hidden_layers]`, which builds a new ModuleList per call, registering each layer in it
+    (nn.Module's `add_module` and every global registration hook: ~3,500 bytecodes per call of SmolLM2's shape).
+    The same layers in the same order; only put in place while dynamo traces (`class_forwards`)."""
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, slice) and idx.step is None and not idx.start and (idx.stop is None or idx.stop >= len(self)):
+            return self
+        return super().__getitem__(idx)
+
+
+WholeSlices.__name__ = WholeSlices.__qualname__ = "ModuleList"  # (as `ClassForward` keeps names: logs read the same)
+
+
 def _lean(module: nn.Module, own: Any) -> Any:
     """A style's shorter forward for `module` (styles/style.py `wrap_forward`), where gradients are off now and the
     forward it stands for is still the module's own; else None."""
@@ -187,17 +201,18 @@ def class_forwards(roots: Iterable[nn.Module]) -> Iterator[int]:
         for root in roots:
             for module in root.modules():
                 own = module.__dict__.get("forward")
-                if id(module) in seen or isinstance(module, ClassForward) or type(module) in _made_unwrapped:
+                if id(module) in seen or isinstance(module, (ClassForward, WholeSlices)) or type(module) in _made_unwrapped:
                     continue
                 seen.add(id(module))
                 cls = type(module)
                 if not callable(own):  # the class's forward: past transformers' wrappers where it has them
-                    sub = unwrapping(module)
+                    sub = WholeSlices if cls is nn.ModuleList else unwrapping(module)
                     if sub is not None:
                         try:
                             module.__class__ = sub
                         except TypeError:
-                            _unwrapped[cls] = None
+                            if sub is not WholeSlices:
+                                _unwrapped[cls] = None
                             continue
                         changed.append((module, cls, None))
                     continue

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..layers import CONV, CONV1D_HF, LINEAR, require_kind, shape_along, weight_shape
 from ..partition import block_partition
@@ -77,12 +78,16 @@ class RowwiseParallel(Style):
             return y
 
         fdim_of = kind.feature_dim  # (an index from either end: x.shape[fdim_of] is the feature count)
+        linear = kind is LINEAR
 
         def no_grad(x: torch.Tensor, **kwargs) -> torch.Tensor:
-            # `forward` without an adapter's hooks, gradients, or a whole input to split
-            if kwargs or torch.is_grad_enabled() or x.shape[fdim_of] != local:
+            # `forward` while dynamo traces without gradients, an adapter's hooks, or a whole input to split
+            if kwargs or torch.is_grad_enabled() or not torch.compiler.is_compiling() or x.shape[fdim_of] != local:
                 return forward(x, **kwargs)
-            y = comm.all_reduce(kind.matmul(module, x, module.weight), where=name)
+            w = module.weight
+            # (a plain weight: what kind.matmul does for it, quant.weight_kind said no packed weight)
+            y = F.linear(x, w) if linear and (type(w) is nn.Parameter or type(w) is torch.Tensor) else kind.matmul(module, x, w)
+            y = comm.compiling_all_reduce(y, where=name)
             if module.bias is not None:
                 y = y + shape_along(kind, y, module.bias)
             return y
