@@ -36,7 +36,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from ..styles.style import NO_GRAD_FORWARD
+from ..styles.style import no_grad_chooser
 
 try:  # (transformers is optional: without it no forward is wrapped by it)
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -178,10 +178,10 @@ WholeSlices.__name__ = WholeSlices.__qualname__ = "ModuleList"  # (as `ClassForw
 def _lean(module: nn.Module, own: Any) -> Any:
     """A style's shorter forward for `module` (styles/style.py `wrap_forward`), where gradients are off now and the
     forward it stands for is still the module's own; else None."""
-    kept = module.__dict__.get(NO_GRAD_FORWARD)
-    if not isinstance(kept, tuple) or kept[0] is not own or torch.is_grad_enabled():
+    choose = no_grad_chooser(module, own)
+    if choose is None or torch.is_grad_enabled():
         return None
-    return kept[1]
+    return choose()
 
 
 def _is_class_forward(fn: Any, module: nn.Module) -> bool:
