@@ -5,15 +5,18 @@
         out = compiled_capture(**kwargs)
 
 A process that traces (no kept captures) spends its first fast call mostly in dynamo, ~0.075 ms per bytecode it
-interprets. A split model traces what the unsplit model does plus the styles' and collectives' Python, and where
-the two engines' first calls were longer than the unsplit model's, these take it back (figures for SmolLM2's shape,
-per shard, from 70,900 in one process and 76,600 per torchrun rank; the unsplit model traces 51,800):
+interprets. A split model traces what the unsplit model does plus the styles' and collectives' Python; inside this
+context it traces less than the unsplit model (SmolLM2's shape, warm: 70,893 -> 42,260 bytecodes per shard in one
+process, 76,631 -> 43,312 per torchrun rank; the unsplit model traces 51,769):
 
 - `class_forwards` (class_forwards.py): each split layer called through its class's forward, not nn.Module's call
-  machinery (12,600); a forward wrapped by transformers' `deprecate_kwarg` called past the wrapper where the call
-  passes no deprecated keyword (~4,000);
+  machinery (12,600), or straight through its style's shorter no-gradient forward (a column layer: its class
+  forward; a row layer: the matmul and the collective's compiling branch, comm/interface.py
+  `compiling_all_reduce`; under torchrun a local-views wrapper whose views are in place for the call passes to
+  them); forwards wrapped by transformers (`deprecate_kwarg`, gradient checkpointing) called past the wrappers
+  (~4,000); a ModuleList's whole slice taken as itself (~3,500);
 - `plain_configs` (config_snapshots.py): `module.config` a snapshot whose attributes dynamo reads directly, not
-  through transformers' `__getattribute__` (~9,400);
+  through transformers' `__getattribute__` (~9,400).
 
 Each changes which Python runs, never what it computes: the same operators with the same arguments, so the graphs
 are the same (tests/engines/test_cheap_tracing.py compares them). What changes per call is read per call.

@@ -1,5 +1,5 @@
-"""While dynamo traces a split model's decode step: the modules whose forward a style replaced, called the way dynamo
-traces cheaply.
+"""While dynamo traces a split model's decode step: the modules whose forward a style replaced (or transformers
+wrapped), called the way dynamo traces cheaply. Entered through engines/cheap_tracing.py.
 
     from tensorshard.engines.class_forwards import class_forwards
     with class_forwards(shards):
@@ -17,6 +17,19 @@ class (made once per class and kept: `ClassForward`, same name and module) whose
 instance's forward, kept meanwhile under `_instance_forward`; dynamo then takes its short way and inlines that
 one-line forward. What runs is the same function with the same arguments: the numbers and the graph are the same.
 Everything is put back on exit, also after an error; a class Python will not subclass so is left as it is.
+
+Three more changes of the same kind, each the same operators with the same arguments:
+- without gradients at entry, a module whose style gave a shorter no-gradient forward (styles/style.py
+  `wrap_forward`: a row layer's matmul and all-reduce without the checks an eager or training call needs; a
+  column layer's is its class forward, then called directly, its instance forward set aside for the duration)
+  calls that one instead;
+- a module without a forward of its own whose class forward transformers wrapped (`deprecate_kwarg`, which only
+  renames a deprecated keyword; `GradientCheckpointingLayer`, which only passes the call on for a layer that does
+  not checkpoint) is an instance of a subclass calling past the wrappers (`unwrapped_class`; the wrapper itself
+  where the call passes the deprecated keyword outside a trace, or would be refused); ~4,000 bytecodes per
+  SmolLM2 shard;
+- a plain `nn.ModuleList` is a `WholeSlices`, whose slice covering all of it is itself: transformers' models loop
+  over `self.layers[: config.num_hidden_layers]`, a new ModuleList per call (~3,500 bytecodes of `add_module`).
 
 Only for calls whose dynamo guards are never evaluated without it: dynamo guards the module classes it traced, so
 a compiled frame traced inside and called outside would compile again (under torchrun's guard-skipping stance it
