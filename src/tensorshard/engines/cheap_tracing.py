@@ -24,8 +24,9 @@ are the same (tests/engines/test_cheap_tracing.py compares them). What changes p
 Only for calls whose dynamo guards are never evaluated outside it: dynamo guards the classes and objects it traced,
 so a frame traced inside and called outside would compile again (under torchrun's guard-skipping stance it stops).
 The two users: the in-process engine's capturing calls (engines/inprocess/stitched_decode.py `_capture`: the
-stitched or parallel step built from them runs no dynamo frame; the capture holds the model's call lock, so no other
-thread calls a shard meanwhile) and the torchrun engine's compiled step on CPU ranks with the direct step
+stitched or parallel step built from them runs no dynamo frame; the context holds the model's call lock from before
+the first change to after the last restore, so no other thread's call sees the modules changing, or changed: a
+column layer's no-gradient forward skips what a call with gradients needs) and the torchrun engine's compiled step on CPU ranks with the direct step
 (engines/torchrun/decoding.py: every call dynamo runs is inside, later tokens call the graph directly). Everything is
 put back on exit, also after an error.
 """
@@ -33,7 +34,7 @@ put back on exit, also after an error.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from torch import nn
 
@@ -42,10 +43,14 @@ from .config_snapshots import plain_configs
 
 
 @contextmanager
-def cheap_tracing(roots: Iterable[nn.Module]) -> Iterator[None]:
-    """For the duration: the modules under `roots` as dynamo traces them cheaply (see the module doc)."""
+def cheap_tracing(roots: Iterable[nn.Module], lock: Any = None) -> Iterator[None]:
+    """For the duration: the modules under `roots` as dynamo traces them cheaply (see the module doc). `lock`: held
+    for the whole duration, changes and restores included (the in-process engine's re-entrant `call_lock`, which
+    its call inside takes again), so that no other thread's call sees the modules while they change."""
     roots = list(roots)
     with ExitStack() as stack:
+        if lock is not None:
+            stack.enter_context(lock)
         stack.enter_context(plain_configs(roots))
         stack.enter_context(class_forwards(roots))
         yield

@@ -181,6 +181,7 @@ class WholeSlices(nn.ModuleList):
 
     def __getitem__(self, idx: Any) -> Any:
         if isinstance(idx, slice) and idx.step is None and not idx.start and (idx.stop is None or idx.stop >= len(self)):
+            torch._C._log_api_usage_once("python.nn_module")  # (what the new list's __init__ does: a node in the graph)
             return self
         return super().__getitem__(idx)
 

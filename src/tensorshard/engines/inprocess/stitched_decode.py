@@ -192,7 +192,7 @@ class Stitcher:
         try:
             # (what dynamo traces cheaper, engines/class_forwards.py and aliasing_guards.py: no graph changes)
             with torch._dynamo.config.patch(suppress_errors=True), aliasing_guards_in_cpp(), \
-                    cheap_tracing(self.model.module_shards):
+                    cheap_tracing(self.model.module_shards, self.model.call_lock):
                 out = self.model.run_modules((), kwargs, run, serial=True)
         finally:
             self._now = None
