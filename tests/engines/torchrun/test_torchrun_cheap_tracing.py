@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tensorshard as tp
+from support import tiny_llama
 from support.harness import world_mesh
 from support.hf_configs import tiny_model
 
@@ -41,7 +42,9 @@ def cheap_task(family: str) -> dict:
 
     if _BACKEND not in torch._dynamo.list_backends(exclude_tags=()):
         torch._dynamo.register_backend(_keep, name=_BACKEND)
-    ref = tiny_model(family)
+    # (the torchrun tests' tiny Llama, 4 heads over 2 KV heads, with its preset; Mistral's 8 heads in 2 KV groups:
+    # both split evenly over 2 ranks, so the split model's greedy tokens are the unsplit model's)
+    ref, plan = (tiny_llama.build(), tiny_llama.plan()) if family == "llama" else (tiny_model(family), None)
     ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(4))
     settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -62,7 +65,7 @@ def cheap_task(family: str) -> dict:
             _graphs.clear()
             counted[0] = 0
             decoding.cheap_tracing = real if cheap else (lambda roots: contextlib.nullcontext())
-            model = tp.parallelize(copy.deepcopy(ref), world_mesh())
+            model = tp.parallelize(copy.deepcopy(ref), world_mesh(), plan=plan)
             with torch.no_grad():
                 tokens = model.generate(ids, attention_mask=torch.ones_like(ids), cache_implementation="static",
                                         compile_config=CompileConfig(backend=_BACKEND), **settings).tolist()
@@ -72,13 +75,13 @@ def cheap_task(family: str) -> dict:
         decoding.cheap_tracing = real
         torch._dynamo.reset()
     return {"graphs": len(out[True]["graphs"]), "equal": out[True]["graphs"] == out[False]["graphs"],
-            "same": out[True]["same"] and out[False]["same"], "traced": (out[False]["traced"], out[True]["traced"])}
+            "same": (out[False]["same"], out[True]["same"]), "traced": (out[False]["traced"], out[True]["traced"])}
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama", pytest.param("mistral", marks=pytest.mark.slow)])
 def test_the_traced_step_is_the_same_graph_in_fewer_bytecodes(pool2, family):
     for out in pool2.run(cheap_task, family, timeout=400):
         assert out["graphs"] >= 1 and out["equal"], out
-        assert out["same"], out
+        assert out["same"] == (True, True), out
         without, inside = out["traced"]
         assert inside < 0.8 * without, out  # (SmolLM2's shape: 76,600 -> 43,300 per rank)
