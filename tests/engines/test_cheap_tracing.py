@@ -108,3 +108,24 @@ def test_the_captured_graphs_are_the_same_with_far_fewer_bytecodes_and_the_token
     assert len(graphs) == 2 and graphs[0] == graphs[1], family
     # SmolLM2's shape: 70,900 -> ~45,000 per shard; a tiny model has 2 layers, the config reads and wrappers remain
     assert traced[True] < 0.8 * traced[False], traced
+
+
+def test_a_deprecated_keyword_is_still_renamed_inside_and_out_of_a_trace():
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    class Old(nn.Module):
+        @deprecate_kwarg("past", "99.0", new_name="cache")
+        def forward(self, x, cache=None):
+            return x if cache is None else x + cache
+
+    module, one = Old(), torch.ones(1)
+    traced = torch.compile(lambda **kw: module(one, **kw), backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        with cheap_tracing([module]):
+            assert type(module) is not Old and isinstance(module, Old) and type(module).__name__ == "Old"
+            assert module(one, past=one).item() == 2 and module(one, cache=one).item() == 2 and module(one).item() == 1
+            assert traced(past=one).item() == 2 and traced(cache=one).item() == 2  # (renamed by the subclass's forward)
+    finally:
+        torch._dynamo.reset()
+    assert type(module) is Old
