@@ -77,12 +77,12 @@ def snapshot(config: Any) -> Any:
         key = id(config)
         kept = _snapshots[key] = (weakref.ref(config, lambda _, key=key, made_id=id(made): _forget(key, made_id)), made)
     plain = kept[1]
+    fresh = {key: (snapshot(value) or value) if _is_config(value) else value
+             for key, value in object.__getattribute__(config, "__dict__").items()}
     state = object.__getattribute__(plain, "__dict__")
-    state.clear()
-    for key, value in object.__getattribute__(config, "__dict__").items():
-        if _is_config(value):
-            value = snapshot(value) or value
-        state[key] = value
+    state.update(fresh)  # (updated in place, never emptied: another split model of the same config may be reading it)
+    for key in [k for k in state if k not in fresh]:
+        del state[key]
     return plain
 
 
