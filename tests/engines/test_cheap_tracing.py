@@ -17,7 +17,7 @@ from tensorshard.engines.class_forwards import ClassForward, unwrapped_class
 from tensorshard.engines.config_snapshots import PlainConfig
 from tensorshard.engines.inprocess import stitched_decode
 from tensorshard.engines.inprocess.stitched_decode import STITCHES
-from support.hf_configs import tiny_model
+from support.hf_configs import FAMILIES, tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -129,3 +129,27 @@ def test_a_deprecated_keyword_is_still_renamed_inside_and_out_of_a_trace():
     finally:
         torch._dynamo.reset()
     assert type(module) is Old
+
+
+_QUICK = {"t5", "gemma2", "gpt2", "falcon"}  # (an encoder-decoder copying its config, sliding windows, Conv1D, MQA)
+
+
+@pytest.mark.parametrize("family", [f if f in _QUICK else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
+def test_every_familys_unsplit_graph_is_the_same_inside(family):
+    """What the context changes beyond the styles (configs, transformers' wrappers, module lists) applies to any
+    model: an unsplit model's forward traced inside is the graph traced outside, with the same logits."""
+    model = tiny_model(family)
+    ids = torch.randint(3, 96, (1, 5), generator=torch.Generator().manual_seed(0))
+    extra = {"decoder_input_ids": ids} if family == "t5" else {}
+    seen = {}
+    for cheap in (False, True):
+        graphs = []
+        torch._dynamo.reset()
+        try:
+            with torch.no_grad(), (cheap_tracing([model]) if cheap else contextlib.nullcontext()):
+                out = torch.compile(lambda: model(ids, **extra), backend=lambda gm, _: graphs.append(_nodes(gm)) or gm.forward)()
+        finally:
+            torch._dynamo.reset()
+        seen[cheap] = (graphs, out.logits if hasattr(out, "logits") else out.last_hidden_state)
+    assert seen[True][0] and seen[True][0] == seen[False][0], family
+    assert torch.equal(seen[True][1], seen[False][1]), family

@@ -42,9 +42,10 @@ class PlainConfig:
     __getattribute__ = object.__getattribute__
 
     def __setattr__(self, key: str, value: Any) -> None:
-        setattr(_originals[id(self)], key, value)  # (the config resolves its own aliases)
-        aliases = type(self).attribute_map
-        object.__setattr__(self, aliases.get(key, key), value)
+        original = _originals.get(id(self))  # (none for a copy of a snapshot: transformers' get_text_config makes one)
+        if original is not None:
+            setattr(original, key, value)  # (the config resolves its own aliases)
+        object.__setattr__(self, type(self).attribute_map.get(key, key), value)
 
 
 def _alias(target: str) -> property:
