@@ -124,6 +124,17 @@ class DistComm(Comm):
             return dist_ops.all_reduce(x, self.group_name, where)
         return functions.all_reduce(self.raw, where, x)[0]
 
+    def compiling_all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        """`all_reduce`'s branch for a call dynamo traces without gradients (comm/interface.py)."""
+        if self.world_size == 1:
+            return x
+        native = self.guard.native  # (`_native`, without gradients)
+        if native is not None and x.device.type == "cpu":
+            return torch.ops.tensorshard.native_all_reduce.default(x, native, self.rank, where)
+        if graph_collectives.applies(x, self.backend):
+            return graph_collectives.all_reduce(x, self.group_name, where)
+        return dist_ops.all_reduce(x, self.group_name, where)
+
     def copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1 or not (torch.is_grad_enabled() and x.requires_grad):
             return x

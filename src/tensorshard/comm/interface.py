@@ -105,6 +105,11 @@ class Comm(ABC):
     @abstractmethod
     def all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor: ...
 
+    def compiling_all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        """`all_reduce` for a caller that knows dynamo is tracing a call without gradients (a style's no-gradient
+        forward, styles/style.py `wrap_forward`): a comm may give that branch alone, in fewer lines to trace."""
+        return self.all_reduce(x, where=where)
+
     @abstractmethod
     def copy_to_parallel(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor: ...
 

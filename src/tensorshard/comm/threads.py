@@ -126,6 +126,14 @@ class ThreadComm(Comm):
             return functions.all_reduce(self.traced, self._traced_where(where), x)[0]
         return self.eager_all_reduce(x, where=where)
 
+    def compiling_all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
+        """`all_reduce`'s branch for a call dynamo traces without gradients (comm/interface.py)."""
+        if self.world_size == 1:
+            return self.all_reduce(x, where=where)
+        if self.bound and self.group.own_graphs and not thread_ops.decode_steps.compiling:  # (`_named_by_site`)
+            return thread_ops.reduce(x, self.traced.key, "all_reduce", "forward")
+        return thread_ops.all_reduce(x, self.handle, where)
+
     @_not_compiled
     def eager_all_reduce(self, x: torch.Tensor, *, where: str = "") -> torch.Tensor:
         if self.world_size == 1:

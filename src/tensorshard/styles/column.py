@@ -85,7 +85,8 @@ class ColwiseParallel(Style):
                 y = comm.all_gather(y, feature_dim(kind.feature_dim, y), part, where=name)
             return y
 
-        wrap_forward(module, forward)
+        # without gradients copy_to_parallel is the identity and no range is tied: the forward is the layer's own
+        wrap_forward(module, forward, None if self.gather_output else run)
 
 
 def tie_ranges(t: torch.Tensor, tdim: int, tied, comm, groups, where: str) -> torch.Tensor:

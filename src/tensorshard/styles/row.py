@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..layers import CONV, CONV1D_HF, LINEAR, require_kind, shape_along, weight_shape
 from ..partition import block_partition
@@ -76,4 +77,19 @@ class RowwiseParallel(Style):
                 y = y + shape_along(kind, y, module.bias)
             return y
 
-        wrap_forward(module, forward)
+        fdim_of = kind.feature_dim  # (an index from either end: x.shape[fdim_of] is the feature count)
+        linear = kind is LINEAR
+
+        def no_grad(x: torch.Tensor, **kwargs) -> torch.Tensor:
+            # `forward` while dynamo traces without gradients, an adapter's hooks, or a whole input to split
+            if kwargs or torch.is_grad_enabled() or not torch.compiler.is_compiling() or x.shape[fdim_of] != local:
+                return forward(x, **kwargs)
+            w = module.weight
+            # (a plain weight: what kind.matmul does for it, quant.weight_kind said no packed weight)
+            y = F.linear(x, w) if linear and (type(w) is nn.Parameter or type(w) is torch.Tensor) else kind.matmul(module, x, w)
+            y = comm.compiling_all_reduce(y, where=name)
+            if module.bias is not None:
+                y = y + shape_along(kind, y, module.bias)
+            return y
+
+        wrap_forward(module, forward, no_grad)

@@ -136,16 +136,37 @@ def register(kind: str) -> Callable[[type[Style]], type[Style]]:
     return deco
 
 
-def wrap_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
+NO_GRAD_FORWARD = "_tensorshard_no_grad_forward"  # an instance's shorter forward for dynamo, without gradients
+
+
+def wrap_forward(module: nn.Module, forward: Callable[..., Any], no_grad: Callable[..., Any] | None = None, *,
+                 no_grad_now: Callable[[], Callable[..., Any] | None] | None = None) -> None:
     """Replace `module.forward` for this instance only; the class and other instances are untouched. The
     replacement shows the signature of the forward it wraps: callers read the argument names (transformers'
-    generate() builds position_ids from the attention mask, for left padding, only for a forward that takes them)."""
+    generate() builds position_ids from the attention mask, for left padding, only for a forward that takes them).
+
+    `no_grad`: the same computation as `forward` where gradients are off, in fewer lines (its checks made once,
+    here), which dynamo traces in its place inside engines/cheap_tracing.py; it must call `forward` itself where
+    gradients are on. `no_grad_now` instead: asked at each entry of that context, which such forward fits the call
+    (None: `forward` itself). Kept with the forward it stands for: used only while that is the module's forward."""
+    choose = no_grad_now if no_grad_now is not None else (None if no_grad is None else (lambda: no_grad))
+    if choose is None:
+        module.__dict__.pop(NO_GRAD_FORWARD, None)
+    else:
+        module.__dict__[NO_GRAD_FORWARD] = (forward, choose)
     if "__signature__" not in getattr(forward, "__dict__", {"__signature__": None}):
         try:
             forward.__signature__ = inspect.signature(module.forward)
         except (TypeError, ValueError):  # a builtin or C forward: nothing to show
             pass
     module.forward = forward  # nn.Module.__call__ looks the instance attribute up first
+
+
+def no_grad_chooser(module: nn.Module, forward: Any) -> Callable[[], Callable[..., Any] | None] | None:
+    """What `wrap_forward` kept to choose `module`'s no-gradient forward, where `forward` is still the forward it
+    stands for; else None."""
+    kept = module.__dict__.get(NO_GRAD_FORWARD)
+    return kept[1] if isinstance(kept, tuple) and kept[0] is forward else None
 
 
 def original_forward(module: nn.Module) -> Callable[..., Any]:

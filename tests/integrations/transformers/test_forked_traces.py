@@ -86,10 +86,10 @@ def test_a_child_that_fails_leaves_the_kind_to_this_processs_trace(monkeypatch):
     parent = os.getpid()
     cheap = Stitcher._cheap_tracing
 
-    def failing_in_children(self):
+    def failing_in_children(self, **kwargs):
         if os.getpid() != parent:
             raise RuntimeError("a failure only a child sees")
-        return cheap(self)
+        return cheap(self, **kwargs)
 
     monkeypatch.setattr(Stitcher, "_cheap_tracing", failing_in_children)
     model = tiny_model("llama")

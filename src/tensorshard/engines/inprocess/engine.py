@@ -169,8 +169,9 @@ class TensorParallel(PackageNames, nn.Module):
         # calls without gradients: the shards at the same time, or one at a time where that is faster (schedule.py)
         self._schedule = Schedule() if world > 1 and not self.debug else None
         # Concurrent callers take turns: the shards share one rendezvous. Public: code that runs the shards itself
-        # (the fast decode step, stitched_decode.py) holds it while it does.
-        self.call_lock = threading.Lock()
+        # (the fast decode step, stitched_decode.py) holds it while it does. Re-entrant: a capture holds it around
+        # its call, while it changes the modules for dynamo (engines/cheap_tracing.py).
+        self.call_lock = threading.RLock()
         # How each tensor of the original is split, by its original state-dict name (for gathered saves).
         self.splits: dict[str, tuple[int, Partition] | None] = layout.slice_map(module)
         zero_names = choose_params(module, self.splits, world, sharded_param_names) if sharded else []

@@ -48,7 +48,7 @@ from ...comm.native import ops as native
 from ...logs import get_logger
 from ...registrations import registrations
 from ..aliasing_guards import aliasing_guards_in_cpp
-from ..class_forwards import class_forwards
+from ..cheap_tracing import cheap_tracing
 from ..graph_inputs import NotLocated, locate_inputs, output_fields
 from ..inductor_cache import CacheUse
 from ..own_code import own_function
@@ -163,7 +163,8 @@ class Stitcher:
         started = time.perf_counter()
         per_rank = [{k: self.own(v, rank) for k, v in kwargs.items()} for rank in range(self.world)]
         try:
-            traced = forked_traces.trace(self.model, per_rank, self._cheap_tracing, self._trace, meanwhile=_probe_cpu)
+            traced = forked_traces.trace(self.model, per_rank, lambda: self._cheap_tracing(lock=False), self._trace,
+                                         meanwhile=_probe_cpu)
         except (forked_traces.TraceFailed, OSError) as error:
             logger.info("the shards' decode steps could not be traced in forked processes (%s); tracing them here, "
                         "one after the other", error)
@@ -202,12 +203,13 @@ class Stitcher:
         self._to_keep.pop(kind, None)
         return None, why
 
-    def _cheap_tracing(self) -> contextlib.AbstractContextManager:
+    def _cheap_tracing(self, *, lock: bool = True) -> contextlib.AbstractContextManager:
         """While dynamo traces a shard's call: what makes its trace cheaper without changing its graph
-        (engines/class_forwards.py, aliasing_guards.py)."""
+        (engines/cheap_tracing.py, aliasing_guards.py), holding the model's call lock (`lock`: a forked child,
+        alone in its process, takes none)."""
         stack = contextlib.ExitStack()
         stack.enter_context(aliasing_guards_in_cpp())
-        stack.enter_context(class_forwards(self.model.module_shards))
+        stack.enter_context(cheap_tracing(self.model.module_shards, self.model.call_lock if lock else None))
         return stack
 
     # -- the first calls of a kind: the per-shard path, capturing ------------------------------------------------

@@ -23,7 +23,7 @@ from ...comm.dtensor import Layout
 from ...comm.old_torch import to_local
 from ...layers import layer_wrapper
 from ...plans.sharding import direct_tensors
-from ...styles.style import wrap_forward
+from ...styles.style import no_grad_chooser, wrap_forward
 
 
 class LocalViews:
@@ -137,4 +137,14 @@ def _wrap(around: nn.Module, entries: list[tuple[nn.Module, str, str, Layout]], 
             for table, name, t in saved:
                 table[name] = t
 
-    wrap_forward(around, forward)
+    # while dynamo traces without gradients (engines/cheap_tracing.py), in a call with the views in place (asked at
+    # its entry, inside `all_local`, which keeps them for the call): straight to what is wrapped, in the shorter form
+    # its style gave it (styles/style.py `wrap_forward`)
+    inner_choice = no_grad_chooser(around, inner)
+
+    def no_grad_now():
+        if not views.active:
+            return None
+        return (inner_choice() if inner_choice is not None else None) or inner
+
+    wrap_forward(around, forward, no_grad_now=no_grad_now)
