@@ -52,7 +52,7 @@ from ..cheap_tracing import cheap_tracing
 from ..graph_inputs import NotLocated, locate_inputs, output_fields
 from ..inductor_cache import CacheUse
 from ..own_code import own_function
-from .. import capture_store
+from .. import capture_store, cpu_probe
 from . import forked_traces, kept_captures
 from .boundary import to_device
 from .parallel_step import ParallelStep
@@ -164,7 +164,7 @@ class Stitcher:
         per_rank = [{k: self.own(v, rank) for k, v in kwargs.items()} for rank in range(self.world)]
         try:
             traced = forked_traces.trace(self.model, per_rank, lambda: self._cheap_tracing(lock=False), self._trace,
-                                         meanwhile=_probe_cpu)
+                                         meanwhile=cpu_probe.probe)
         except (forked_traces.TraceFailed, OSError) as error:
             logger.info("the shards' decode steps could not be traced in forked processes (%s); tracing them here, "
                         "one after the other", error)
@@ -467,17 +467,6 @@ class _KeepGraph:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
         stitcher = self.stitcher()
         return gm.forward if stitcher is None else stitcher._keep(self.rank, gm, example_inputs)
-
-
-def _probe_cpu() -> None:
-    """What inductor asks once per process before it loads a CPU graph, asked while forked children trace: which
-    vector instruction sets the CPU has (it compiles and runs a small program per set: ~1.5 s on 2 cores)."""
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        pick_vec_isa()
-    except Exception as error:  # (inductor asks again when it needs it, and says what fails)
-        logger.debug("probing the CPU's vector instruction sets failed: %s", error)
 
 
 def weight_bytes_per_segment(model: nn.Module, captures: dict[int, list[Capture]]) -> int:

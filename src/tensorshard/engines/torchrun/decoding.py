@@ -47,6 +47,7 @@ from ...comm.transport import connect_native
 from ...logs import get_logger
 from ..aliasing_guards import aliasing_guards_in_cpp
 from ..cheap_tracing import cheap_tracing
+from .. import cpu_probe
 from ..decode_decision import compileable_cache, decode_cache, describe_step, log_compiled
 from ..own_code import eager_advice, eager_calls, own_function
 from .direct_step import DirectSteps, enabled as direct_enabled
@@ -158,6 +159,8 @@ def _logged(model: nn.Module, compiled: Callable, compile_config, guard, state, 
             if out is not None:
                 unguarded.ran(key, skipped=False, compiled=False)
                 return out
+        if getattr(state.mesh, "device_type", None) == "cpu":
+            cpu_probe.start()  # (inductor's question about the CPU, answered while dynamo traces: cpu_probe.py)
         before = compiled_graphs()
         eager = eager_calls(frame) if frame is not None else 0
         began = time.perf_counter()
