@@ -18,6 +18,11 @@ first, on CPU slots, with inductor (the default backend and mode):
      later token runs it from the caller's thread: no thread, no hand-off, no dynamo frame evaluation per shard
      (a step that computes little between two collectives would spend more in the hand-offs than it saves).
 
+On Linux the first call of a kind that finds no kept captures (below) runs neither 1 nor 2 here: every shard's call
+is traced at the same time, each in a forked child that keeps dynamo's graph, checks that a second call adds none,
+and sends its capture back (forked_traces.py); the step is built from those as from kept captures. A child that
+fails leaves the kind to 1 and 2.
+
 Once a kind's step is compiled, the shards' captures are kept on disk (engines/capture_store.py, kept_captures.py):
 a later process, or a later split model of the same shape, finds them at the first call of that kind and builds
 its step from them without running 1 and 2 (no trace); captures that do not fit are dropped and traced again.
