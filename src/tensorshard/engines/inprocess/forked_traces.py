@@ -127,7 +127,8 @@ def trace(model: nn.Module, per_rank: Sequence[dict], context: Callable[[], Abst
 
 
 def _fork() -> int:
-    with warnings.catch_warnings():  # (Python 3.12 warns at any fork of a process with threads: see the module doc)
+    with warnings.catch_warnings():  # (Python 3.12 warns at a fork of a process with threads; a child here runs only
+        # the forking thread's work, and one that waits for another thread's lock is stopped: `_Watch`)
         warnings.simplefilter("ignore", DeprecationWarning)
         return os.fork()
 
