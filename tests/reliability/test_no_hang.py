@@ -160,8 +160,9 @@ def test_timeout_from_the_environment(monkeypatch, gen):
 
 # Ctrl-C while the caller's shard waits at b2 for the other (stalled): the call raises KeyboardInterrupt within the
 # grace period, no worker stays busy, and the model works after. Run in a Python process of its own: a signal test
-# depends on the process's signal state, which a test runner's worker shares with every test before it (in a pytest
-# -xdist worker the call once returned without the interrupt, twice in a row, never alone or in one process).
+# depends on the process's signal state, which a test runner's worker shares with every test before it: in two cold
+# suites in a row, a pytest-xdist worker reached this test with SIGINT ignored (SIG_IGN, set by something an earlier
+# test ran there; not found), and the call returned without the interrupt.
 _CTRL_C = """
 import signal, sys, threading, time
 import torch
