@@ -162,7 +162,8 @@ def test_timeout_from_the_environment(monkeypatch, gen):
 # grace period, no worker stays busy, and the model works after. Run in a Python process of its own: a signal test
 # depends on the process's signal state, which a test runner's worker shares with every test before it: in two cold
 # suites in a row, a pytest-xdist worker reached this test with SIGINT ignored (SIG_IGN, set by something an earlier
-# test ran there; not found), and the call returned without the interrupt.
+# test ran there; not found), and the call returned without the interrupt. A child inherits an ignored SIGINT, so the
+# scenario gives SIGINT Python's own handler first.
 _CTRL_C = """
 import signal, sys, threading, time
 import torch
@@ -170,6 +171,7 @@ sys.path.insert(0, sys.argv[1])
 import test_no_hang as t
 from support.workers_state import busy_workers
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (a process started with SIGINT ignored keeps it so)
 gen = torch.Generator().manual_seed(1234)
 ref, model = t.split(2)
 model.module_shards[1].stall = 0.5
