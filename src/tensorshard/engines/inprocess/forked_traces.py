@@ -71,12 +71,11 @@ class TraceFailed(RuntimeError):
 class Traced:
     """What the children sent back: `payload` (each shard's capture as kept_captures.restored takes it), the source
     files dynamo traced (`files`, for the capture store's entry) and each child's (start, end) on the monotonic
-    clock (`spans`) with the CPU seconds it used (`cpu`)."""
+    clock (`spans`)."""
 
     payload: list[dict]
     files: set[str] = field(default_factory=set)
     spans: list[tuple[float, float]] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
 
 
 def applies(model: nn.Module) -> bool:
@@ -120,7 +119,7 @@ def trace(model: nn.Module, per_rank: Sequence[dict], context: Callable[[], Abst
             _kill(pid)
         shutil.rmtree(folder, ignore_errors=True)
     return Traced([r["part"] for r in results], set().union(*(r["files"] for r in results)),
-                  [r["span"] for r in results], [r["cpu"] for r in results])
+                  [r["span"] for r in results])
 
 
 # --- in this process ------------------------------------------------------------------------------------------
@@ -208,7 +207,7 @@ def _child(model: nn.Module, rank: int, kwargs: dict, context: Callable[[], Abst
         capture = Capture(gm, locate_inputs(shard, kwargs, inputs, names), output_fields(out, backend.outputs[0], kwargs),
                           type(out))
         _write(folder / f"{rank}.pkl", {"part": portable_capture(model, rank, capture), "files": files,
-                                        "span": (started, time.monotonic()), "cpu": time.process_time()})
+                                        "span": (started, time.monotonic())})
         status = 0
     except BaseException as error:  # (everything: this process must reach os._exit)
         try:
